@@ -1,0 +1,37 @@
+# The two commands of the quick start: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+
+.PHONY: demo test test-slow setup setup-dev clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# A CPU build of torch when no torch is present and no NVIDIA GPU is visible
+# (a plain `pip install torch` would pull a multi-GB CUDA build).
+$(VENV)/.torch: | $(PY)
+	@if $(PY) -c "import torch" 2>/dev/null; then echo "torch present: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then $(PIP) install -q "torch>=2.4"; \
+	else $(PIP) install -q torch==2.13.0; fi
+	@touch $@
+
+setup: $(VENV)/.torch
+	$(PIP) install -q -e ".[aio,plot,hf]"
+
+setup-dev: $(VENV)/.torch
+	$(PIP) install -q -e ".[dev]"
+
+demo: setup
+	$(VENV)/bin/offload train
+
+test: setup-dev
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: setup-dev
+	$(PY) -m pytest -q -m "slow"
+
+clean:
+	rm -rf .offload-swap build *.egg-info

@@ -1,0 +1,1 @@
+"""Subcommands of the `offload` CLI; each module has `register(subparsers)`."""
