@@ -2,3 +2,15 @@
 
 Knows keys and bytes, never parameters; imports neither `scheduler` nor `offload`.
 """
+
+from .buffers import ALIGN_BYTES, BufferPool, PoolExhaustedError, aligned_empty, round_up
+from .engines import Block, IOEngine, LibaioEngine, ThreadsEngine, libaio_available, open_engine
+from .errors import SwapCorruptionError, SwapIOError
+from .rundir import RunDir, clean, list_runs
+from .store import SwapStore, Ticket
+
+__all__ = [
+    "ALIGN_BYTES", "Block", "BufferPool", "IOEngine", "LibaioEngine", "PoolExhaustedError", "RunDir",
+    "SwapCorruptionError", "SwapIOError", "SwapStore", "ThreadsEngine", "Ticket", "aligned_empty",
+    "clean", "libaio_available", "list_runs", "open_engine", "round_up",
+]

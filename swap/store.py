@@ -1,0 +1,459 @@
+"""The swap store: tensors under stable string keys in one file per run, moved asynchronously.
+
+key -> Entry(offset, nbytes, per-block crc32). Entries are 4 KiB-granular extents of one data file
+(a 10-byte tensor takes 4 KiB, not DeepSpeed's 1 MiB minimum); the file grows at its end with
+fallocate, so O_DIRECT writes land in allocated blocks.
+
+[Note: what a failed write leaves]
+A write removes its key from the index before the first byte moves and puts it back only when every
+block has completed (and verified its length). So a failed write leaves the key missing, never a
+key that reads back a mix of old and new bytes. An overwrite of the same padded size reuses the
+extent in place (no doubled disk use for the common swap-out of the same unit).
+
+[Note: copies]
+An aligned contiguous tensor moves without a copy: its 4 KiB-multiple body goes straight between
+its memory and the file, and only a partial last page (< 4 KiB) bounces through a page-sized buffer,
+so bytes past the tensor (a neighbour in a flat buffer) are never written. Anything else bounces
+through one aligned staging buffer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import functools
+import logging
+import os
+import shutil
+import threading
+import weakref
+import zlib
+from bisect import bisect_left
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .buffers import ALIGN_BYTES, aligned_empty, round_up
+from .engines import Block, IOEngine, host_buffer, open_engine
+from .errors import SwapCorruptionError, SwapIOError
+from .rundir import create_file, make_run_dir, supports_direct
+
+log = logging.getLogger("swap")
+
+DEFAULT_BLOCK_BYTES = 1 << 20
+DEFAULT_QUEUE_DEPTH = 32
+DEFAULT_THREADS = 4
+# Measured by `python bench/nvme.py` (see bench/RESULTS.md): crc32 per block, computed on the
+# completion thread while other blocks are in flight.
+DEFAULT_CHECKSUM = True
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    offset: int
+    nbytes: int
+    crcs: tuple[int, ...] | None  # one crc32 per I/O block, None when checksums are off
+
+    @property
+    def padded_bytes(self) -> int:
+        return round_up(self.nbytes)
+
+
+class Extents:
+    """First-fit allocator of 4 KiB-granular extents in one file; coalesces on free."""
+
+    def __init__(self):
+        self.end_bytes = 0
+        self._free: list[tuple[int, int]] = []  # sorted (offset, length)
+
+    def alloc(self, padded: int) -> tuple[int, int]:
+        """(offset, new end of file). The caller grows the file when the end moved."""
+        for i, (off, length) in enumerate(self._free):
+            if length >= padded:
+                if length == padded:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + padded, length - padded)
+                return off, self.end_bytes
+        if self._free and sum(self._free[-1]) == self.end_bytes:  # extend the free tail
+            off, _ = self._free.pop()
+        else:
+            off = self.end_bytes
+        self.end_bytes = off + padded
+        return off, self.end_bytes
+
+    def free(self, off: int, padded: int) -> None:
+        i = bisect_left(self._free, (off, 0))
+        if i < len(self._free) and off + padded == self._free[i][0]:  # merge with the next
+            padded += self._free.pop(i)[1]
+        if i > 0 and sum(self._free[i - 1]) == off:  # merge with the previous
+            off, prev = self._free.pop(i - 1)
+            padded += prev
+            i -= 1
+        self._free.insert(i, (off, padded))
+
+    @property
+    def free_extents(self) -> list[tuple[int, int]]:
+        return list(self._free)
+
+
+class Ticket:
+    """One asynchronous write or read. wait() raises SwapIOError / SwapCorruptionError."""
+
+    is_write = False
+
+    def __init__(self, nblocks: int, finish):
+        self._remaining = nblocks
+        self._finish = finish  # runs once, on the thread that completes the last block
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self.error: BaseException | None = None
+        if nblocks == 0:
+            self._run_finish()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"swap ticket not done after {timeout}s")
+        if self.error is not None:
+            raise self.error
+
+    def _block_done(self, err: BaseException | None) -> None:
+        with self._lock:
+            if err is not None:
+                self._errors.append(err)
+            self._remaining -= 1
+            last = self._remaining == 0
+        if last:
+            self._run_finish()
+
+    def _run_finish(self) -> None:
+        try:
+            self._finish(self._errors[0] if self._errors else None)
+        except BaseException as e:  # noqa: BLE001  (delivered to wait(), not lost on a thread)
+            self.error = e
+        self._finish = None  # drop buffers and tensors held by the closure
+        self._event.set()
+
+
+_open_stores: "weakref.WeakSet[SwapStore]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    for store in list(_open_stores):
+        store.close()
+
+
+class SwapStore:
+    """Tensors under string keys in a private run directory; see the module docstring."""
+
+    def __init__(self, directory, *, engine: str | IOEngine = "auto", block_bytes: int = DEFAULT_BLOCK_BYTES,
+                 queue_depth: int = DEFAULT_QUEUE_DEPTH, threads: int = DEFAULT_THREADS,
+                 checksum: bool = DEFAULT_CHECKSUM, direct: bool | None = None):
+        if block_bytes < ALIGN_BYTES or block_bytes % ALIGN_BYTES:
+            raise ValueError(f"block_bytes={block_bytes}: must be a positive multiple of {ALIGN_BYTES}; "
+                             f"1048576 (1 MiB) suits most NVMe drives")
+        self.block_bytes = block_bytes
+        self.checksum = checksum
+        self._owns_engine = isinstance(engine, str)
+        self.engine = open_engine(engine, queue_depth=queue_depth, threads=threads) if self._owns_engine else engine
+        self._closed = False
+        self.run_dir = make_run_dir(directory)
+        try:
+            self.direct = self._choose_direct(direct)
+            self.path = self.run_dir / "data.bin"
+            self._fd = create_file(self.path, os.O_RDWR | (os.O_DIRECT if self.direct else 0))
+        except BaseException:
+            self._remove_files()
+            raise
+        self._lock = threading.Lock()
+        self._index: dict[str, Entry] = {}
+        self._extents = Extents()
+        self._pending: dict[str, set[Ticket]] = {}
+        _open_stores.add(self)
+
+    def _choose_direct(self, direct: bool | None) -> bool:
+        ok = supports_direct(self.run_dir)
+        if direct and not ok:
+            raise ValueError(f"direct=True: {self.run_dir.parent} refuses O_DIRECT (a tmpfs?); "
+                             f"use direct=None to fall back to buffered I/O, or a directory on a disk")
+        return ok if direct is None else bool(direct)
+
+    # ---- public API ------------------------------------------------------------------------------
+    def write(self, key: str, tensor: torch.Tensor) -> Ticket:
+        """Start writing `tensor` under `key`; keep `tensor` unchanged until ticket.wait()."""
+        self._check_open()
+        _check_key(key)
+        _check_host(tensor, "tensor")
+        self._settle(key, writes_only=False)
+        nbytes = tensor.numel() * tensor.element_size()
+        src, staged = self._source(tensor, nbytes)
+        offset, err = self._place(key, nbytes)
+        if err is not None:
+            return self._failed(err)
+        crcs = [0] * self._nblocks(nbytes) if self.checksum else None
+
+        def finish(first_err):
+            self._finish_write(key, offset, nbytes, crcs, first_err, src, staged)
+
+        return self._start(key, True, offset, nbytes, src, crcs, None, finish)
+
+    def read(self, key: str, into: torch.Tensor) -> Ticket:
+        """Start reading `key` into the contiguous tensor `into` (same nbytes as written)."""
+        self._check_open()
+        _check_host(into, "into")
+        if not into.is_contiguous():
+            raise ValueError(f"into: must be contiguous (shape {tuple(into.shape)}, strides {into.stride()}); "
+                             f"read into a contiguous buffer and copy")
+        self._settle(key, writes_only=True)
+        with self._lock:
+            entry = self._index.get(key)
+        if entry is None:
+            raise KeyError(f"swap key {key!r} not in the store (never written, deleted, or its write failed)")
+        nbytes = into.numel() * into.element_size()
+        if nbytes != entry.nbytes:
+            raise ValueError(f"into: has {nbytes} bytes but key {key!r} holds {entry.nbytes}; "
+                             f"read into a tensor of the same byte size")
+        dst, staged = self._destination(into, nbytes)
+
+        def finish(first_err):
+            if first_err is not None:
+                raise first_err
+            _copy_out(into, dst, staged, nbytes)
+
+        return self._start(key, False, entry.offset, nbytes, dst, entry.crcs, entry, finish)
+
+    def delete(self, key: str) -> None:
+        self._settle(key, writes_only=False)
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is None:
+                raise KeyError(f"swap key {key!r} not in the store")
+            if entry.nbytes:
+                self._extents.free(entry.offset, entry.padded_bytes)
+
+    def __contains__(self, key: str) -> bool:
+        self._settle(key, writes_only=True)
+        with self._lock:
+            return key in self._index
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._index)
+
+    def nbytes(self, key: str) -> int:
+        self._settle(key, writes_only=True)
+        with self._lock:
+            if key not in self._index:
+                raise KeyError(f"swap key {key!r} not in the store")
+            return self._index[key].nbytes
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes the run's files occupy on disk (allocated blocks, as `du` counts them)."""
+        if self._closed:
+            return 0
+        return sum(f.lstat().st_blocks * 512 for f in self.run_dir.iterdir())
+
+    def close(self) -> None:
+        """Wait for in-flight I/O, stop the engine, remove the run's files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        _open_stores.discard(self)
+        for tickets in list(self._pending.values()):
+            for t in list(tickets):
+                t._event.wait()
+        if self._owns_engine:
+            self.engine.close()
+        os.close(self._fd)
+        self._remove_files()
+
+    def __enter__(self) -> "SwapStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            self.close()
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _remove_files(self) -> None:
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"SwapStore at {self.run_dir} is closed; create a new store")
+
+    def _nblocks(self, nbytes: int) -> int:
+        body = nbytes - nbytes % ALIGN_BYTES
+        return -(-body // self.block_bytes) + (1 if nbytes % ALIGN_BYTES else 0)
+
+    def _settle(self, key: str, *, writes_only: bool) -> None:
+        """Wait for earlier operations on `key` (all of them, or only a pending write)."""
+        with self._lock:
+            tickets = list(self._pending.get(key, ()))
+        for t in tickets:
+            if not writes_only or t.is_write:
+                t._event.wait()
+
+    def _place(self, key: str, nbytes: int) -> tuple[int, SwapIOError | None]:
+        """Drop `key` from the index and give it an extent (reused in place when the size matches)."""
+        padded = round_up(nbytes)
+        with self._lock:
+            old = self._index.pop(key, None)
+            if old is not None and old.padded_bytes == padded:
+                return old.offset, None
+            if old is not None and old.nbytes:
+                self._extents.free(old.offset, old.padded_bytes)
+            if padded == 0:
+                return 0, None
+            old_end = self._extents.end_bytes
+            offset, new_end = self._extents.alloc(padded)
+            if new_end > old_end:
+                try:
+                    _grow(self._fd, old_end, new_end)
+                except OSError as e:
+                    self._extents.free(offset, padded)
+                    self._extents.end_bytes = old_end
+                    return 0, SwapIOError(e.errno or errno.EIO, "cannot grow swap file", path=str(self.path),
+                                          offset=old_end, nbytes=new_end - old_end)
+        return offset, None
+
+    def _source(self, tensor: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, bool]:
+        """The bytes to write, as an aligned uint8 tensor when possible; (tensor, staged?)."""
+        if tensor.is_contiguous() and tensor.data_ptr() % ALIGN_BYTES == 0:
+            return _as_bytes(tensor), False
+        staging = aligned_empty(nbytes)
+        if nbytes:
+            staging.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        return staging, True
+
+    @staticmethod
+    def _destination(into: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, bool]:
+        if into.data_ptr() % ALIGN_BYTES == 0:
+            return _as_bytes(into), False
+        return aligned_empty(nbytes), True
+
+    def _start(self, key, write, offset, nbytes, buf, crcs, entry, finish) -> Ticket:
+        body = nbytes - nbytes % ALIGN_BYTES
+        tail_page = aligned_empty(ALIGN_BYTES) if nbytes > body else None
+        if write and tail_page is not None:
+            tail_page[: nbytes - body].copy_(buf[body:nbytes])
+        spans = [(s, min(self.block_bytes, body - s)) for s in range(0, body, self.block_bytes)]
+
+        def finish_with_tail(first_err):
+            if tail_page is not None and first_err is None and not write:
+                buf[body:nbytes].copy_(tail_page[: nbytes - body])
+            finish(first_err)
+
+        ticket = Ticket(len(spans) + (tail_page is not None), finish_with_tail)
+        ticket.is_write = write
+        if ticket.done():
+            return ticket
+        blocks = []
+        for i, (s, n) in enumerate(spans):
+            done = functools.partial(self._block_done, ticket, i, n, crcs, write)
+            blocks.append(Block(write, self._fd, offset + s, buf.data_ptr() + s, n, done))
+        if tail_page is not None:
+            done = functools.partial(self._block_done, ticket, len(spans), nbytes - body, crcs, write)
+            blocks.append(Block(write, self._fd, offset + body, tail_page.data_ptr(), ALIGN_BYTES, done))
+        with self._lock:
+            self._pending.setdefault(key, set()).add(ticket)
+        ticket._finish = self._unpending(key, ticket, ticket._finish)
+        self.engine.submit(blocks)
+        return ticket
+
+    def _unpending(self, key, ticket, finish):
+        def run(first_err):
+            try:
+                finish(first_err)
+            finally:
+                with self._lock:
+                    pending = self._pending.get(key)
+                    if pending is not None:
+                        pending.discard(ticket)
+                        if not pending:
+                            del self._pending[key]
+        return run
+
+    def _block_done(self, ticket, i, valid, crcs, write, block: Block, result: int) -> None:
+        """Runs on an engine thread per block: length check, then crc32 (record or verify)."""
+        err = None
+        if result != block.nbytes:
+            what = f"short {'write' if write else 'read'}: {max(result, 0)} of {block.nbytes} bytes"
+            code = -result if result < 0 else errno.EIO
+            if result < 0:
+                what = f"swap {'write' if write else 'read'} failed"
+            err = SwapIOError(code, what, path=str(self.path), offset=block.offset, nbytes=block.nbytes)
+        elif crcs is not None:
+            crc = zlib.crc32(host_buffer(block.addr, valid)) if valid else 0
+            if write:
+                crcs[i] = crc
+            elif crc != crcs[i]:
+                err = SwapCorruptionError(f"checksum mismatch (crc32 {crc:#010x}, written {crcs[i]:#010x})",
+                                          path=str(self.path), offset=block.offset, nbytes=block.nbytes)
+        ticket._block_done(err)
+
+    def _finish_write(self, key, offset, nbytes, crcs, first_err, src, staged) -> None:
+        if first_err is None and not self.direct and nbytes:
+            try:
+                os.fdatasync(self._fd)  # buffered fallback: a finished write is on disk, as with O_DIRECT
+            except OSError as e:
+                first_err = SwapIOError(e.errno or errno.EIO, "fdatasync failed", path=str(self.path),
+                                        offset=offset, nbytes=nbytes)
+        with self._lock:
+            if first_err is None:
+                self._index[key] = Entry(offset, nbytes, tuple(crcs) if crcs is not None else None)
+            elif nbytes:
+                self._extents.free(offset, round_up(nbytes))
+        if first_err is not None:
+            raise first_err
+
+    @staticmethod
+    def _failed(err: BaseException) -> Ticket:
+        def finish(_):
+            raise err
+        return Ticket(0, finish)
+
+
+def _check_key(key) -> None:
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"key={key!r}: must be a non-empty string (a stable name such as 'layers.3/bf16')")
+
+
+def _check_host(t: torch.Tensor, name: str) -> None:
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.layout != torch.strided:
+        raise ValueError(f"{name}: the swap store moves dense host tensors, got "
+                         f"{type(t).__name__} on {getattr(t, 'device', '?')}; copy it to a CPU buffer first")
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _copy_out(into: torch.Tensor, dst: torch.Tensor, staged: bool, nbytes: int) -> None:
+    if staged and nbytes:
+        _as_bytes(into).copy_(dst[:nbytes])
+
+
+def _grow(fd: int, old_end: int, new_end: int) -> None:
+    try:
+        os.posix_fallocate(fd, old_end, new_end - old_end)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, new_end)
