@@ -1,0 +1,292 @@
+"""Config: frozen, nested dataclasses built from a dict, a JSON/YAML file or command-line flags.
+
+Unknown keys are an error naming the key and the nearest valid one (DeepSpeed silently ignores renamed
+keys; we refuse them). Every value is validated with a message that says how to fix it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import pathlib
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+DEVICES = ("none", "cpu", "nvme")
+
+
+def _fail(path: str, value: Any, why: str, fix: str) -> typing.NoReturn:
+    raise ValueError(f"{path}={value!r}: {why}; {fix}")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    type: str = "adamw"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def validate(self, path: str) -> None:
+        if self.type not in ("adamw", "adam"):
+            _fail(f"{path}.type", self.type, "unknown optimizer", 'use "adamw" or "adam"')
+        if not self.lr >= 0:
+            _fail(f"{path}.lr", self.lr, "must be >= 0", "pass a non-negative learning rate")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            _fail(f"{path}.betas", self.betas, "must be two numbers in [0, 1)", "for example [0.9, 0.999]")
+        if not self.eps > 0:
+            _fail(f"{path}.eps", self.eps, "must be > 0", "for example 1e-8")
+        if not self.weight_decay >= 0:
+            _fail(f"{path}.weight_decay", self.weight_decay, "must be >= 0", "pass 0 to disable")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where a kind of state lives: "none" (accelerator memory), "cpu" (host memory) or "nvme"."""
+
+    device: str = "none"
+
+    def validate(self, path: str) -> None:
+        if self.device not in DEVICES:
+            _fail(f"{path}.device", self.device, "unknown device", f"use one of {list(DEVICES)}")
+
+
+@dataclass(frozen=True)
+class BudgetsConfig:
+    """Tier budgets in bytes; None means: derived from what the machine has (see tiers.py)."""
+
+    hbm_bytes: int | None = None
+    dram_bytes: int | None = None
+
+    def validate(self, path: str) -> None:
+        for name in ("hbm_bytes", "dram_bytes"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v <= 0):
+                _fail(f"{path}.{name}", v, "must be a positive integer of bytes", "or leave it out")
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """The swap layer's I/O engine (`offload tune nvme` prints the best section for a drive)."""
+
+    engine: str = "auto"
+    block_bytes: int = 8 << 20
+    queue_depth: int = 32
+    threads: int = 4
+
+    def validate(self, path: str) -> None:
+        if self.engine not in ("auto", "libaio", "threads"):
+            _fail(f"{path}.engine", self.engine, "unknown engine", 'use "auto", "libaio" or "threads"')
+        if self.block_bytes <= 0 or self.block_bytes % 4096:
+            _fail(f"{path}.block_bytes", self.block_bytes, "must be a positive multiple of 4096", "for example 8388608")
+        for name in ("queue_depth", "threads"):
+            if getattr(self, name) < 1:
+                _fail(f"{path}.{name}", getattr(self, name), "must be >= 1", "for example 4")
+
+
+@dataclass(frozen=True)
+class UnitsConfig:
+    """How the model is split into units (module subtrees moved as one flat buffer)."""
+
+    min_numel: int = 1 << 16          # a child subtree this large becomes a unit
+    classes: tuple[str, ...] = ()      # or name module classes ("LlamaDecoderLayer"), as FSDP's wrap policy
+
+    def validate(self, path: str) -> None:
+        if self.min_numel < 1:
+            _fail(f"{path}.min_numel", self.min_numel, "must be >= 1", "for example 65536")
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """Dynamic loss scaling for fp16 (ignored, with a warning, for bf16/fp32)."""
+
+    initial: float = 2.0**16
+    growth_interval: int = 1000
+    min_scale: float = 1.0
+
+    def validate(self, path: str) -> None:
+        if self.initial <= 0 or self.min_scale <= 0:
+            _fail(f"{path}.initial", self.initial, "loss scales must be > 0", "for example 65536")
+        if self.growth_interval < 1:
+            _fail(f"{path}.growth_interval", self.growth_interval, "must be >= 1", "for example 1000")
+
+
+@dataclass(frozen=True)
+class LRScheduleConfig:
+    """Learning rate schedule: lr(step) = base lr x factor(step)."""
+
+    type: str = "constant"       # constant | linear | cosine
+    warmup_steps: int = 0
+    total_steps: int = 0         # for linear/cosine decay
+    min_ratio: float = 0.0       # final lr as a fraction of the base lr
+
+    def validate(self, path: str) -> None:
+        if self.type not in ("constant", "linear", "cosine"):
+            _fail(f"{path}.type", self.type, "unknown schedule", 'use "constant", "linear" or "cosine"')
+        if self.type != "constant" and self.total_steps <= self.warmup_steps:
+            _fail(f"{path}.total_steps", self.total_steps, "must exceed warmup_steps for a decay",
+                  "set total_steps to the number of optimizer steps")
+
+
+@dataclass(frozen=True)
+class Config:
+    precision: str = "bf16"
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 0.0
+    zero_stage: int = 0
+    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+    nvme_path: str | None = None
+    budgets: BudgetsConfig = field(default_factory=BudgetsConfig)
+    aio: AioConfig = field(default_factory=AioConfig)
+    units: UnitsConfig = field(default_factory=UnitsConfig)
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    prefetch_units: int = 2        # units fetched ahead of use along the recorded trace (0: on demand)
+    swap_checksum: bool = True     # per-entry checksum of swap files
+    seed: int = 0                  # seeds meta-device materialization
+
+    def __post_init__(self) -> None:
+        self.validate("")
+
+    def validate(self, path: str) -> None:
+        if self.precision not in ("bf16", "fp16", "fp32"):
+            _fail("precision", self.precision, "unknown precision", 'use "bf16", "fp16" or "fp32"')
+        if self.gradient_accumulation_steps < 1:
+            _fail("gradient_accumulation_steps", self.gradient_accumulation_steps, "must be >= 1", "use 1 for none")
+        if not self.gradient_clipping >= 0:
+            _fail("gradient_clipping", self.gradient_clipping, "must be >= 0", "use 0 to disable clipping")
+        if self.zero_stage not in (0, 1, 2, 3):
+            _fail("zero_stage", self.zero_stage, "must be 0, 1, 2 or 3", "see README 'ZeRO stages'")
+        if self.prefetch_units < 0:
+            _fail("prefetch_units", self.prefetch_units, "must be >= 0", "use 0 for on-demand fetches")
+        if "nvme" in (self.offload_param.device, self.offload_optimizer.device) and not self.nvme_path:
+            _fail("nvme_path", self.nvme_path, "required when a device is \"nvme\"",
+                  "set nvme_path to a directory on a fast local drive (--nvme-path DIR)")
+        if self.offload_optimizer.device == "none" and self.offload_param.device != "none":
+            _fail("offload_optimizer.device", "none",
+                  f"optimizer states cannot stay in hbm while weights are offloaded to {self.offload_param.device}",
+                  "offload the optimizer too (cpu or nvme)")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if dataclasses.is_dataclass(v):
+                v.validate(f.name)
+
+    @property
+    def compute_dtype(self):
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.precision]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --- building configs from plain data ------------------------------------------------------------
+
+
+def _build(cls, data: Any, path: str):
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        _fail(path or "config", data, f"expected a mapping for {cls.__name__}", "see the README's config reference")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else key
+        if key not in names:
+            near = difflib.get_close_matches(key, names, n=1)
+            hint = f"did you mean {near[0]!r}?" if near else f"valid keys: {', '.join(names)}"
+            raise ValueError(f"{where}: unknown config key; {hint}")
+        kwargs[key] = _coerce(hints[key], value, where)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - fields all have defaults
+        raise ValueError(f"{path or 'config'}: {e}") from None
+
+
+def _coerce(hint, value: Any, where: str):
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            _fail(where, value, "expected a list", "for example [0.9, 0.999]")
+        return tuple(value)
+    if hint is int and isinstance(value, float) and value.is_integer():
+        return int(value)  # 1e9 in YAML/JSON
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    base = [t for t in typing.get_args(hint) if t is not type(None)] if origin is not None else [hint]
+    if value is None and type(None) in typing.get_args(hint):
+        return None
+    if base and base[0] in (int, float, str, bool) and not isinstance(value, base[0]):
+        if base[0] is int and isinstance(value, float) and value.is_integer():
+            return int(value)
+        _fail(where, value, f"expected {base[0].__name__}", f"write it as a {base[0].__name__}")
+    return value
+
+
+def load_config(config: Config | dict | str | pathlib.Path | None) -> Config:
+    """A Config from a Config, a dict, or the path of a .json / .yaml file."""
+    if config is None:
+        return Config()
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, (str, pathlib.Path)):
+        return _build(Config, _read_file(pathlib.Path(config)), "")
+    return _build(Config, config, "")
+
+
+def _read_file(path: pathlib.Path) -> dict:
+    if not path.is_file():
+        raise ValueError(f"config={str(path)!r}: no such file; pass the path of a .json or .yaml file")
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config={str(path)!r}: not valid JSON ({e}); fix the file or use .yaml") from None
+    return data or {}
+
+
+# --- training-script flags -------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds the offload flags to an existing training script's parser."""
+    g = parser.add_argument_group("offload")
+    g.add_argument("--offload-param", choices=DEVICES, default=None, help="where weights live between uses")
+    g.add_argument("--offload-optimizer", choices=DEVICES, default=None, help="where fp32 optimizer states live")
+    g.add_argument("--nvme-path", default=None, help="directory for swap files (needed for nvme)")
+    g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO partitioning stage")
+    g.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="compute dtype")
+    g.add_argument("--offload-config", default=None, metavar="PATH", help="a .json/.yaml config; flags override it")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The Config from --offload-config (if any) with the explicit flags laid over it."""
+    data = _read_file(pathlib.Path(args.offload_config)) if getattr(args, "offload_config", None) else {}
+    data = json.loads(json.dumps(data))  # a private copy
+    if getattr(args, "offload_param", None):
+        data.setdefault("offload_param", {})["device"] = args.offload_param
+    if getattr(args, "offload_optimizer", None):
+        data.setdefault("offload_optimizer", {})["device"] = args.offload_optimizer
+    for key in ("nvme_path", "zero_stage", "precision"):
+        if getattr(args, key, None) is not None:
+            data[key] = getattr(args, key)
+    if "nvme" in (data.get("offload_param", {}).get("device"), data.get("offload_optimizer", {}).get("device")):
+        data.setdefault("offload_optimizer", {}).setdefault("device", "cpu")
+    if data.get("offload_param", {}).get("device") in ("cpu", "nvme"):
+        data.setdefault("offload_optimizer", {}).setdefault("device", "cpu")
+    return load_config(data)

@@ -1,0 +1,352 @@
+"""The Engine: trains a torch module with its weights and optimizer states in hbm, dram or nvme.
+
+Data flow of one step (DESIGN.md): forward fetches each unit before it runs (prefetching the next ones
+along the recorded trace) and releases it after; backward fetches again, and each unit's gradients go
+hbm -> dram on the d2h copy stream into an fp32 accumulator as soon as they are final; step() runs CPU
+Adam unit by unit over states streamed from their tier, writing new weights straight to the weight tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from offload import hooks
+from offload.config import Config, load_config
+from offload.optim import OptimState
+from offload.placement import Placement, plan_placement
+from offload.residency import WeightHandle
+from offload.tiers import Tiers
+from offload.units import Unit, partition
+from scheduler.streams import CopyStream
+from scheduler.telemetry import Telemetry
+from scheduler.trace import ExecutionTrace
+from swap import SwapStore
+
+log = logging.getLogger("offload")
+HOME = {"none": "hbm", "cpu": "dram", "nvme": "nvme"}
+
+
+class Staging:
+    """Dram staging buffers for nvme transfers, reused by size (pages stay faulted in: re-faulting fresh
+    pages stalls I/O far more than the engine choice does), charged to the dram accountant."""
+
+    def __init__(self, tiers: Tiers):
+        self.tiers = tiers
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()  # the d2h thread stages gradients while the main thread fetches
+
+    def acquire(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+        with self._lock:
+            cached = self._free.get((numel, dtype))
+            if cached:
+                return cached.pop()
+        try:
+            return self.tiers.empty("dram", numel, dtype, f"staging for {what}")
+        except MemoryError:
+            self.trim()  # buffers of other sizes may be idle
+            return self.tiers.empty("dram", numel, dtype, f"staging for {what}")
+
+    def release(self, t: torch.Tensor) -> None:
+        with self._lock:
+            self._free.setdefault((t.numel(), t.dtype), []).append(t)
+
+    def trim(self) -> None:
+        with self._lock:
+            for bufs in self._free.values():
+                for t in bufs:
+                    self.tiers.free("dram", t)
+            self._free.clear()
+
+
+class Engine(nn.Module):
+    """Wraps `model`; see offload.initialize. Use as `engine(batch)`, `engine.backward(loss)`, `engine.step()`."""
+
+    def __init__(self, model: nn.Module, config: Config | dict | str | None = None):
+        super().__init__()
+        cfg = load_config(config)
+        if not any(True for _ in model.parameters()):
+            raise ValueError("model: has no parameters; offload trains parameters, pass the model to train")
+        self.cfg, self.module, self.rank = cfg, model, 0
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.dtype = cfg.compute_dtype
+        self.units: list[Unit] = partition(model, cfg.units.min_numel, cfg.units.classes)
+        self.placement: Placement = plan_placement(self.units, cfg, self.device)
+        self.tiers = Tiers(self.device, self.placement.hbm_budget, self.placement.dram_budget,
+                           self.placement.nvme_budget, pin=self.device.type == "cuda")
+        self.telemetry = Telemetry()
+        self.staging = Staging(self.tiers)
+        self.store = self._open_store() if self.placement.uses_nvme else None
+        delay = float(os.environ.get("OFFLOAD_TEST_COPY_DELAY_S", "0"))
+        self.h2d = CopyStream("h2d", self.device, delay)   # fetches: dram -> hbm
+        self.d2h = CopyStream("d2h", self.device, delay)   # gradients: hbm -> dram accumulators
+        self.trace = ExecutionTrace(cfg.prefetch_units)
+        self.step_count = self.micro_step = 0
+        self.loss_scale = cfg.loss_scale.initial if cfg.precision == "fp16" else 1.0
+        self._good_steps = 0
+        self.skipped_steps = 0
+        self._in_backward = False
+        self._grad_jobs: list = []
+        self._grad_sq: dict[int, float] = {}
+        self._flushed: set[int] = set()
+        self._closed = False
+        self.weights: list[WeightHandle] = []
+        self.states: list[OptimState | None] = []
+        try:
+            from offload.materialize import materialize
+
+            materialize(self)
+        except BaseException:
+            self.close()
+            raise
+        self._handles = [h for u in self.units if not u.persistent for m in [u.module, *u.users]
+                         for h in hooks.register(self, u, m)]
+        self._grad_state = {u.index: [] for u in self.units}
+        self._grad_hooks = [s.param.register_post_accumulate_grad_hook(self._make_grad_hook(u))
+                            for u in self.units for s in u.slots if s.trainable]
+        log.info("%s", self.placement.describe())
+
+    def _open_store(self) -> SwapStore:
+        a = self.cfg.aio
+        return SwapStore(self.cfg.nvme_path, engine=a.engine, block_bytes=a.block_bytes, queue_depth=a.queue_depth,
+                         threads=a.threads, checksum=self.cfg.swap_checksum)
+
+    # -- forward ------------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        self._check_devices(args, kwargs)
+        if not self._in_backward:
+            self.trace.begin_step()
+        args, kwargs = self._cast_inputs(args, kwargs)
+        return self.module(*args, **kwargs)
+
+    def _cast_inputs(self, args, kwargs):
+        """Floating-point inputs take the compute dtype (as FSDP's MixedPrecision cast_forward_inputs)."""
+        flat, spec = tree_flatten((args, kwargs))
+        flat = [t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in flat]
+        return tree_unflatten(flat, spec)
+
+    def _check_devices(self, args, kwargs) -> None:
+        for t in [*args, *kwargs.values()]:
+            if isinstance(t, torch.Tensor) and t.device.type != self.device.type:
+                raise ValueError(f"batch tensor on {t.device}: the model runs on {self.device}; "
+                                 f"move the batch with .to(engine.device)")
+
+    def fetch_for_use(self, unit: Unit, backward: bool = False) -> None:
+        """Called by the hooks before `unit` runs: prefetch along the trace, then wait for this unit."""
+        with record_function("offload::fetch"):
+            for nxt in self.trace.observe(unit.index):
+                self._prefetch(self.units[nxt])
+            for w in self.weights:
+                w.advance()
+            self.weights[unit.index].wait_for_fetch()
+
+    def _prefetch(self, unit: Unit) -> None:
+        w = self.weights[unit.index]
+        hbm, dram = self.tiers.acct["hbm"], self.tiers.acct["dram"]
+        need = w.nbytes
+        if hbm.used_bytes + need > hbm.budget_bytes or (w.home == "nvme" and dram.used_bytes + need > dram.budget_bytes):
+            return  # no room: it will be fetched on demand
+        w.fetch()
+
+    def release_after_use(self, unit: Unit, backward: bool) -> None:
+        if self._in_backward and not backward:
+            return  # a recomputed forward (activation checkpointing): its backward comes right after
+        with record_function("offload::release"):
+            self.weights[unit.index].release()
+
+    # -- backward: gradients to their accumulators ----------------------------------------------------
+    def _make_grad_hook(self, unit: Unit):
+        n_trainable = sum(s.trainable for s in unit.slots)
+
+        def hook(param: torch.Tensor) -> None:
+            pending = self._grad_state[unit.index]
+            pending.append(param)
+            if len(pending) == n_trainable:
+                self._flush_grads(unit)
+
+        return hook
+
+    def _flush_grads(self, unit: Unit) -> None:
+        """Hands this unit's final gradients of the micro-step to the d2h stream (hbm -> dram, fp32 add)."""
+        params = self._grad_state[unit.index]
+        self._grad_state[unit.index] = []
+        self._flushed.add(unit.index)
+        offsets = {s.param: s.offset for s in unit.slots}
+        grads = [(offsets[p], p.grad.reshape(-1)) for p in params if p.grad is not None]
+        for p in params:
+            p.grad = None
+        gas = self.cfg.gradient_accumulation_steps
+        first, last = self.micro_step % gas == 0, self.micro_step % gas == gas - 1
+        nbytes = sum(g.numel() * g.element_size() for _, g in grads)
+        state = self.states[unit.index]
+
+        def job():
+            sq = state.accumulate(grads, first, last)
+            if sq is not None:
+                self._grad_sq[unit.index] = sq
+
+        self._grad_jobs.append(self.d2h.submit(job))
+        self.telemetry.link("hbm_to_dram", nbytes, 0.0)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise ValueError("loss: backward() needs a scalar tensor that requires grad (the output of "
+                             "the engine's forward reduced to one number)")
+        scale = self.loss_scale / self.cfg.gradient_accumulation_steps
+        self._in_backward, self._flushed = True, set()
+        try:
+            with record_function("offload::backward"):
+                (loss * scale if scale != 1.0 else loss).backward()
+                for u in self.units:  # units with unused parameters: flush what they have
+                    if u.trainable_numel and u.index not in self._flushed:
+                        self._flush_grads(u)
+                for w in self.weights:
+                    w.release()
+                for job in self._grad_jobs:
+                    job.wait()
+        finally:
+            self._in_backward = False
+            self._grad_jobs = []
+            self.trace.end_step()
+        self.micro_step += 1
+
+    # -- step --------------------------------------------------------------------------------------
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next optimizer step."""
+        return self.cfg.optimizer.lr * lr_factor(self.cfg.lr_schedule, self.step_count)
+
+    def step(self) -> bool:
+        """The optimizer step at the accumulation boundary (a no-op between boundaries); clears grads.
+        Returns True when parameters were updated (False: between boundaries, or an fp16 overflow)."""
+        if self.micro_step == 0 or (self.micro_step % self.cfg.gradient_accumulation_steps != 0):
+            if self.micro_step == 0:
+                raise RuntimeError("step() called before backward(): call engine.backward(loss) first")
+            return False
+        sq = sum(self._grad_sq.values())
+        self._grad_sq.clear()
+        self.micro_step = 0
+        if not math.isfinite(sq):
+            return self._skip_step()
+        grad_norm = math.sqrt(sq) / self.loss_scale
+        clip = self.cfg.gradient_clipping
+        clip_coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
+        self.last_grad_norm = grad_norm
+        lr = self.lr
+        self.step_count += 1
+        with record_function("offload::step"):
+            run_step(self, grad_scale=self.loss_scale / clip_coef, lr=lr)
+        self._grow_loss_scale()
+        return True
+
+    def _skip_step(self) -> bool:
+        if self.cfg.precision != "fp16":
+            raise FloatingPointError(f"gradients are not finite at step {self.step_count + 1} ({self.cfg.precision}); "
+                                     "lower the learning rate or enable gradient_clipping")
+        self.loss_scale = max(self.loss_scale / 2, self.cfg.loss_scale.min_scale)
+        self.skipped_steps += 1
+        self._good_steps = 0
+        log.info("offload: fp16 overflow, step skipped; loss scale now %g", self.loss_scale)
+        return False
+
+    def _grow_loss_scale(self) -> None:
+        if self.cfg.precision != "fp16":
+            return
+        self._good_steps += 1
+        if self._good_steps % self.cfg.loss_scale.growth_interval == 0:
+            self.loss_scale *= 2
+
+    # -- state, stats, close ---------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """{parameter name: fp32 master weight} for every name the model uses (tied names included).
+        Frozen parameters have no master: their stored weights are returned upcast to fp32."""
+        from offload.materialize import unit_values
+
+        names = {}
+        for n, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(p, []).append(n)
+        out = {}
+        for u in self.units:
+            for s, value in unit_values(self, u):
+                for n in names[s.param]:
+                    out[n] = value
+        return out
+
+    def stats(self) -> dict:
+        snap = self.telemetry.snapshot()
+        tiers = self.tiers.stats()
+        if self.store is not None:
+            tiers["nvme"]["used_bytes"] = self.store.disk_bytes
+            tiers["nvme"]["peak_bytes"] = max(tiers["nvme"]["peak_bytes"], self.store.disk_bytes)
+        return {"step": self.step_count, "tiers": tiers, **snap, "loss_scale": self.loss_scale,
+                "skipped_steps": self.skipped_steps}
+
+    def close(self) -> None:
+        """Frees pinned memory and removes the swap files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in getattr(self, "_handles", []) + getattr(self, "_grad_hooks", []):
+            h.remove()
+        for s in (getattr(self, "h2d", None), getattr(self, "d2h", None)):
+            if s is not None:
+                s.close()
+        for w in self.weights:
+            w.close()
+        for st in self.states:
+            if st is not None:
+                st.close()
+        if getattr(self, "staging", None) is not None:
+            self.staging.trim()
+        if self.store is not None:
+            self.store.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def lr_factor(sched, step: int) -> float:
+    """The schedule's multiplier of the base lr for optimizer step `step` (0-based)."""
+    if sched.warmup_steps and step < sched.warmup_steps:
+        return (step + 1) / sched.warmup_steps
+    if sched.type == "constant":
+        return 1.0
+    progress = min(1.0, (step - sched.warmup_steps) / max(1, sched.total_steps - sched.warmup_steps))
+    shape = 1 - progress if sched.type == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return sched.min_ratio + (1 - sched.min_ratio) * shape
+
+
+def run_step(engine: Engine, grad_scale: float, lr: float) -> None:
+    """CPU Adam over every trainable unit: read-ahead of unit j+1's states, write-behind of unit j's."""
+    from offload.cpu_adam import adam_step
+
+    o = engine.cfg.optimizer
+    trainable = [u for u in engine.units if u.trainable_numel]
+    lowp = engine.dtype != torch.float32
+    for j, unit in enumerate(trainable):
+        st = engine.states[unit.index]
+        st.wait_loaded()
+        if j + 1 < len(trainable):
+            engine.states[trainable[j + 1].index].load()
+        w = engine.weights[unit.index]
+        out = w.home_buffer()[:unit.trainable_numel]
+        t = st.t
+        adam_step(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], step=engine.step_count, lr=lr,
+                  beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
+                  adamw=o.type == "adamw", grad_scale=grad_scale, out=out if lowp else None)
+        if not lowp:
+            out.copy_(t["master"])
+        w.commit_home()
+        st.store()
+    for unit in trainable:
+        engine.states[unit.index].wait_stored()

@@ -1,0 +1,118 @@
+"""Materialization: each unit's initial values go straight into their home tiers, one unit at a time.
+
+A model built on the meta device (`with torch.device("meta"): model = Net()`) is materialized module by
+module in `model.modules()` order by each module's own `reset_parameters()` after `torch.manual_seed(
+cfg.seed)`, so it equals the same model built on the CPU with that seed when the model's constructor
+initializes in that order (the torch convention). Only one unit's fp32 values exist at a time, so a
+model whose training state is many times the RAM never exists whole in memory.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from offload.optim import OptimState
+from offload.residency import WeightHandle
+from offload.units import Unit
+
+
+def materialize(engine) -> None:
+    model = engine.module
+    engine.weights = [None] * len(engine.units)
+    engine.states = [None] * len(engine.units)
+    if any(p.is_meta for p in model.parameters()):
+        _from_meta(engine, model)
+    else:
+        for u in engine.units:
+            place(engine, u)
+    for module in model.modules():
+        for name, b in module.named_buffers(recurse=False):
+            if b.is_meta:
+                raise ValueError(f"buffer {type(module).__name__}.{name}: still on the meta device after "
+                                 "reset_parameters(); initialize buffers in reset_parameters() too")
+            module._buffers[name] = b.to(engine.device)
+    engine.staging.trim()
+
+
+def _from_meta(engine, model: nn.Module) -> None:
+    owner = {s.param: u for u in engine.units for s in u.slots}
+    pending = {u.index: {s.param for s in u.slots} for u in engine.units}
+    torch.manual_seed(engine.cfg.seed)
+    for module in model.modules():
+        direct = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        if not any(t.is_meta for t in direct):
+            continue  # nothing of its own, or tied parameters already placed
+        if not hasattr(module, "reset_parameters"):
+            raise ValueError(f"module {type(module).__name__}: owns parameters but has no reset_parameters(); "
+                             "define it, or build the model on the CPU")
+        module.to_empty(device="cpu", recurse=False)
+        with torch.no_grad():
+            module.reset_parameters()
+        for p in module.parameters(recurse=False):
+            u = owner[p]
+            pending[u.index].discard(p)
+            if not pending[u.index]:
+                place(engine, u)
+    for u in engine.units:
+        if engine.weights[u.index] is None:
+            place(engine, u)
+
+
+@torch.no_grad()
+def place(engine, unit: Unit) -> None:
+    """Copies the unit's current parameter values into its weight and optimizer-state homes."""
+    p = engine.placement
+    dtype = engine.dtype
+    wbuf = engine.staging.acquire(unit.numel, dtype, f"{unit.name} initial weights")
+    wbuf.zero_()
+    for s in unit.slots:
+        wbuf[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+    master = None
+    if unit.trainable_numel:
+        master = engine.staging.acquire(unit.trainable_numel, torch.float32, f"{unit.name} initial master")
+        master.zero_()
+        for s in unit.slots:
+            if s.trainable:
+                master[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+    w = WeightHandle(unit, p.weight_home[unit.index], dtype, engine)  # detaches offloaded params
+    if w.home == "nvme":
+        engine.store.write(w.key, wbuf).wait()
+    else:
+        (w.hbm if w.home == "hbm" else w.dram).copy_(wbuf)
+        if w.home == "hbm":
+            w._attach()
+    engine.weights[unit.index] = w
+    if master is not None:
+        st = OptimState(unit, p.state_home[unit.index], engine)
+        if st.home == "nvme":
+            engine.store.write(st.key("master"), master).wait()
+        else:
+            st.t["master"].copy_(master)
+        engine.states[unit.index] = st
+        engine.staging.release(master)
+    engine.staging.release(wbuf)
+
+
+@torch.no_grad()
+def unit_values(engine, unit: Unit):
+    """Yields (slot, fp32 tensor) for every parameter of `unit`: the master for trainable ones."""
+    st = engine.states[unit.index]
+    w = engine.weights[unit.index]
+    master = weights = None
+    if st is not None:
+        if st.home == "nvme":
+            master = torch.empty(unit.trainable_numel, dtype=torch.float32)
+            engine.store.read(st.key("master"), into=master).wait()
+        else:
+            master = st.t["master"]
+    if any(not s.trainable for s in unit.slots):
+        if w.home == "nvme":
+            w.wait_for_write()
+            weights = torch.empty(unit.numel, dtype=w.dtype)
+            engine.store.read(w.key, into=weights).wait()
+        else:
+            weights = w.hbm if w.home == "hbm" else w.dram
+    for s in unit.slots:
+        src = master if s.trainable else weights
+        yield s, src[s.offset:s.offset + s.numel].to("cpu", torch.float32, copy=True).view(s.shape)

@@ -1,0 +1,121 @@
+"""Optimizer states per unit and the step over them.
+
+Each trainable unit has four fp32 flats over its trainable prefix: master, exp_avg, exp_avg_sq and the
+gradient accumulator. Their home is hbm, dram or nvme. On nvme they are staged through dram buffers:
+the step reads unit j+1's states while CPU Adam updates unit j and unit j-1's are written back
+(read-ahead / write-behind), and CPU Adam writes the new weights in the compute dtype straight into
+the buffer that goes to the weight tier.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from offload.residency import HOME_STATE, R, _Handle
+from offload.units import Unit
+
+KINDS = ("master", "exp_avg", "exp_avg_sq", "grad")
+
+
+class OptimState(_Handle):
+    """One unit's fp32 states. Resident (hbm/dram) states are allocated once; nvme ones are staged."""
+
+    def __init__(self, unit: Unit, home: str, engine):
+        super().__init__(f"{unit.name}/optim", home)
+        self.unit, self.eng = unit, engine
+        self.numel = unit.trainable_numel
+        self.t: dict[str, torch.Tensor] = {}
+        self._tickets: list = []
+        self._t0 = 0.0
+        if home != "nvme":
+            for kind in KINDS:
+                self.t[kind] = engine.tiers.empty(home, self.numel, torch.float32, f"{unit.name} {kind}").zero_()
+
+    def key(self, kind: str) -> str:
+        return self.unit.key(kind, self.eng.rank)
+
+    # -- nvme staging -------------------------------------------------------------------------------
+    def load(self, kinds=KINDS) -> None:
+        """Starts reading `kinds` into dram staging buffers (missing keys read as zeros)."""
+        if self.home != "nvme" or self.state is not R.NVME:
+            return
+        for kind in kinds:
+            buf = self.eng.staging.acquire(self.numel, torch.float32, f"{self.unit.name} {kind}")
+            self.t[kind] = buf
+            if self.key(kind) in self.eng.store:  # exp_avg/exp_avg_sq start as zeros, unwritten
+                self._tickets.append(self.eng.store.read(self.key(kind), into=buf))
+            else:
+                buf.zero_()
+        self._t0 = time.perf_counter()
+        self._set(R.NVME_TO_DRAM, R.NVME)
+
+    def wait_loaded(self) -> None:
+        if self.home != "nvme":
+            return
+        if self.state is R.NVME:
+            self.load()
+        for t in self._tickets:
+            t.wait()
+        self.eng.telemetry.link("nvme_to_dram", 4 * self.numel * len(self._tickets), time.perf_counter() - self._t0)
+        self._tickets = []
+        self._set(R.DRAM, R.NVME_TO_DRAM)
+
+    def store(self, kinds=("master", "exp_avg", "exp_avg_sq")) -> None:
+        """Starts writing `kinds` back (write-behind); the other staged kinds are dropped."""
+        if self.home != "nvme":
+            return
+        for kind in [k for k in self.t if k not in kinds]:
+            self.eng.staging.release(self.t.pop(kind))
+        self._tickets = [self.eng.store.write(self.key(kind), self.t[kind]) for kind in kinds]
+        self._t0 = time.perf_counter()
+        self._set(R.DRAM_TO_NVME, R.DRAM)
+
+    def wait_stored(self) -> None:
+        if self.home != "nvme" or self.state is not R.DRAM_TO_NVME:
+            return
+        for t in self._tickets:
+            t.wait()
+        self.eng.telemetry.link("dram_to_nvme", 4 * self.numel * len(self._tickets), time.perf_counter() - self._t0)
+        self._tickets = []
+        for kind in list(self.t):
+            self.eng.staging.release(self.t.pop(kind))
+        self._set(R.NVME, R.DRAM_TO_NVME)
+
+    # -- the gradient accumulator (runs on the d2h copy thread) --------------------------------------
+    def accumulate(self, grads: list[tuple[int, torch.Tensor]], first: bool, last: bool) -> float | None:
+        """Adds this micro-step's gradients (offset, flat grad) into the fp32 accumulator; on the last
+        micro-step returns its sum of squares (for the global norm and fp16 overflow detection)."""
+        from offload.cpu_adam import grad_sq_sum
+
+        if self.home == "nvme":
+            acc = self.eng.staging.acquire(self.numel, torch.float32, f"{self.unit.name} grad")
+            if not first:
+                self.eng.store.read(self.key("grad"), into=acc).wait()
+        else:
+            acc = self.t["grad"]
+        if first:
+            acc.zero_()
+        for offset, g in grads:
+            acc[offset:offset + g.numel()].add_(g.to(acc.device, non_blocking=True))
+        sq = None
+        if last:
+            sq = grad_sq_sum(acc) if acc.device.type == "cpu" else float(acc.double().square().sum())
+        if self.home == "nvme":
+            self.eng.store.write(self.key("grad"), acc).wait()
+            self.eng.telemetry.link("dram_to_nvme", acc.numel() * 4, 0.0)
+            self.eng.staging.release(acc)
+        return sq
+
+    def close(self) -> None:
+        for t in self._tickets:
+            t.wait()
+        self._tickets = []
+        if self.home == "nvme":
+            for kind in list(self.t):
+                self.eng.staging.release(self.t.pop(kind))
+        else:
+            for kind in list(self.t):
+                self.eng.tiers.free(self.home, self.t.pop(kind))
+        self.state = HOME_STATE[self.home]

@@ -1,0 +1,124 @@
+"""Placement and preflight: where each unit's weights and optimizer states live, decided once.
+
+The bytes each tier will hold are computed before anything is allocated and checked against the tier
+budgets, the free disk under nvme_path and the RAM available; a model that does not fit fails here,
+with the numbers. Budgets left unset are derived with a safety margin (SAFETY) from what the machine has.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from offload.units import Unit
+
+HOME = {"none": "hbm", "cpu": "dram", "nvme": "nvme"}
+SAFETY = 0.85  # of the memory available at start, when a budget is not given
+STATE_KINDS = 4  # fp32 master, exp_avg, exp_avg_sq, gradient accumulator
+
+
+class PlacementError(ValueError):
+    """The model's training state does not fit the tier budgets (raised before any allocation)."""
+
+
+@dataclass
+class Placement:
+    weight_home: dict[int, str]
+    state_home: dict[int, str]
+    need: dict[str, int]             # bytes each tier will hold (model states + the runtime's buffers)
+    hbm_budget: int
+    dram_budget: int
+    nvme_budget: int
+    rows: list[tuple] = field(default_factory=list)
+
+    @property
+    def uses_nvme(self) -> bool:
+        return "nvme" in self.weight_home.values() or "nvme" in self.state_home.values()
+
+    def describe(self) -> str:
+        lines = ["offload placement:", f"  {'unit':40s} {'numel':>12s} {'weights':>8s} {'optimizer':>9s}"]
+        for name, numel, w, s in self.rows:
+            lines.append(f"  {name[:40]:40s} {numel:12d} {w:>8s} {s:>9s}")
+        for tier in ("hbm", "dram", "nvme"):
+            budget = getattr(self, f"{tier}_budget")
+            lines.append(f"  {tier}: needs {self.need[tier] / 2**20:.1f} MiB of a {budget / 2**20:.1f} MiB budget")
+        return "\n".join(lines)
+
+
+def _default_budgets(device: torch.device) -> tuple[int, int]:
+    avail = psutil.virtual_memory().available
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * SAFETY), int(avail * SAFETY)
+    return int(avail * SAFETY), int(avail * SAFETY)  # the CPU backend's "hbm" is host memory too
+
+
+def plan_placement(units: list[Unit], cfg, device: torch.device) -> Placement:
+    itemsize = cfg.compute_dtype.itemsize
+    w_home, s_home = HOME[cfg.offload_param.device], HOME[cfg.offload_optimizer.device]
+    weight_home = {u.index: "hbm" if u.persistent else w_home for u in units}
+    state_home = {u.index: s_home for u in units if u.trainable_numel}
+    need = {"hbm": 0, "dram": 0, "nvme": 0}
+    rows = []
+    for u in units:
+        need[weight_home[u.index]] += u.numel * itemsize
+        if u.trainable_numel:
+            need[state_home[u.index]] += STATE_KINDS * 4 * u.trainable_numel
+        rows.append((u.name, u.numel, weight_home[u.index], state_home.get(u.index, "-")))
+    runtime = runtime_bytes(units, cfg, w_home, s_home)
+    for tier in ("hbm", "dram"):
+        need[tier] += runtime[tier]
+    default_hbm, default_dram = _default_budgets(device)
+    p = Placement(weight_home, state_home, need, cfg.budgets.hbm_bytes or default_hbm,
+                  cfg.budgets.dram_bytes or default_dram, _free_disk(cfg) if cfg.nvme_path else 0, rows)
+    preflight(p, device)
+    return p
+
+
+def runtime_bytes(units: list[Unit], cfg, w_home: str, s_home: str) -> dict[str, int]:
+    """The runtime's own buffers on top of the ledger: the hbm working set of fetched units (the one in
+    use plus `prefetch_units` ahead), dram staging for nvme weights (as many) and for nvme optimizer
+    states (two units' worth: the one being updated and the one read ahead)."""
+    offloaded = [u.numel for u in units if not u.persistent]
+    largest = max(offloaded, default=0)
+    largest_trainable = max((u.trainable_numel for u in units), default=0)
+    itemsize = cfg.compute_dtype.itemsize
+    in_flight = 1 + cfg.prefetch_units
+    out = {"hbm": 0, "dram": 0}
+    if w_home != "hbm":
+        out["hbm"] += in_flight * largest * itemsize
+    if w_home == "nvme":
+        out["dram"] += in_flight * largest * itemsize
+    if s_home == "nvme":
+        out["dram"] += 2 * STATE_KINDS * 4 * largest_trainable + largest * itemsize
+    return out
+
+
+def _free_disk(cfg) -> int:
+    path = os.path.abspath(cfg.nvme_path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def preflight(p: Placement, device: torch.device) -> None:
+    problems = []
+    for tier in ("hbm", "dram", "nvme"):
+        budget = getattr(p, f"{tier}_budget")
+        if p.need[tier] > budget:
+            what = "free disk under nvme_path" if tier == "nvme" else f"budget (budgets.{tier}_bytes)"
+            problems.append(f"{tier} needs {p.need[tier]} bytes ({p.need[tier] / 2**30:.2f} GiB) but the {what} "
+                            f"is {budget} bytes ({budget / 2**30:.2f} GiB)")
+    host = p.need["dram"] + (p.need["hbm"] if device.type == "cpu" else 0)
+    avail = psutil.virtual_memory().available
+    if host > avail:
+        problems.append(f"host memory: needs {host} bytes ({host / 2**30:.2f} GiB) but only {avail} bytes "
+                        f"({avail / 2**30:.2f} GiB) are available")
+    if problems:
+        raise PlacementError("the model does not fit: " + "; ".join(problems) +
+                             "; offload more (offload_param / offload_optimizer = nvme), raise the budgets, "
+                             "or use smaller units (units.min_numel)")

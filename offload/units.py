@@ -1,0 +1,148 @@
+"""Units: the module subtrees whose parameters move together, and their flat-buffer layout.
+
+[Note: the unit policy]
+Without `units.classes`, the elements of module containers (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+become units (transformer blocks, the layers of an MLP), and any other child subtree holding at least
+`units.min_numel` parameters and no container becomes one unit (embeddings, lm_head). Parameters left
+over (norms, biases of the root) form the resident "rest" unit, which stays in hbm. A parameter shared
+by several modules (tied embeddings) belongs to the first unit that holds it; the other modules that
+use it fetch that unit before they run ("users").
+
+[Note: the flat layout]
+Each unit has one flat buffer per dtype: trainable parameters first, then frozen ones, so that the
+optimizer states (fp32 master, exp_avg, exp_avg_sq, gradient) cover the contiguous prefix
+[0, trainable_numel). Every parameter starts at a multiple of ALIGN_NUMEL elements, and both the
+trainable prefix and the whole buffer are padded to ALIGN_NUMEL x world_size, so a later ZeRO stage can
+cut each buffer into `world_size` equal shards that each start 4 KiB-aligned in bf16 and fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+ALIGN_NUMEL = 2048  # 4 KiB of bf16, 8 KiB of fp32
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+REST = "<rest>"
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+@dataclass
+class Slot:
+    """One parameter's place in its unit's flat buffer."""
+
+    name: str              # the first fully qualified name of the parameter
+    param: nn.Parameter
+    offset: int            # in elements
+    numel: int
+    shape: torch.Size
+    trainable: bool
+
+
+@dataclass
+class Unit:
+    index: int
+    name: str                       # module path, or REST
+    module: nn.Module | None        # the subtree root (None for the rest unit)
+    slots: list[Slot]
+    numel: int                      # padded flat numel (all parameters)
+    trainable_numel: int            # padded numel of the trainable prefix
+    users: list[nn.Module] = field(default_factory=list)  # modules outside `module` using its params
+
+    @property
+    def persistent(self) -> bool:
+        return self.module is None
+
+    def key(self, kind: str, rank: int = 0) -> str:
+        """Stable swap/checkpoint key: unit path + kind (weight dtype, master, exp_avg, ...) + rank."""
+        return f"{self.name}/{kind}/rank{rank}"
+
+
+def _subtree_numel(module: nn.Module, taken: set) -> int:
+    return sum(p.numel() for p in module.parameters() if p not in taken)
+
+
+def _has_container(module: nn.Module) -> bool:
+    return any(isinstance(m, CONTAINERS) for m in module.modules())
+
+
+def _unit_roots(model: nn.Module, min_numel: int, classes: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    roots: list[tuple[str, nn.Module]] = []
+    taken: set = set()
+
+    def take(path: str, module: nn.Module) -> None:
+        roots.append((path, module))
+        taken.update(module.parameters())
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if classes:
+                take(path, child) if type(child).__name__ in classes else visit(path, child)
+            elif _subtree_numel(child, taken) == 0:
+                continue
+            elif isinstance(module, CONTAINERS) and not _has_container(child):
+                take(path, child)
+            elif _has_container(child):
+                visit(path, child)
+            elif _subtree_numel(child, taken) >= min_numel:
+                take(path, child)
+
+    visit("", model)
+    if classes and not roots:
+        found = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(f"units.classes={list(classes)}: no module of these classes in the model; "
+                         f"classes present: {found}")
+    return roots
+
+
+def _layout(index: int, name: str, module, params: list[tuple[str, nn.Parameter]], world_size: int) -> Unit:
+    pad = ALIGN_NUMEL * world_size
+    slots: list[Slot] = []
+    offset = 0
+
+    def place(group) -> None:
+        nonlocal offset
+        for pname, p in group:
+            slots.append(Slot(pname, p, offset, p.numel(), p.shape, p.requires_grad))
+            offset = _round_up(offset + p.numel(), 32)
+
+    place([np for np in params if np[1].requires_grad])
+    trainable_numel = offset = _round_up(offset, pad)
+    place([np for np in params if not np[1].requires_grad])
+    return Unit(index, name, module, slots, _round_up(max(offset, 1), pad), trainable_numel)
+
+
+def partition(model: nn.Module, min_numel: int, classes: tuple[str, ...] = (), world_size: int = 1) -> list[Unit]:
+    """Splits `model` into units (see the notes above); the rest unit, if any, comes last."""
+    owner: dict = {}  # parameter -> unit index (first holder wins: tied weights)
+    units: list[Unit] = []
+    for path, module in _unit_roots(model, min_numel, classes):
+        params = [(f"{path}.{n}", p) for n, p in module.named_parameters() if p not in owner]
+        if not params:
+            continue
+        for _, p in params:
+            owner[p] = len(units)
+        units.append(_layout(len(units), path, module, params, world_size))
+    rest = [(n, p) for n, p in model.named_parameters() if p not in owner]
+    if rest:
+        for _, p in rest:
+            owner[p] = len(units)
+        units.append(_layout(len(units), REST, None, rest, world_size))
+    _attach_users(model, units, owner)
+    return units
+
+
+def _attach_users(model: nn.Module, units: list[Unit], owner: dict) -> None:
+    """Modules that use a unit's parameters from outside the unit's subtree fetch it too (tied weights)."""
+    inside = {u.index: set(u.module.modules()) for u in units if u.module is not None}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            u = units[owner[p]]
+            if not u.persistent and module not in inside[u.index] and module not in u.users:
+                u.users.append(module)

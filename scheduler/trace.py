@@ -1,0 +1,53 @@
+"""Execution trace: the order in which units are fetched in one step, recorded once and replayed.
+
+The engine reports each fetch (`observe(unit)`); while the order matches the recorded one, `observe`
+returns the units due next, which the engine prefetches. On a divergence (dynamic control flow) the
+rest of the step runs on demand, the step is recorded again, and a warning is logged at most once per
+`warn_every` steps.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("offload")
+
+
+class ExecutionTrace:
+    def __init__(self, lookahead: int, warn_every: int = 1000):
+        self.lookahead, self.warn_every = lookahead, warn_every
+        self.recorded: list[int] | None = None
+        self._current: list[int] = []
+        self._pos = 0
+        self._diverged = False
+        self._steps = 0
+        self._last_warning = None
+
+    def begin_step(self) -> None:
+        self._current, self._pos, self._diverged = [], 0, False
+
+    def observe(self, unit: int) -> list[int]:
+        """Records a fetch of `unit`; returns the units expected next (empty when not replaying)."""
+        if self._current and self._current[-1] == unit:
+            return []  # the same unit asked for twice in a row (several outputs): one event
+        self._current.append(unit)
+        if self.recorded is None or self._diverged:
+            return []
+        if self._pos < len(self.recorded) and self.recorded[self._pos] == unit:
+            self._pos += 1
+            return self.recorded[self._pos:self._pos + self.lookahead]
+        self._diverged = True
+        if self._last_warning is None or self._steps - self._last_warning >= self.warn_every:
+            self._last_warning = self._steps
+            log.warning("offload: unit order differs from the recorded trace (step %d); fetching on demand "
+                        "and recording again", self._steps)
+        return []
+
+    def end_step(self) -> None:
+        if self.recorded is None or self._diverged or self._pos != len(self.recorded):
+            self.recorded = self._current
+        self._steps += 1
+
+    @property
+    def replaying(self) -> bool:
+        return self.recorded is not None and not self._diverged
