@@ -185,12 +185,20 @@ class Engine(nn.Module):
         gas = self.cfg.gradient_accumulation_steps
         first, last = self.micro_step % gas == 0, self.micro_step % gas == gas - 1
         nbytes = sum(g.numel() * g.element_size() for _, g in grads)
+        hbm = self.tiers.acct["hbm"]
+        while hbm.used_bytes + nbytes > hbm.budget_bytes and self._grad_jobs:
+            self._grad_jobs.pop(0).wait()  # back-pressure: let earlier gradients leave hbm first
+        hbm.charge(nbytes, f"{unit.name} gradients")  # they exist in hbm until the d2h job consumed them
         state = self.states[unit.index]
 
         def job():
-            sq = state.accumulate(grads, first, last)
-            if sq is not None:
-                self._grad_sq[unit.index] = sq
+            try:
+                sq = state.accumulate(grads, first, last)
+                if sq is not None:
+                    self._grad_sq[unit.index] = sq
+            finally:
+                grads.clear()
+                hbm.refund(nbytes)
 
         self._grad_jobs.append(self.d2h.submit(job))
         self.telemetry.link("hbm_to_dram", nbytes, 0.0)
@@ -298,11 +306,9 @@ class Engine(nn.Module):
         for s in (getattr(self, "h2d", None), getattr(self, "d2h", None)):
             if s is not None:
                 s.close()
-        for w in self.weights:
-            w.close()
-        for st in self.states:
-            if st is not None:
-                st.close()
+        for handle in self.weights + self.states:
+            if handle is not None:  # None: initialization stopped before this unit
+                handle.close()
         if getattr(self, "staging", None) is not None:
             self.staging.trim()
         if self.store is not None:
@@ -336,6 +342,9 @@ def run_step(engine: Engine, grad_scale: float, lr: float) -> None:
     for j, unit in enumerate(trainable):
         st = engine.states[unit.index]
         st.wait_loaded()
+        if j > 0:  # unit j-1's write-behind lands before unit j+1's read-ahead takes its buffers
+            engine.states[trainable[j - 1].index].wait_stored()
+            engine.weights[trainable[j - 1].index].wait_for_write()
         if j + 1 < len(trainable):
             engine.states[trainable[j + 1].index].load()
         w = engine.weights[unit.index]
@@ -348,5 +357,6 @@ def run_step(engine: Engine, grad_scale: float, lr: float) -> None:
             out.copy_(t["master"])
         w.commit_home()
         st.store()
-    for unit in trainable:
-        engine.states[unit.index].wait_stored()
+    if trainable:
+        engine.states[trainable[-1].index].wait_stored()
+        engine.weights[trainable[-1].index].wait_for_write()

@@ -36,8 +36,13 @@ def materialize(engine) -> None:
 
 
 def _from_meta(engine, model: nn.Module) -> None:
-    owner = {s.param: u for u in engine.units for s in u.slots}
-    pending = {u.index: {s.param for s in u.slots} for u in engine.units}
+    slot_of = {s.param: (u, s) for u in engine.units for s in u.slots}
+    holders: dict = {}  # parameter -> every (module, name) holding it (tied weights: several)
+    for m in model.modules():
+        for n, p in m._parameters.items():
+            if p is not None:
+                holders.setdefault(p, []).append((m, n))
+    pending = {u.index: len(u.slots) for u in engine.units}
     torch.manual_seed(engine.cfg.seed)
     for module in model.modules():
         direct = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
@@ -46,17 +51,21 @@ def _from_meta(engine, model: nn.Module) -> None:
         if not hasattr(module, "reset_parameters"):
             raise ValueError(f"module {type(module).__name__}: owns parameters but has no reset_parameters(); "
                              "define it, or build the model on the CPU")
-        module.to_empty(device="cpu", recurse=False)
+        old = dict(module._parameters)
+        module.to_empty(device="cpu", recurse=False)  # new Parameter objects: rebind every holder and slot
         with torch.no_grad():
             module.reset_parameters()
-        for p in module.parameters(recurse=False):
-            u = owner[p]
-            pending[u.index].discard(p)
-            if not pending[u.index]:
+        for name, p_old in old.items():
+            if p_old is None or p_old not in slot_of:
+                continue
+            p_new = module._parameters[name]
+            for m, n in holders[p_old]:
+                m._parameters[n] = p_new
+            u, slot = slot_of.pop(p_old)
+            slot.param = p_new
+            pending[u.index] -= 1
+            if pending[u.index] == 0:
                 place(engine, u)
-    for u in engine.units:
-        if engine.weights[u.index] is None:
-            place(engine, u)
 
 
 @torch.no_grad()

@@ -81,14 +81,15 @@ def plan_placement(units: list[Unit], cfg, device: torch.device) -> Placement:
 
 def runtime_bytes(units: list[Unit], cfg, w_home: str, s_home: str) -> dict[str, int]:
     """The runtime's own buffers on top of the ledger: the hbm working set of fetched units (the one in
-    use plus `prefetch_units` ahead), dram staging for nvme weights (as many) and for nvme optimizer
-    states (two units' worth: the one being updated and the one read ahead)."""
+    use plus `prefetch_units` ahead) and two units' gradients on their way to dram; dram staging for
+    nvme weights (as many as fetched) and for nvme optimizer states (two units' worth: the one being
+    updated and the one read ahead, plus one gradient accumulator)."""
     offloaded = [u.numel for u in units if not u.persistent]
     largest = max(offloaded, default=0)
     largest_trainable = max((u.trainable_numel for u in units), default=0)
     itemsize = cfg.compute_dtype.itemsize
     in_flight = 1 + cfg.prefetch_units
-    out = {"hbm": 0, "dram": 0}
+    out = {"hbm": 2 * largest_trainable * itemsize, "dram": 0}
     if w_home != "hbm":
         out["hbm"] += in_flight * largest * itemsize
     if w_home == "nvme":

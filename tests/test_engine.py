@@ -1,0 +1,206 @@
+"""Engine behaviour beyond parity: memory budgets, the meta device, fp16, schedules, errors, cleanup."""
+
+import os
+
+import pytest
+import torch
+
+import offload
+from offload.placement import PlacementError, runtime_bytes
+from offload.residency import R
+from tests.engine_util import MLP, Reference, mlp_batches
+
+
+def cfg(tmp_path, param="nvme", optim="nvme", **extra):
+    return {"precision": "fp32", "offload_param": {"device": param}, "offload_optimizer": {"device": optim},
+            "nvme_path": str(tmp_path / "swap"), "units": {"min_numel": 512}, **extra}
+
+
+def test_hbm_budget_of_two_units_holds(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = MLP(d=64, n_blocks=6)
+    probe = offload.initialize(MLP(d=64, n_blocks=6), cfg(tmp_path / "probe"))
+    unit_bytes = max(w.nbytes for w in probe.weights if w.home == "nvme")
+    resident_bytes = sum(w.nbytes for w in probe.weights if w.home == "hbm")
+    probe.close()
+    grad_bytes = unit_bytes * 2  # one unit's gradients, in flight to dram
+    budget = resident_bytes + 2 * unit_bytes + grad_bytes
+    eng = offload.initialize(model, cfg(tmp_path, prefetch_units=1, budgets={"hbm_bytes": budget}))
+    most_fetched = 0
+    original = eng.fetch_for_use
+
+    def counting(unit, backward=False):
+        nonlocal most_fetched
+        original(unit, backward)
+        fetched = sum(w.state in (R.HBM, R.DRAM_TO_HBM) and w.home == "nvme" for w in eng.weights)
+        most_fetched = max(most_fetched, fetched)
+
+    monkeypatch.setattr(eng, "fetch_for_use", counting)
+    for x, y in mlp_batches(4):
+        eng.backward(eng(x, y))
+        eng.step()
+    st = eng.stats()
+    assert most_fetched <= 2
+    assert st["tiers"]["hbm"]["peak_bytes"] <= budget
+    # dram holds only the staging buffers the placement planned (runtime_bytes), never the model
+    planned = runtime_bytes(eng.units, eng.cfg, "nvme", "nvme")["dram"]
+    assert st["tiers"]["dram"]["peak_bytes"] <= planned
+    eng.close()
+
+
+def test_meta_model_larger_than_dram_budget(tmp_path):
+    n_blocks, d = 48, 128
+    torch.manual_seed(7)
+    cpu_model = MLP(d=d, n_blocks=n_blocks)
+    fp32_bytes = sum(p.numel() * 4 for p in cpu_model.parameters())
+    budget = 3 << 20
+    assert fp32_bytes > 4 * budget
+    ref = Reference(cpu_model, "fp32", lr=1e-3)
+    with torch.device("meta"):
+        meta_model = MLP(d=d, n_blocks=n_blocks)
+    c = cfg(tmp_path, seed=7, prefetch_units=1, optimizer={"lr": 1e-3}, budgets={"dram_bytes": budget})
+    with offload.initialize(meta_model, c) as eng:
+        assert not any(p.is_meta for p in meta_model.parameters())
+        losses, ref_losses = [], []
+        for x, y in mlp_batches(3):
+            loss = eng(x, y)
+            eng.backward(loss)
+            eng.step()
+            losses.append(loss.item())
+            ref_losses.append(ref.micro_step(x, y))
+            ref.step()
+        st = eng.stats()
+        assert st["tiers"]["dram"]["peak_bytes"] <= budget
+        assert st["tiers"]["nvme"]["used_bytes"] >= 3 * fp32_bytes  # master + moments live on nvme
+    assert losses[0] == ref_losses[0]  # same seed, same initial weights
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+def test_fp16_overflow_skips_step_and_halves_scale(tmp_path):
+    torch.manual_seed(0)
+    model = MLP()
+    c = cfg(tmp_path, "cpu", "cpu", precision="fp16", loss_scale={"initial": 2.0**15})
+    with offload.initialize(model, c) as eng:
+        before = {k: v.clone() for k, v in eng.full_state_dict().items()}
+        x, y = mlp_batches(1)[0]
+        eng.backward(eng(x, y * 3e4))  # squared error ~1e9 x 2^15 overflows fp16 gradients
+        assert eng.step() is False
+        assert eng.loss_scale == 2.0**14 and eng.skipped_steps == 1
+        after = eng.full_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)  # a skipped step touches nothing
+        eng.backward(eng(x, y))
+        assert eng.step() is True
+        assert eng.stats()["step"] == 1
+
+
+def test_fp16_trains_like_reference(tmp_path):
+    torch.manual_seed(0)
+    model = MLP()
+    ref = Reference(model, "fp16", lr=1e-2, kernel=True)
+    c = cfg(tmp_path, "nvme", "nvme", precision="fp16", loss_scale={"initial": 1.0}, optimizer={"lr": 1e-2})
+    with offload.initialize(model, c) as eng:
+        for x, y in mlp_batches(3):
+            loss = eng(x, y)
+            eng.backward(loss)
+            eng.step()
+            assert loss.item() == ref.micro_step(x, y)
+            ref.step()
+
+
+def test_lr_schedule_warmup_then_cosine(tmp_path):
+    from offload.engine import lr_factor
+    from offload.config import LRScheduleConfig
+
+    s = LRScheduleConfig(type="cosine", warmup_steps=2, total_steps=6, min_ratio=0.1)
+    f = [lr_factor(s, i) for i in range(7)]
+    assert f[:2] == [0.5, 1.0] and f[2] == pytest.approx(1.0) and f[6] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[2:], f[3:]))
+    c = cfg(tmp_path, "cpu", "cpu", optimizer={"lr": 0.1}, lr_schedule={"type": "linear", "warmup_steps": 1, "total_steps": 3})
+    with offload.initialize(MLP(), c) as eng:
+        seen = []
+        for x, y in mlp_batches(3):
+            seen.append(eng.lr)
+            eng.backward(eng(x, y))
+            eng.step()
+        assert seen == pytest.approx([0.1, 0.1, 0.05])
+
+
+def test_close_removes_swap_files_and_is_idempotent(tmp_path):
+    eng = offload.initialize(MLP(), cfg(tmp_path))
+    x, y = mlp_batches(1)[0]
+    eng.backward(eng(x, y))
+    eng.step()
+    files = [f for _, _, fs in os.walk(tmp_path / "swap") for f in fs]
+    assert files
+    eng.close()
+    eng.close()
+    assert not [f for _, _, fs in os.walk(tmp_path / "swap") for f in fs]
+    assert eng.stats()["tiers"]["dram"]["used_bytes"] == 0
+
+
+def test_released_parameters_are_empty_not_dangling(tmp_path):
+    model = MLP()
+    with offload.initialize(model, cfg(tmp_path, "cpu", "cpu")):
+        assert model.blocks[0].fc1.weight.numel() == 0  # offloaded: an empty placeholder
+        assert model.norm.weight.shape == (64,)          # resident rest unit
+
+
+# --- errors -----------------------------------------------------------------------------------------
+
+def test_unknown_config_key_names_the_nearest():
+    with pytest.raises(ValueError, match=r"offload_optimiser: unknown config key; did you mean 'offload_optimizer'"):
+        offload.initialize(MLP(), {"offload_optimiser": {"device": "cpu"}})
+    with pytest.raises(ValueError, match=r"optimizer.betas2: unknown config key; did you mean 'betas'"):
+        offload.load_config({"optimizer": {"betas2": [0.9, 0.99]}})
+
+
+def test_bad_values_say_how_to_fix():
+    with pytest.raises(ValueError, match=r"precision='bf32'.*use \"bf16\""):
+        offload.load_config({"precision": "bf32"})
+    with pytest.raises(ValueError, match="nvme_path=None: required"):
+        offload.load_config({"offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}})
+
+
+def test_unwritable_nvme_path(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("running as a user that can write anywhere is tested with a file path below")
+        with pytest.raises(OSError):
+            offload.initialize(MLP(), cfg(tmp_path, nvme_path=str(ro / "swap")))
+    finally:
+        ro.chmod(0o700)
+
+
+def test_nvme_path_that_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(OSError):
+        offload.initialize(MLP(), {**cfg(tmp_path), "nvme_path": str(f / "swap")})
+
+
+def test_budgets_too_small_fail_before_training(tmp_path):
+    with pytest.raises(PlacementError, match=r"hbm needs \d+ bytes .* budget"):
+        offload.initialize(MLP(), cfg(tmp_path, "none", "none", budgets={"hbm_bytes": 4096}))
+    with pytest.raises(PlacementError, match="dram needs"):
+        offload.initialize(MLP(), cfg(tmp_path, "cpu", "cpu", budgets={"dram_bytes": 4096}))
+
+
+def test_model_without_parameters():
+    with pytest.raises(ValueError, match="model: has no parameters"):
+        offload.initialize(torch.nn.ReLU())
+
+
+def test_step_before_backward(tmp_path):
+    with offload.initialize(MLP(), cfg(tmp_path, "cpu", "cpu")) as eng:
+        with pytest.raises(RuntimeError, match=r"step\(\) called before backward\(\)"):
+            eng.step()
+
+
+def test_batch_on_the_wrong_device(tmp_path):
+    with offload.initialize(MLP(), cfg(tmp_path, "cpu", "cpu")) as eng:
+        x = torch.empty(8, 16, device="meta")
+        with pytest.raises(ValueError, match=r"batch tensor on meta.*\.to\(engine.device\)"):
+            eng(x, x)
