@@ -55,6 +55,11 @@ def _align_slice(raw: torch.Tensor, padded: int) -> torch.Tensor:
     return raw[skip : skip + padded]
 
 
+def _storage_id(t: torch.Tensor) -> int:
+    # Every raw buffer has its own storage; a zero-byte view has data_ptr 0 but keeps its storage.
+    return t.untyped_storage().data_ptr()
+
+
 class PoolExhaustedError(MemoryError):
     """A BufferPool could not serve a request within its timeout (or ever)."""
 
@@ -82,7 +87,7 @@ class BufferPool:
         self._cond = threading.Condition()
         self._free: dict[int, list[torch.Tensor]] = {}  # padded size -> cached raw buffers
         self._cached_bytes = 0
-        self._lent: dict[int, tuple[torch.Tensor, int]] = {}  # data_ptr -> (raw buffer, padded)
+        self._lent: dict[int, tuple[torch.Tensor, int]] = {}  # storage address -> (raw buffer, padded)
         self.used_bytes = 0
         self.peak_bytes = 0
 
@@ -109,7 +114,7 @@ class BufferPool:
             raw = self._take_locked(padded)
             self.used_bytes += padded
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
-            self._lent[raw.data_ptr()] = (raw, padded)
+            self._lent[_storage_id(raw)] = (raw, padded)
         return raw[:nbytes]
 
     def _take_locked(self, padded: int) -> torch.Tensor:
@@ -126,7 +131,7 @@ class BufferPool:
 
     def release(self, t: torch.Tensor) -> None:
         with self._cond:
-            lent = self._lent.pop(t.data_ptr(), None)
+            lent = self._lent.pop(_storage_id(t), None)
             if lent is None:
                 raise ValueError(
                     f"BufferPool.release: tensor at 0x{t.data_ptr():x} was not acquired from this pool "

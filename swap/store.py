@@ -160,17 +160,23 @@ class SwapStore:
                              f"1048576 (1 MiB) suits most NVMe drives")
         self.block_bytes = block_bytes
         self.checksum = checksum
+        self._closed = True  # until construction succeeds (so __del__ of a half-built store is a no-op)
         self._owns_engine = isinstance(engine, str)
         self.engine = open_engine(engine, queue_depth=queue_depth, threads=threads) if self._owns_engine else engine
-        self._closed = False
-        self.run_dir = make_run_dir(directory)
         try:
-            self.direct = self._choose_direct(direct)
-            self.path = self.run_dir / "data.bin"
-            self._fd = create_file(self.path, os.O_RDWR | (os.O_DIRECT if self.direct else 0))
+            self.run_dir = make_run_dir(directory)
+            try:
+                self.direct = self._choose_direct(direct)
+                self.path = self.run_dir / "data.bin"
+                self._fd = create_file(self.path, os.O_RDWR | (os.O_DIRECT if self.direct else 0))
+            except BaseException:
+                self._remove_files()
+                raise
         except BaseException:
-            self._remove_files()
+            if self._owns_engine:
+                self.engine.close()
             raise
+        self._closed = False
         self._lock = threading.Lock()
         self._index: dict[str, Entry] = {}
         self._extents = Extents()

@@ -1,0 +1,151 @@
+"""`offload bench nvme`, `offload tune nvme` and `offload clean`: the NVMe swap, measured and tidied."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from swap import clean, list_runs
+from swap.engines import ENGINES
+from swap.measure import aio_section, format_table, measure, parse_size, sweep, sweep_configs
+from swap.store import DEFAULT_BLOCK_BYTES, DEFAULT_CHECKSUM, DEFAULT_QUEUE_DEPTH, DEFAULT_THREADS
+
+
+def _nested(subparsers, name: str, help: str):
+    """The sub-subcommand group `offload <name> ...`, created once and shared by modules."""
+    parser = subparsers.choices.get(name)
+    if parser is None:
+        parser = subparsers.add_parser(name, help=help)
+        parser._offload_targets = parser.add_subparsers(dest="target", metavar="TARGET",
+                                                        parser_class=type(parser))
+        parser._offload_targets.required = True
+    return parser._offload_targets
+
+
+def _checksum_flags(p) -> None:
+    p.add_argument("--checksum", dest="checksum", action="store_true", default=DEFAULT_CHECKSUM,
+                   help=f"crc32 per block, verified on read (default: {'on' if DEFAULT_CHECKSUM else 'off'})")
+    p.add_argument("--no-checksum", dest="checksum", action="store_false", help="skip the crc32")
+
+
+def register(subparsers) -> None:
+    bench = _nested(subparsers, "bench", "measure a part of the runtime").add_parser(
+        "nvme", help="swap write/read bandwidth through the swap store (page cache bypassed)")
+    bench.add_argument("--dir", required=True, help="directory on the drive to measure (a run "
+                       "subdirectory is created in it and removed afterwards)")
+    bench.add_argument("--size", default="1G", help="bytes to write then read, e.g. 4G (default 1G)")
+    bench.add_argument("--engine", choices=ENGINES, default="auto")
+    bench.add_argument("--block-bytes", type=parse_size, default=DEFAULT_BLOCK_BYTES)
+    bench.add_argument("--queue-depth", type=int, default=DEFAULT_QUEUE_DEPTH)
+    bench.add_argument("--threads", type=int, default=DEFAULT_THREADS)
+    _checksum_flags(bench)
+    bench.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
+    bench.set_defaults(func=run_bench)
+
+    tune = _nested(subparsers, "tune", "sweep settings and print the best").add_parser(
+        "nvme", help="sweep block size x queue depth x threads for both engines; print the best `aio` section")
+    tune.add_argument("--dir", required=True)
+    tune.add_argument("--size", default="512M", help="bytes per configuration (default 512M)")
+    tune.add_argument("--engines", default="libaio,threads", help="comma-separated (default libaio,threads)")
+    tune.add_argument("--plot", default="offload-tune-nvme.png", help="PNG of the sweep (default %(default)s)")
+    _checksum_flags(tune)
+    tune.add_argument("--json", action="store_true")
+    tune.set_defaults(func=run_tune)
+
+    cl = subparsers.add_parser("clean", help="remove swap run directories left by crashed runs")
+    cl.add_argument("dir", help="the swap directory (nvme_path)")
+    cl.add_argument("--force", action="store_true", help="also remove runs whose process is still alive")
+    cl.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    cl.add_argument("--json", action="store_true")
+    cl.set_defaults(func=run_clean)
+
+
+def _log_to_stderr() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    _log_to_stderr()
+    r = measure(args.dir, parse_size(args.size), engine=args.engine, block_bytes=args.block_bytes,
+                queue_depth=args.queue_depth, threads=args.threads, checksum=args.checksum)
+    print(format_table(r))
+    if args.json:
+        print(json.dumps(r))
+    return 0
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    _log_to_stderr()
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    for e in engines:
+        if e not in ("libaio", "threads"):
+            raise ValueError(f"--engines={args.engines}: unknown engine {e!r}; use libaio and/or threads")
+    size = parse_size(args.size)
+    print(f"{'engine':8} {'block':>9} {'qd':>4} {'thr':>4} {'write GB/s':>11} {'read GB/s':>10}")
+
+    def progress(_, r):
+        print(f"{r['engine']:8} {r['block_bytes']:9d} {r['queue_depth']:4d} {r['threads']:4d} "
+              f"{r['write_gbps']:11.2f} {r['read_gbps']:10.2f}", flush=True)
+
+    results, best = sweep(args.dir, size, sweep_configs(engines), checksum=args.checksum, progress=progress)
+    plot = _plot(results, args.plot)
+    section = aio_section(best)
+    print(f"best (shortest write + read): write {best['write_gbps']:.2f} GB/s, read {best['read_gbps']:.2f} GB/s")
+    print(json.dumps({"aio": section}, indent=2))
+    if plot:
+        print(f"plot: {plot}")
+    if args.json:
+        print(json.dumps({"aio": section, "write_gbps": best["write_gbps"], "read_gbps": best["read_gbps"],
+                          "size_bytes": size, "plot": plot, "results": results}))
+    return 0
+
+
+def _plot(results: list[dict], path: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logging.getLogger("swap").warning("tune: matplotlib missing, no plot (pip install matplotlib)")
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, op in zip(axes, ("write", "read")):
+        series: dict[str, list] = {}
+        for r in results:
+            knob = f"qd {r['queue_depth']}" if r["engine"] == "libaio" else f"{r['threads']} threads"
+            series.setdefault(f"{r['engine']}, {knob}", []).append((r["block_bytes"] >> 10, r[f"{op}_gbps"]))
+        for label, pts in series.items():
+            ax.plot(*zip(*pts), marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block size (KiB)")
+        ax.set_title(f"{op}")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("GB/s (1e9 B/s)")
+    axes[1].legend(fontsize=7)
+    fig.suptitle("offload tune nvme")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run_clean(args: argparse.Namespace) -> int:
+    runs = list_runs(args.dir)
+    if args.dry_run:
+        targets = [r for r in runs if r.stale or args.force]
+        removed = []
+    else:
+        targets = removed = clean(args.dir, force=args.force)
+    for r in runs:
+        state = "stale" if r.stale else "live"
+        verb = ("would remove" if args.dry_run else "removed") if r in targets else "kept"
+        print(f"{verb:12} {state:5} pid {r.pid} host {r.host}  {r.path}")
+    if not runs:
+        print(f"no swap run directories in {args.dir}")
+    if args.json:
+        print(json.dumps({"removed": [str(r.path) for r in removed], "would_remove": [str(r.path) for r in targets]
+                          if args.dry_run else [], "kept": [str(r.path) for r in runs if r not in targets]}))
+    return 0

@@ -1,0 +1,133 @@
+"""Swap bandwidth as users see it: write then read SIZE bytes through SwapStore's own path.
+
+Used by `offload bench nvme`, `offload tune nvme` and bench/nvme.py. Figures are GB/s (1e9 bytes/s).
+"task" times span the first submission to the last completion; "e2e" times add what a user pays
+around it: opening the store (run directory, O_DIRECT probe, engine start) for the write, closing
+it (waiting, removing the files) for the read. Host buffers are pre-faulted and not timed.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+
+from .buffers import aligned_empty
+from .store import DEFAULT_BLOCK_BYTES, DEFAULT_CHECKSUM, DEFAULT_QUEUE_DEPTH, DEFAULT_THREADS, SwapStore
+
+CHUNK_BYTES = 256 << 20  # one key per chunk: many tickets in flight, like a model's units
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """'4G', '4GiB', '512M', '1048576' -> bytes (binary units, as fio and ds_io read them)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"size={text!r}: not a size; write e.g. 4G, 512M, 64K or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def fill_pattern(buf: torch.Tensor) -> None:
+    """Cheap non-constant contents (an int64 counter), so nothing can compress or dedupe it."""
+    words = buf[: buf.numel() // 8 * 8].view(torch.int64)
+    step = CHUNK_BYTES // 8
+    for s in range(0, words.numel(), step):
+        torch.arange(s, min(s + step, words.numel()), out=words[s : s + step])
+
+
+def measure(directory, size_bytes: int, *, engine: str = "auto", block_bytes: int = DEFAULT_BLOCK_BYTES,
+            queue_depth: int = DEFAULT_QUEUE_DEPTH, threads: int = DEFAULT_THREADS,
+            checksum: bool = DEFAULT_CHECKSUM, buffer: torch.Tensor | None = None) -> dict:
+    """Write then read `size_bytes`; returns a dict of settings, times and GB/s."""
+    if size_bytes <= 0:
+        raise ValueError(f"size={size_bytes}: must be > 0 bytes")
+    buf = buffer if buffer is not None else aligned_empty(size_bytes)
+    buf = buf[:size_bytes]
+    if buffer is None:
+        fill_pattern(buf)
+    chunks = [(f"chunk.{i}", buf[s : s + CHUNK_BYTES]) for i, s in enumerate(range(0, size_bytes, CHUNK_BYTES))]
+    probe = buf[-4096:].clone()
+
+    t_open = time.perf_counter()
+    store = SwapStore(directory, engine=engine, block_bytes=block_bytes, queue_depth=queue_depth,
+                      threads=threads, checksum=checksum)
+    try:
+        t0 = time.perf_counter()
+        for t in [store.write(k, c) for k, c in chunks]:
+            t.wait()
+        t1 = time.perf_counter()
+        buf[-4096:].zero_()  # the read must bring these bytes back
+        t2 = time.perf_counter()
+        for t in [store.read(k, c) for k, c in chunks]:
+            t.wait()
+        t3 = time.perf_counter()
+        engine_name, direct = store.engine.name, store.direct
+    finally:
+        store.close()
+    t_closed = time.perf_counter()
+    if not torch.equal(buf[-4096:], probe):
+        raise RuntimeError("swap bench: bytes read back differ from bytes written")
+    gb = size_bytes / 1e9
+    return {
+        "dir": str(directory), "size_bytes": size_bytes, "engine": engine_name, "block_bytes": block_bytes,
+        "queue_depth": queue_depth, "threads": threads, "direct": direct, "checksum": checksum,
+        "write_gbps": gb / (t1 - t0), "read_gbps": gb / (t3 - t2),
+        "write_task_s": t1 - t0, "read_task_s": t3 - t2,
+        "write_e2e_s": t1 - t_open, "read_e2e_s": t_closed - t2,
+        "write_e2e_gbps": gb / (t1 - t_open), "read_e2e_gbps": gb / (t_closed - t2),
+    }
+
+
+def format_table(r: dict) -> str:
+    mode = "O_DIRECT" if r["direct"] else "buffered (page cache NOT bypassed: figures overstate the drive)"
+    head = (f"swap bench: {r['size_bytes'] / 1e9:.2f} GB in {r['dir']}, engine {r['engine']}, "
+            f"block {r['block_bytes']} B, queue depth {r['queue_depth']}, threads {r['threads']}, "
+            f"{mode}, checksum {'on' if r['checksum'] else 'off'}")
+    rows = [f"{'':6} {'task s':>8} {'task GB/s':>10} {'e2e s':>8} {'e2e GB/s':>9}"]
+    for op in ("write", "read"):
+        rows.append(f"{op:6} {r[f'{op}_task_s']:8.3f} {r[f'{op}_gbps']:10.2f} "
+                    f"{r[f'{op}_e2e_s']:8.3f} {r[f'{op}_e2e_gbps']:9.2f}")
+    return "\n".join([head] + rows)
+
+
+SWEEP_BLOCK_BYTES = (256 << 10, 1 << 20, 4 << 20, 8 << 20)
+SWEEP_QUEUE_DEPTHS = (8, 32, 64)
+SWEEP_THREADS = (1, 2, 4, 8)
+
+
+def sweep_configs(engines=("libaio", "threads")) -> list[dict]:
+    """block size x queue depth for libaio, block size x threads for threads (each engine ignores
+    the other's knob, so sweeping it would only repeat runs)."""
+    configs = []
+    for engine in engines:
+        for block in SWEEP_BLOCK_BYTES:
+            if engine == "libaio":
+                configs += [dict(engine=engine, block_bytes=block, queue_depth=q, threads=DEFAULT_THREADS)
+                            for q in SWEEP_QUEUE_DEPTHS]
+            else:
+                configs += [dict(engine=engine, block_bytes=block, queue_depth=DEFAULT_QUEUE_DEPTH, threads=t)
+                            for t in SWEEP_THREADS]
+    return configs
+
+
+def sweep(directory, size_bytes: int, configs: list[dict], *, checksum: bool = DEFAULT_CHECKSUM,
+          progress=None) -> tuple[list[dict], dict]:
+    """Measure every config on one shared buffer; best = shortest write + read of the same bytes."""
+    buf = aligned_empty(size_bytes)
+    fill_pattern(buf)
+    results = []
+    for i, cfg in enumerate(configs):
+        results.append(measure(directory, size_bytes, checksum=checksum, buffer=buf, **cfg))
+        if progress is not None:
+            progress(i, results[-1])
+    best = min(results, key=lambda r: r["write_task_s"] + r["read_task_s"])
+    return results, best
+
+
+def aio_section(r: dict) -> dict:
+    """The runtime's `aio` config section (API.md keys) for one measured result."""
+    return {"engine": r["engine"], "block_bytes": r["block_bytes"], "queue_depth": r["queue_depth"],
+            "threads": r["threads"]}

@@ -1,0 +1,117 @@
+"""Aligned host buffers and the BufferPool: alignment, padding, back-pressure, randomized invariants."""
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swap import ALIGN_BYTES, BufferPool, PoolExhaustedError, aligned_empty
+
+
+@pytest.mark.parametrize("numel", [0, 1, 1000, 4096, (1 << 20) + 3, 3 << 20])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.float64])
+def test_aligned_empty_is_aligned_padded_and_usable(numel, dtype):
+    t = aligned_empty(numel, dtype)
+    assert t.dtype == dtype and t.shape == (numel,) and t.is_contiguous()
+    assert t.data_ptr() % ALIGN_BYTES == 0
+    storage_bytes = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+    # O_DIRECT may move the whole padded size: the storage reaches at least that far
+    assert storage_bytes >= max(ALIGN_BYTES, -(-numel * t.element_size() // ALIGN_BYTES) * ALIGN_BYTES)
+    t.fill_(1)
+    assert bool((t == 1).all())
+
+
+def test_aligned_empty_memory_outlives_its_mmap_object():
+    t = aligned_empty(2 << 20, torch.uint8)  # mmap path
+    import gc
+    gc.collect()
+    t.fill_(7)
+    assert int(t[-1]) == 7
+
+
+def _check_invariants(pool, lent):
+    spans = sorted((t.data_ptr(), t.data_ptr() + max(pad, 1)) for t, pad, _ in lent)
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert end <= start, "pool handed out overlapping bytes"
+    assert pool.used_bytes == sum(pad for _, pad, _ in lent)
+    assert pool.used_bytes <= pool.capacity_bytes
+    assert pool.peak_bytes >= pool.used_bytes
+    for t, _, mark in lent:  # nobody else wrote into a lent buffer
+        assert t.numel() == 0 or bool((t == mark).all())
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 300_000), st.integers(0, 10_000)), max_size=40))
+def test_pool_random_alloc_free_keeps_invariants(ops):
+    pool = BufferPool(1 << 20, timeout_s=0.0)
+    lent = []  # (tensor, padded, mark)
+    for is_acquire, nbytes, pick in ops:
+        if is_acquire or not lent:
+            padded = max(-(-nbytes // ALIGN_BYTES) * ALIGN_BYTES, ALIGN_BYTES)
+            if pool.used_bytes + padded > pool.capacity_bytes:
+                with pytest.raises(PoolExhaustedError):
+                    pool.acquire(nbytes)
+                continue
+            t = pool.acquire(nbytes)
+            assert t.dtype == torch.uint8 and t.numel() == nbytes and t.data_ptr() % ALIGN_BYTES == 0
+            mark = len(lent) % 251
+            t.fill_(mark)
+            lent.append((t, padded, mark))
+        else:
+            t, _, _ = lent.pop(pick % len(lent))
+            pool.release(t)
+        _check_invariants(pool, lent)
+    for t, _, _ in lent:
+        pool.release(t)
+    assert pool.used_bytes == 0
+
+
+def test_pool_timeout_names_capacity_requested_and_used():
+    pool = BufferPool(16 * ALIGN_BYTES, timeout_s=0.05)
+    held = pool.acquire(12 * ALIGN_BYTES)
+    with pytest.raises(PoolExhaustedError) as e:
+        pool.acquire(8 * ALIGN_BYTES)
+    msg = str(e.value)
+    assert "capacity 65536" in msg and str(8 * ALIGN_BYTES) in msg and "in use 49152" in msg
+    assert (e.value.capacity_bytes, e.value.requested_bytes, e.value.used_bytes) == (65536, 32768, 49152)
+    pool.release(held)
+
+
+def test_pool_request_larger_than_capacity_fails_at_once():
+    pool = BufferPool(ALIGN_BYTES, timeout_s=60)
+    with pytest.raises(PoolExhaustedError, match="capacity is 4096"):
+        pool.acquire(ALIGN_BYTES + 1)
+
+
+def test_pool_back_pressure_waits_for_a_release():
+    pool = BufferPool(8 * ALIGN_BYTES, timeout_s=30)
+    first = pool.acquire(6 * ALIGN_BYTES)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(4 * ALIGN_BYTES)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not got, "acquire must block while the pool is full"
+    pool.release(first)
+    waiter.join(10)
+    assert len(got) == 1 and pool.used_bytes == 4 * ALIGN_BYTES
+    assert pool.peak_bytes == 6 * ALIGN_BYTES
+
+
+def test_pool_rejects_foreign_and_double_release():
+    pool = BufferPool(1 << 16)
+    t = pool.acquire(100)
+    pool.release(t)
+    with pytest.raises(ValueError, match="not acquired from this pool"):
+        pool.release(t)
+    with pytest.raises(ValueError):
+        pool.release(torch.empty(10, dtype=torch.uint8))
+
+
+def test_pool_reuses_released_buffers():
+    pool = BufferPool(1 << 16)
+    t = pool.acquire(5000)
+    ptr = t.data_ptr()
+    pool.release(t)
+    assert pool.acquire(6000).data_ptr() == ptr  # same padded size class (8 KiB)

@@ -1,0 +1,76 @@
+"""The two I/O engines behind one Protocol: every block completes exactly once, errors as -errno."""
+
+import errno
+import os
+import threading
+
+import pytest
+import torch
+
+from swap import ALIGN_BYTES, Block, aligned_empty, libaio_available, open_engine
+
+ENGINES = ["threads"] + (["libaio"] if libaio_available() else [])
+
+
+def _run(engine, blocks_spec):
+    results, lock, all_done = {}, threading.Lock(), threading.Event()
+
+    def done(block, res):
+        with lock:
+            assert id(block) not in results, "a block completed twice"
+            results[id(block)] = res
+            if len(results) == len(blocks):
+                all_done.set()
+
+    blocks = [Block(w, fd, off, addr, n, done) for w, fd, off, addr, n in blocks_spec]
+    engine.submit(blocks)
+    assert all_done.wait(30)
+    return [results[id(b)] for b in blocks]
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_more_blocks_than_queue_depth_round_trip(tmp_path, name):
+    engine = open_engine(name, queue_depth=4, threads=3)
+    assert engine.name == name
+    n, size = 37, 3 * ALIGN_BYTES
+    src = aligned_empty(n * size).random_(0, 256)
+    dst = aligned_empty(n * size)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        res = _run(engine, [(True, fd, i * size, src.data_ptr() + i * size, size) for i in range(n)])
+        assert res == [size] * n
+        res = _run(engine, [(False, fd, i * size, dst.data_ptr() + i * size, size) for i in range(n)])
+        assert res == [size] * n and torch.equal(src, dst)
+        res = _run(engine, [(False, fd, n * size, dst.data_ptr(), size)])  # past the end of file
+        assert res == [0]
+    finally:
+        os.close(fd)
+        engine.close()
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_errors_come_back_as_negative_errno(tmp_path, name):
+    engine = open_engine(name, queue_depth=2, threads=2)
+    buf = aligned_empty(ALIGN_BYTES)
+    fd = os.open(tmp_path / "g", os.O_RDONLY | os.O_CREAT, 0o600)
+    bad_fd = os.open(tmp_path / "h", os.O_RDONLY | os.O_CREAT, 0o600)
+    os.close(bad_fd)
+    try:
+        res = _run(engine, [(True, fd, 0, buf.data_ptr(), ALIGN_BYTES),  # write to a read-only fd
+                            (False, bad_fd, 0, buf.data_ptr(), ALIGN_BYTES)])
+        assert res == [-errno.EBADF, -errno.EBADF]
+    finally:
+        os.close(fd)
+        engine.close()
+
+
+def test_open_engine_validates_and_auto_says_which(caplog):
+    caplog.set_level("INFO", logger="swap")
+    engine = open_engine("auto")
+    assert engine.name == ("libaio" if libaio_available() else "threads")
+    assert any(f"auto -> {engine.name}" in r.message for r in caplog.records)
+    engine.close()
+    with pytest.raises(ValueError, match="queue_depth=0"):
+        open_engine("libaio", queue_depth=0)
+    with pytest.raises(ValueError, match="threads=0"):
+        open_engine("threads", threads=0)

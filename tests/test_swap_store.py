@@ -1,0 +1,135 @@
+"""SwapStore round trips on both engines, with O_DIRECT (disk) and buffered (/dev/shm) I/O."""
+
+import os
+import pathlib
+import shutil
+import uuid
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from swap import ALIGN_BYTES, SwapStore, aligned_empty, libaio_available
+
+ENGINES = ["threads"] + (["libaio"] if libaio_available() else [])
+SHM = pathlib.Path("/dev/shm")
+DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool, torch.float16,
+          torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+
+
+def _modes():
+    modes = [("disk", True)]
+    if SHM.is_dir() and os.access(SHM, os.W_OK):
+        modes.append(("shm", False))  # the buffered fallback, on a tmpfs
+    return modes
+
+
+@pytest.fixture(params=[(e, fs, d) for e in ENGINES for fs, d in _modes()], ids=lambda p: f"{p[0]}-{p[1]}")
+def store(request, tmp_path):
+    engine, fs, direct = request.param
+    base = tmp_path if fs == "disk" else SHM / f"offload-test-{uuid.uuid4().hex[:8]}"
+    s = SwapStore(base, engine=engine, block_bytes=256 << 10, queue_depth=8, threads=3, checksum=True,
+                  direct=direct)
+    assert s.direct is direct
+    yield s
+    s.close()
+    if fs == "shm":
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _random(numel, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (numel * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8, generator=g)
+    return raw.view(dtype) if dtype != torch.bool else (raw % 2).view(torch.bool)
+
+
+def _same(a, b):
+    """Bitwise equality (random bytes include NaNs, which torch.equal calls unequal)."""
+    as_bytes = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+    return a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
+
+
+SIZES = st.one_of(st.integers(0, 3 * ALIGN_BYTES), st.integers(0, 4 << 20),
+                  st.sampled_from([4095, 4096, 4097, (256 << 10) + 1, 64 << 20]))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(nbytes=SIZES, dtype=st.sampled_from(DTYPES), aligned=st.booleans(), seed=st.integers(0, 2**31))
+@example(nbytes=(64 << 20) + 3, dtype=torch.uint8, aligned=True, seed=0)  # the largest, odd size, every run
+def test_round_trip_any_size_and_dtype(store, nbytes, dtype, aligned, seed):
+    numel = nbytes // torch.empty((), dtype=dtype).element_size()
+    src = _random(numel, dtype, seed)
+    if aligned:
+        src = aligned_empty(numel, dtype).copy_(src)
+    key = f"k-{dtype}-{numel}"
+    store.write(key, src).wait()
+    assert key in store and store.nbytes(key) == src.nbytes
+    out = aligned_empty(numel, dtype) if not aligned else torch.empty(numel + 1, dtype=dtype)[1:]
+    store.read(key, out).wait()
+    assert _same(out, src)
+
+
+def test_many_concurrent_keys_shapes_and_overwrites(store):
+    tensors = {f"unit.{i}": _random(n, torch.bfloat16, i).view(-1, 1) for i, n in
+               enumerate([0, 1, 7, 2048, 2049, 100_000, 300_000, 1 << 20] * 4)}
+    tickets = [store.write(k, v) for k, v in tensors.items()]
+    for t in tickets:
+        t.wait()
+    assert len(store) == len(tensors)
+    # overwrite half with new values (same size: in place; doubled size: a new extent)
+    for i, k in enumerate(list(tensors)[::2]):
+        n = tensors[k].numel() * (2 if i % 2 else 1)
+        tensors[k] = _random(n, torch.bfloat16, 1000 + i)
+    tickets = [store.write(k, v) for k, v in list(tensors.items())[::2]]
+    outs = {k: torch.empty_like(v) for k, v in tensors.items()}
+    reads = [store.read(k, outs[k]) for k in tensors]  # reads wait for pending writes of their key
+    for t in tickets + reads:
+        t.wait()
+    for k, v in tensors.items():
+        assert _same(outs[k], v), k
+
+
+def test_noncontiguous_write_and_dtype_changing_read(store):
+    x = torch.arange(12_000, dtype=torch.float32).view(100, 120).t()  # non-contiguous
+    store.write("x", x).wait()
+    raw = torch.empty(x.nbytes, dtype=torch.uint8)
+    store.read("x", raw).wait()
+    assert torch.equal(raw.view(torch.float32).view(120, 100), x)
+
+
+def test_read_into_a_view_never_touches_its_neighbours(store):
+    flat = aligned_empty(3 * ALIGN_BYTES, torch.uint8).fill_(0xAB)
+    store.write("a", torch.full((ALIGN_BYTES + 10,), 7, dtype=torch.uint8)).wait()
+    store.read("a", flat[: ALIGN_BYTES + 10]).wait()
+    assert bool((flat[: ALIGN_BYTES + 10] == 7).all()) and bool((flat[ALIGN_BYTES + 10:] == 0xAB).all())
+
+
+def test_delete_frees_space_for_reuse(store):
+    store.write("a", torch.ones(1 << 18)).wait()
+    end = store._extents.end_bytes
+    store.delete("a")
+    assert "a" not in store
+    with pytest.raises(KeyError):
+        store.read("a", torch.empty(1 << 18))
+    store.write("b", torch.ones(1 << 18)).wait()
+    assert store._extents.end_bytes == end
+
+
+def test_bad_arguments_say_what_to_do(store):
+    store.write("a", torch.ones(10)).wait()
+    with pytest.raises(ValueError, match="has 80 bytes but key 'a' holds 40"):
+        store.read("a", torch.empty(10, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        store.read("a", torch.empty(10, 2)[:, 0])
+    with pytest.raises(ValueError, match="non-empty string"):
+        store.write("", torch.ones(1))
+    with pytest.raises(KeyError, match="never written"):
+        store.read("missing", torch.empty(1))
+
+
+def test_block_bytes_must_be_a_multiple_of_4096(tmp_path):
+    with pytest.raises(ValueError, match="block_bytes=1000: must be a positive multiple of 4096"):
+        SwapStore(tmp_path, block_bytes=1000)
+    with pytest.raises(ValueError, match="engine='fast'"):
+        SwapStore(tmp_path, engine="fast")
