@@ -1,0 +1,340 @@
+"""CPU Adam: the optimizer step over offloaded fp32 states, at memory-bandwidth speed.
+
+Two backends compute the same update:
+- "compiled": offload/csrc/cpu_adam.cpp, built on first use with torch.utils.cpp_extension into a cache
+  directory ($OFFLOAD_CACHE_DIR, else $XDG_CACHE_HOME/offload, else ~/.cache/offload). One pass per element
+  reads the fp32 master/exp_avg/exp_avg_sq and the bf16/fp16/fp32 gradient and writes the states back plus
+  the new weight in bf16/fp16. AVX-512 or AVX2 is chosen at run time (cap it with $OFFLOAD_CPU_ADAM_ISA or
+  `set_isa`); multi-threaded over 64 Ki-element chunks.
+- "torch": torch._fused_adamw_ / _fused_adam_ over cache-sized tiles, the gradient cast and the weight
+  cast done per tile so they hit cache. Used automatically when the kernel cannot be built.
+"auto" means the compiled kernel when it builds and loads, else torch ($OFFLOAD_CPU_ADAM_BACKEND overrides).
+
+Threads: the compiled kernel uses `get_num_threads()` threads: torch.get_num_threads() unless lowered with
+`set_num_threads(n)` (for example to leave cores to I/O threads). The torch backend uses torch's pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["CPUAdam", "adam_step", "grad_sq_sum", "kernel_backend", "kernel_isa", "set_isa",
+           "set_num_threads", "get_num_threads"]
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_adam.cpp"
+_BACKENDS = ("auto", "compiled", "torch")
+_ISAS = ("scalar", "avx2", "avx512")  # index = the kernel's ISA code
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_OUT_DTYPES = (torch.bfloat16, torch.float16)
+# [Note: fallback tile size] 256 Ki elements = 1 MiB per fp32 array: the tile's gradient cast, the fused
+# step and the weight cast run back to back while the tile is still in L2/L3, and the per-tile Python
+# overhead (~30 us) stays small next to the tile's work.
+_TILE_NUMEL = 1 << 18
+
+_lock = threading.Lock()
+_kernel = None          # the loaded extension module, once built
+_kernel_error = None    # why it could not be built/loaded (str), once tried
+_auto_backend = None    # what "auto" resolves to, once decided
+_num_threads = None     # None: follow torch.get_num_threads()
+_isa_cap = None         # None: the best the CPU supports (or $OFFLOAD_CPU_ADAM_ISA)
+
+
+# ---------------------------------------------------------------------------------------------- building
+
+def _cache_dir() -> Path:
+    root = os.environ.get("OFFLOAD_CACHE_DIR")
+    if root is None:
+        root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "offload"
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return Path(root) / "cpu_adam" / f"{tag}-{digest}"
+
+
+def _check_toolchain() -> None:
+    from torch.utils import cpp_extension
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH (install g++ or set CXX)")
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError as e:
+        raise RuntimeError("ninja is not installed (pip install ninja)") from e
+
+
+def _build() -> object:
+    """Compile (first use) or load (cached) the kernel. Raises RuntimeError saying what failed."""
+    from torch.utils import cpp_extension
+    _check_toolchain()
+    build_dir = _cache_dir()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not (build_dir / "offload_cpu_adam.so").exists():
+        log.warning("offload: building the CPU Adam kernel (first use only, about a minute) in %s", build_dir)
+    try:
+        return cpp_extension.load(name="offload_cpu_adam", sources=[str(_SOURCE)], extra_cflags=["-O3"],
+                                  build_directory=str(build_dir), verbose=False)
+    except Exception as e:  # compiler errors surface as RuntimeError/CalledProcessError/ImportError
+        raise RuntimeError(f"building/loading {_SOURCE} in {build_dir} failed: {e}") from e
+
+
+def _get_kernel():
+    """The compiled kernel module, or None with `_kernel_error` saying why (built/tried once)."""
+    global _kernel, _kernel_error
+    if _kernel is None and _kernel_error is None:
+        with _lock:
+            if _kernel is None and _kernel_error is None:
+                try:
+                    _kernel = _build()
+                except RuntimeError as e:
+                    _kernel_error = str(e)
+    return _kernel
+
+
+def kernel_backend() -> str:
+    """What backend="auto" resolves to here: "compiled" or "torch". Logs the choice and why, once."""
+    global _auto_backend
+    if _auto_backend is not None:
+        return _auto_backend
+    forced = os.environ.get("OFFLOAD_CPU_ADAM_BACKEND", "auto")
+    if forced not in _BACKENDS:
+        raise ValueError(f"OFFLOAD_CPU_ADAM_BACKEND={forced}: not a backend; use one of {_BACKENDS}")
+    if forced == "torch":
+        _auto_backend = "torch"
+        log.info("offload: CPU Adam uses the torch backend (OFFLOAD_CPU_ADAM_BACKEND=torch)")
+    elif _get_kernel() is not None:
+        _auto_backend = "compiled"
+        log.info("offload: CPU Adam uses the compiled kernel (%s, %d threads)", kernel_isa(), get_num_threads())
+    elif forced == "compiled":
+        raise RuntimeError(f"OFFLOAD_CPU_ADAM_BACKEND=compiled but the kernel is unavailable: {_kernel_error}")
+    else:
+        _auto_backend = "torch"
+        log.warning("offload: CPU Adam falls back to the torch backend (slower): %s", _kernel_error)
+    return _auto_backend
+
+
+def _resolve(backend: str):
+    """The kernel module for backend, or None for the torch path."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r}: not a backend; use one of {_BACKENDS}")
+    if backend == "auto":
+        backend = kernel_backend()
+    if backend == "torch":
+        return None
+    kernel = _get_kernel()
+    if kernel is None:
+        raise RuntimeError(f"backend='compiled': the CPU Adam kernel is unavailable: {_kernel_error}; "
+                           "use backend='torch' or fix the build")
+    return kernel
+
+
+# ---------------------------------------------------------------------------------------------- knobs
+
+def set_num_threads(n: int | None) -> None:
+    """Threads for the compiled kernel: n >= 1 (capped by torch.get_num_threads()), or None to follow torch."""
+    global _num_threads
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise ValueError(f"num_threads={n!r}: must be an int >= 1 or None; None follows torch.get_num_threads()")
+    _num_threads = n
+
+
+def get_num_threads() -> int:
+    """Threads the compiled kernel uses now."""
+    torch_threads = torch.get_num_threads()
+    return torch_threads if _num_threads is None else min(_num_threads, torch_threads)
+
+
+def set_isa(name: str | None) -> None:
+    """Cap the compiled kernel's instruction set ("avx512", "avx2", "scalar"); None: the best available."""
+    global _isa_cap
+    if name is not None and name not in _ISAS:
+        raise ValueError(f"isa={name!r}: unknown; use one of {_ISAS} or None")
+    _isa_cap = name
+
+
+def _isa_code(kernel) -> int:
+    cap = _isa_cap or os.environ.get("OFFLOAD_CPU_ADAM_ISA") or None
+    best = kernel.best_isa()
+    if cap is None:
+        return best
+    if cap not in _ISAS:
+        raise ValueError(f"OFFLOAD_CPU_ADAM_ISA={cap}: unknown; use one of {_ISAS}")
+    if _ISAS.index(cap) > best:
+        raise ValueError(f"isa={cap}: this CPU supports at most {_ISAS[best]}; choose a lower one")
+    return _ISAS.index(cap)
+
+
+def kernel_isa() -> str | None:
+    """The instruction set the compiled kernel runs with here, or None when it is unavailable."""
+    kernel = _get_kernel()
+    return None if kernel is None else _ISAS[_isa_code(kernel)]
+
+
+# ---------------------------------------------------------------------------------------------- the step
+
+def _check_flat(name: str, t, numel: int | None, dtypes) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}={type(t).__name__}: not a tensor; pass a CPU torch.Tensor")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name}.device={t.device}: CPU Adam runs on CPU tensors; move it to the CPU")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}.dtype={t.dtype}: unsupported; use one of {list(dtypes)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: not contiguous; pass a flat contiguous tensor (.contiguous())")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name}.numel()={t.numel()}: differs from param.numel()={numel}; pass equal-sized shards")
+
+
+def _check_hparams(step, lr, beta1, beta2, eps, weight_decay, grad_scale) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"step={step!r}: must be an int >= 1 (the 1-based count for bias correction)")
+    checks = (("lr", lr, lr >= 0), ("beta1", beta1, 0 <= beta1 < 1), ("beta2", beta2, 0 <= beta2 < 1),
+              ("eps", eps, eps >= 0), ("weight_decay", weight_decay, weight_decay >= 0),
+              ("grad_scale", grad_scale, grad_scale > 0 and math.isfinite(grad_scale)))
+    for name, value, ok in checks:
+        if not ok:
+            raise ValueError(f"{name}={value}: out of range; use lr, eps, weight_decay >= 0, "
+                             "0 <= betas < 1 and a finite grad_scale > 0")
+
+
+def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float, beta2: float,
+              eps: float, weight_decay: float, adamw: bool = True, grad_scale: float = 1.0,
+              out=None, backend: str = "auto") -> None:
+    """One Adam/AdamW update of a flat fp32 shard, in place, using grad / grad_scale.
+
+    param, exp_avg, exp_avg_sq: contiguous fp32 CPU tensors; grad: bf16/fp16/fp32, same numel.
+    `step` is the 1-based step count for bias correction. adamw=True: decoupled decay
+    (param *= 1 - lr*wd); adamw=False: L2 (grad += wd*param), like torch.optim.Adam. `out` (bf16/fp16)
+    receives the new weight rounded to nearest even, in the same pass. The caller checks grad_sq_sum
+    for inf/nan first and skips the step (this function does not look).
+    """
+    numel = param.numel() if isinstance(param, torch.Tensor) else None
+    _check_flat("param", param, None, (torch.float32,))
+    _check_flat("grad", grad, numel, _GRAD_DTYPES)
+    _check_flat("exp_avg", exp_avg, numel, (torch.float32,))
+    _check_flat("exp_avg_sq", exp_avg_sq, numel, (torch.float32,))
+    if out is not None:
+        _check_flat("out", out, numel, _OUT_DTYPES)
+    lr, beta1, beta2, eps = float(lr), float(beta1), float(beta2), float(eps)
+    weight_decay, grad_scale = float(weight_decay), float(grad_scale)
+    _check_hparams(step, lr, beta1, beta2, eps, weight_decay, grad_scale)
+    kernel = _resolve(backend)
+    if numel == 0:
+        return
+    if kernel is None:
+        _torch_adam_step(param.view(-1), grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1),
+                         None if out is None else out.view(-1), step, lr, beta1, beta2, eps, weight_decay,
+                         bool(adamw), grad_scale)
+        return
+    with torch.profiler.record_function("offload::cpu_adam"):
+        kernel.adam_step(param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps, weight_decay,
+                         bool(adamw), grad_scale, get_num_threads(), _isa_code(kernel))
+
+
+def _torch_adam_step(param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps, weight_decay,
+                     adamw, grad_scale) -> None:
+    """The fallback: torch's fused CPU Adam over tiles, with the casts fused per tile."""
+    fused = torch._fused_adamw_ if adamw else torch._fused_adam_
+    step_t = torch.tensor(float(step))  # the fused op reads the step count from a tensor
+    # grad_scale: the op divides grads by it in place, so scaled grads always go through our tile buffer.
+    scale_t = None if grad_scale == 1.0 else torch.tensor(grad_scale, dtype=torch.float32)
+    needs_copy = grad.dtype != torch.float32 or scale_t is not None
+    numel = param.numel()
+    tile = torch.empty(min(numel, _TILE_NUMEL), dtype=torch.float32) if needs_copy else None
+    with torch.profiler.record_function("offload::cpu_adam_torch"):
+        for s in range(0, numel, _TILE_NUMEL):
+            e = min(numel, s + _TILE_NUMEL)
+            g = grad[s:e]
+            if needs_copy:
+                g = tile[: e - s].copy_(g)
+            fused([param[s:e]], [g], [exp_avg[s:e]], [exp_avg_sq[s:e]], [], [step_t], lr=lr, beta1=beta1,
+                  beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+                  grad_scale=scale_t, found_inf=None)
+            if out is not None:
+                out[s:e].copy_(param[s:e])
+
+
+def grad_sq_sum(grad, *, backend: str = "auto") -> float:
+    """Sum of squares of grad (bf16/fp16/fp32, any contiguous CPU tensor), accumulated in fp64.
+
+    inf/nan in grad give inf/nan: use it for the global norm and for fp16 overflow detection before any
+    adam_step, so a skipped step touches nothing. Deterministic: independent of the thread count.
+    """
+    _check_flat("grad", grad, None, _GRAD_DTYPES)
+    kernel = _resolve(backend)
+    if grad.numel() == 0:
+        return 0.0
+    if kernel is not None:
+        return kernel.grad_sq_sum(grad, get_num_threads(), _isa_code(kernel))
+    flat, total = grad.view(-1), 0.0
+    for s in range(0, flat.numel(), _TILE_NUMEL):
+        t = flat[s:s + _TILE_NUMEL].to(torch.float64)
+        total += float(torch.dot(t, t))
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- optimizer
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam/AdamW over CPU fp32 parameters with the fast kernel; a drop-in for torch.optim.AdamW/Adam.
+
+    adamw=True (default) is torch.optim.AdamW (decoupled decay, default weight_decay=1e-2);
+    adamw=False is torch.optim.Adam with L2 decay. State keys match torch's ("step" as a float tensor,
+    "exp_avg", "exp_avg_sq"), so state dicts move between them. Gradients may be fp32, bf16 or fp16.
+    step(grad_scale=s) uses grad / s (fp16 loss scaling and/or clipping folded into one factor).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, adamw: bool = True, *, backend: str = "auto"):
+        _check_hparams(1, float(lr), float(betas[0]), float(betas[1]), float(eps), float(weight_decay), 1.0)
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend={backend!r}: not a backend; use one of {_BACKENDS}")
+        self.backend = backend
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=adamw)
+        super().__init__(params, defaults)
+
+    def _state_for(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale: float = 1.0):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._step_param(p, group, grad_scale)
+        return loss
+
+    def _step_param(self, p: torch.Tensor, group: dict, grad_scale: float) -> None:
+        if p.device.type != "cpu" or p.dtype != torch.float32:
+            raise ValueError(f"param (shape {tuple(p.shape)}) is {p.dtype} on {p.device}: CPUAdam updates fp32 "
+                             "CPU parameters; keep fp32 master weights on the CPU")
+        if p.grad.is_sparse:
+            raise ValueError("grad: sparse gradients are not supported by CPUAdam; use torch.optim.SparseAdam")
+        state = self._state_for(p)
+        state["step"] += 1
+        work = p if p.is_contiguous() else p.contiguous()  # the kernel wants flat memory
+        beta1, beta2 = group["betas"]
+        adam_step(work.view(-1), p.grad.contiguous().view(-1), state["exp_avg"].view(-1),
+                  state["exp_avg_sq"].view(-1), step=int(state["step"].item()), lr=float(group["lr"]),
+                  beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                  adamw=group["adamw"], grad_scale=grad_scale, backend=self.backend)
+        if work is not p:
+            p.copy_(work)

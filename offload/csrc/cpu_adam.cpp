@@ -1,0 +1,479 @@
+// CPU Adam / AdamW over flat fp32 shards, at memory-bandwidth speed.
+//
+// One pass per element: read the fp32 master weight, exp_avg, exp_avg_sq and the gradient (bf16, fp16 or
+// fp32), write the three fp32 states back and, optionally, the new weight in bf16/fp16 (round to nearest
+// even) into a caller-given buffer. bf16 grads + bf16 out move 2+12 read + 12+2 written = 28 bytes/param.
+//
+// [Note: instruction set chosen at run time]
+// The extension is compiled for the baseline x86-64 target (no -march=native: the build cache may be
+// shared between machines, and a wheel must run anywhere). The AVX-512 and AVX2 kernels live in
+// `#pragma GCC target` regions and are picked with __builtin_cpu_supports when called. Inside those
+// regions we use only intrinsics and functions defined in the region (no std:: templates), so no
+// out-of-line copy of a shared inline function can be emitted with AVX-512 code in it.
+//
+// [Note: matching torch bit for bit where it matters]
+// The math mirrors torch's fused CPU Adam (lerp for exp_avg, sqrt(v)/sqrt(bc2)+eps, AdamW decay applied
+// to the weight first); fp32 results differ from torch.optim.AdamW by a few ulps. The bf16 output uses
+// the same integer round-to-nearest-even as c10::BFloat16 (no DAZ/FTZ, unlike vcvtneps2bf16), so it is
+// bit-exact with `master.to(torch.bfloat16)`, denormals included. fp16 uses F16C/AVX-512 cvtps2ph with
+// round-to-nearest-even, which is IEEE-exact like c10::Half.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define OFFLOAD_X86 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum Dt : int { F32 = 0, BF16 = 1, F16 = 2, NONE = 3 };
+enum Isa : int { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+
+// Per-step constants, computed once in double and rounded to float (see adam_coeffs below).
+struct Coeffs {
+  float lerp_w;         // exp_avg = exp_avg + lerp_w * (g - exp_avg)   (torch lerp, weight 1 - beta1 < 0.5)
+  bool lerp_from_grad;  // weight >= 0.5: torch computes g + (lerp_w - 1) * (g - exp_avg) instead
+  float beta2, beta2_c; // exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g * g
+  float neg_step_size;  // -lr / (1 - beta1^step)
+  float inv_bc2_sqrt;   // 1 / sqrt(1 - beta2^step)
+  float eps;
+  float decay;          // AdamW: param *= 1 - lr * wd before the update (1 when off)
+  float l2;             // Adam: g += wd * param (0 when off)
+  float inv_scale;      // g = grad / grad_scale, as a multiply
+  bool scaled;
+};
+
+struct Ptrs {
+  float* p;
+  const void* g;
+  float* m;
+  float* v;
+  void* out;
+};
+
+using AdamFn = void (*)(const Ptrs&, const Coeffs&, int64_t, int64_t);
+using SqFn = double (*)(const void*, int64_t, int64_t);
+
+// ---------------------------------------------------------------- scalar (any CPU; also AVX2 tails)
+// std::fma where the vector kernels fuse, so every path rounds alike (it is a libm call on CPUs without
+// FMA, which only the pre-AVX2 fallback runs on).
+namespace scalar {
+
+template <int G>
+inline float load_grad(const void* g, int64_t i) {
+  if constexpr (G == F32) return static_cast<const float*>(g)[i];
+  if constexpr (G == BF16) return static_cast<float>(static_cast<const c10::BFloat16*>(g)[i]);
+  if constexpr (G == F16) return static_cast<float>(static_cast<const c10::Half*>(g)[i]);
+  return 0.f;
+}
+
+template <int O>
+inline void store_out(void* out, int64_t i, float x) {
+  if constexpr (O == BF16) static_cast<c10::BFloat16*>(out)[i] = c10::BFloat16(x);  // RNE, NaN -> 0x7FC0
+  if constexpr (O == F16) static_cast<c10::Half*>(out)[i] = c10::Half(x);
+}
+
+template <int G, int O>
+void adam_range(const Ptrs& a, const Coeffs& c, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    float g = load_grad<G>(a.g, i);
+    if (c.scaled) g *= c.inv_scale;
+    float p = a.p[i] * c.decay;
+    if (c.l2 != 0.f) g = std::fma(c.l2, p, g);
+    float m = a.m[i];
+    m = c.lerp_from_grad ? std::fma(c.lerp_w - 1.f, g - m, g) : std::fma(c.lerp_w, g - m, m);
+    float v = std::fma(c.beta2_c * g, g, a.v[i] * c.beta2);
+    float denom = std::fma(std::sqrt(v), c.inv_bc2_sqrt, c.eps);
+    p = std::fma(c.neg_step_size, m / denom, p);
+    a.p[i] = p;
+    a.m[i] = m;
+    a.v[i] = v;
+    store_out<O>(a.out, i, p);
+  }
+}
+
+template <int G>
+double sq_range(const void* g, int64_t begin, int64_t end) {
+  double acc = 0.0;
+  for (int64_t i = begin; i < end; ++i) {
+    double x = load_grad<G>(g, i);
+    acc += x * x;
+  }
+  return acc;
+}
+
+}  // namespace scalar
+
+#ifdef OFFLOAD_X86
+// ---------------------------------------------------------------- AVX-512 (16 lanes, masked tails)
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), \
+                             apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#endif
+namespace avx512 {
+
+template <int G, bool kTail>
+inline __m512 load_grad(const void* g, int64_t i, __mmask16 k) {
+  if constexpr (G == F32) {
+    const float* src = static_cast<const float*>(g) + i;
+    return kTail ? _mm512_maskz_loadu_ps(k, src) : _mm512_loadu_ps(src);
+  } else {
+    const uint16_t* src = static_cast<const uint16_t*>(g) + i;
+    __m256i h = kTail ? _mm256_maskz_loadu_epi16(k, src) : _mm256_loadu_si256((const __m256i*)src);
+    if constexpr (G == BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+  }
+}
+
+template <bool kTail>
+inline __m512 load(const float* src, __mmask16 k) {
+  return kTail ? _mm512_maskz_loadu_ps(k, src) : _mm512_loadu_ps(src);
+}
+
+template <bool kTail>
+inline void store(float* dst, __m512 x, __mmask16 k) {
+  if (kTail) _mm512_mask_storeu_ps(dst, k, x);
+  else _mm512_storeu_ps(dst, x);
+}
+
+// c10::BFloat16's round_to_nearest_even, 16 lanes: (bits + 0x7FFF + lsb) >> 16, NaN -> 0x7FC0.
+inline __m256i to_bf16(__m512 x) {
+  __m512i b = _mm512_castps_si512(x);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0)));
+}
+
+template <int O, bool kTail>
+inline void store_out(void* out, int64_t i, __m512 x, __mmask16 k) {
+  if constexpr (O == NONE) return;
+  __m256i h;
+  if constexpr (O == BF16) h = to_bf16(x);
+  else h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  uint16_t* dst = static_cast<uint16_t*>(out) + i;
+  if (kTail) _mm256_mask_storeu_epi16(dst, k, h);
+  else _mm256_storeu_si256((__m256i*)dst, h);
+}
+
+template <int G, int O, bool kTail>
+inline void step16(const Ptrs& a, const Coeffs& c, int64_t i, __mmask16 k) {
+  __m512 g = load_grad<G, kTail>(a.g, i, k);
+  if (c.scaled) g = _mm512_mul_ps(g, _mm512_set1_ps(c.inv_scale));
+  __m512 p = _mm512_mul_ps(load<kTail>(a.p + i, k), _mm512_set1_ps(c.decay));
+  if (c.l2 != 0.f) g = _mm512_fmadd_ps(_mm512_set1_ps(c.l2), p, g);  // 0 * inf would be nan
+  __m512 m = load<kTail>(a.m + i, k);
+  __m512 diff = _mm512_sub_ps(g, m);
+  m = c.lerp_from_grad ? _mm512_fmadd_ps(_mm512_set1_ps(c.lerp_w - 1.f), diff, g)
+                       : _mm512_fmadd_ps(_mm512_set1_ps(c.lerp_w), diff, m);
+  __m512 v = _mm512_mul_ps(load<kTail>(a.v + i, k), _mm512_set1_ps(c.beta2));
+  v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(c.beta2_c), g), g, v);
+  __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(c.inv_bc2_sqrt), _mm512_set1_ps(c.eps));
+  p = _mm512_fmadd_ps(_mm512_set1_ps(c.neg_step_size), _mm512_div_ps(m, denom), p);
+  store<kTail>(a.p + i, p, k);
+  store<kTail>(a.m + i, m, k);
+  store<kTail>(a.v + i, v, k);
+  store_out<O, kTail>(a.out, i, p, k);
+}
+
+template <int G, int O>
+void adam_range(const Ptrs& a, const Coeffs& c, int64_t begin, int64_t end) {
+  int64_t i = begin;
+  for (; i + 16 <= end; i += 16) step16<G, O, false>(a, c, i, 0xFFFF);
+  if (i < end) step16<G, O, true>(a, c, i, (__mmask16)((1u << (end - i)) - 1u));
+}
+
+// Squares accumulate in double: a finite bf16/fp32 gradient above ~1.8e19 must not read as overflow.
+template <int G, bool kTail>
+inline void sq16(const void* g, int64_t i, __mmask16 k, __m512d& lo_acc, __m512d& hi_acc) {
+  __m512 x = load_grad<G, kTail>(g, i, k);
+  __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+  __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  lo_acc = _mm512_fmadd_pd(lo, lo, lo_acc);
+  hi_acc = _mm512_fmadd_pd(hi, hi, hi_acc);
+}
+
+template <int G>
+double sq_range(const void* g, int64_t begin, int64_t end) {
+  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+  int64_t i = begin;
+  for (; i + 16 <= end; i += 16) sq16<G, false>(g, i, 0xFFFF, lo, hi);
+  if (i < end) sq16<G, true>(g, i, (__mmask16)((1u << (end - i)) - 1u), lo, hi);
+  return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
+}
+
+}  // namespace avx512
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+// ---------------------------------------------------------------- AVX2 + FMA + F16C (8 lanes, scalar tails)
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+namespace avx2 {
+
+template <int G>
+inline __m256 load_grad(const void* g, int64_t i) {
+  if constexpr (G == F32) return _mm256_loadu_ps(static_cast<const float*>(g) + i);
+  __m128i h = _mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(g) + i));
+  if constexpr (G == BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_cvtph_ps(h);
+}
+
+inline __m128i to_bf16(__m256 x) {
+  __m256i b = _mm256_castps_si256(x);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+template <int O>
+inline void store_out(void* out, int64_t i, __m256 x) {
+  if constexpr (O == NONE) return;
+  __m128i h;
+  if constexpr (O == BF16) h = to_bf16(x);
+  else h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  _mm_storeu_si128((__m128i*)(static_cast<uint16_t*>(out) + i), h);
+}
+
+template <int G, int O>
+inline void step8(const Ptrs& a, const Coeffs& c, int64_t i) {
+  __m256 g = load_grad<G>(a.g, i);
+  if (c.scaled) g = _mm256_mul_ps(g, _mm256_set1_ps(c.inv_scale));
+  __m256 p = _mm256_mul_ps(_mm256_loadu_ps(a.p + i), _mm256_set1_ps(c.decay));
+  if (c.l2 != 0.f) g = _mm256_fmadd_ps(_mm256_set1_ps(c.l2), p, g);
+  __m256 m = _mm256_loadu_ps(a.m + i);
+  __m256 diff = _mm256_sub_ps(g, m);
+  m = c.lerp_from_grad ? _mm256_fmadd_ps(_mm256_set1_ps(c.lerp_w - 1.f), diff, g)
+                       : _mm256_fmadd_ps(_mm256_set1_ps(c.lerp_w), diff, m);
+  __m256 v = _mm256_mul_ps(_mm256_loadu_ps(a.v + i), _mm256_set1_ps(c.beta2));
+  v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(c.beta2_c), g), g, v);
+  __m256 denom = _mm256_fmadd_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(c.inv_bc2_sqrt), _mm256_set1_ps(c.eps));
+  p = _mm256_fmadd_ps(_mm256_set1_ps(c.neg_step_size), _mm256_div_ps(m, denom), p);
+  _mm256_storeu_ps(a.p + i, p);
+  _mm256_storeu_ps(a.m + i, m);
+  _mm256_storeu_ps(a.v + i, v);
+  store_out<O>(a.out, i, p);
+}
+
+template <int G, int O>
+void adam_range(const Ptrs& a, const Coeffs& c, int64_t begin, int64_t end) {
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8) step8<G, O>(a, c, i);
+  if (i < end) scalar::adam_range<G, O>(a, c, i, end);
+}
+
+template <int G>
+double sq_range(const void* g, int64_t begin, int64_t end) {
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    __m256 x = load_grad<G>(g, i);
+    __m256d xl = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+    __m256d xh = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+    lo = _mm256_fmadd_pd(xl, xl, lo);
+    hi = _mm256_fmadd_pd(xh, xh, hi);
+  }
+  __m256d s = _mm256_add_pd(lo, hi);
+  __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s), _mm256_extractf128_pd(s, 1));
+  double total = _mm_cvtsd_f64(_mm_add_sd(s2, _mm_unpackhi_pd(s2, s2)));
+  return total + scalar::sq_range<G>(g, i, end);
+}
+
+}  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif  // OFFLOAD_X86
+
+// ---------------------------------------------------------------- dispatch
+
+int best_isa() {
+#ifdef OFFLOAD_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return AVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;  // F16C comes with both
+#endif
+  return SCALAR;
+}
+
+int resolve_isa(int64_t requested) {
+  int best = best_isa();
+  if (requested < 0) return best;
+  TORCH_CHECK(requested <= best, "offload cpu_adam: ISA ", requested, " requested but this CPU supports at most ",
+              best, " (0=scalar, 1=avx2, 2=avx512)");
+  return static_cast<int>(requested);
+}
+
+template <int G, int O>
+AdamFn pick_adam_isa(int isa) {
+#ifdef OFFLOAD_X86
+  if (isa == AVX512) return avx512::adam_range<G, O>;
+  if (isa == AVX2) return avx2::adam_range<G, O>;
+#endif
+  return scalar::adam_range<G, O>;
+}
+
+template <int G>
+AdamFn pick_adam_out(int isa, int o) {
+  if (o == BF16) return pick_adam_isa<G, BF16>(isa);
+  if (o == F16) return pick_adam_isa<G, F16>(isa);
+  return pick_adam_isa<G, NONE>(isa);
+}
+
+AdamFn pick_adam(int isa, int g, int o) {
+  if (g == BF16) return pick_adam_out<BF16>(isa, o);
+  if (g == F16) return pick_adam_out<F16>(isa, o);
+  return pick_adam_out<F32>(isa, o);
+}
+
+template <int G>
+SqFn pick_sq_isa(int isa) {
+#ifdef OFFLOAD_X86
+  if (isa == AVX512) return avx512::sq_range<G>;
+  if (isa == AVX2) return avx2::sq_range<G>;
+#endif
+  return scalar::sq_range<G>;
+}
+
+SqFn pick_sq(int isa, int g) {
+  if (g == BF16) return pick_sq_isa<BF16>(isa);
+  if (g == F16) return pick_sq_isa<F16>(isa);
+  return pick_sq_isa<F32>(isa);
+}
+
+int dtype_code(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return F32;
+    case at::kBFloat16: return BF16;
+    case at::kHalf: return F16;
+    default: TORCH_CHECK(false, "offload cpu_adam: unsupported dtype ", t.scalar_type());
+  }
+  return NONE;
+}
+
+// [Note: chunks and threads]
+// 64 Ki elements per chunk (256 KiB of each fp32 array) is big enough that the per-chunk atomic is
+// noise and small enough that a core slowed by a neighbour (the machine is shared with I/O threads)
+// leaves its remaining chunks to the others. Chunk boundaries are multiples of 16, so only the last
+// chunk has a vector tail. Threads: at most `num_threads`, and at most torch's intra-op pool size.
+constexpr int64_t kChunkNumel = int64_t(1) << 16;
+
+template <typename Fn>
+void for_each_chunk(int64_t numel, int64_t num_threads, const Fn& fn) {
+  const int64_t n_chunks = (numel + kChunkNumel - 1) / kChunkNumel;
+  const int64_t workers = std::min<int64_t>(std::max<int64_t>(num_threads, 1), n_chunks);
+  if (workers <= 1) {
+    for (int64_t c = 0; c < n_chunks; ++c) fn(c, c * kChunkNumel, std::min(numel, (c + 1) * kChunkNumel));
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;)
+      fn(c, c * kChunkNumel, std::min(numel, (c + 1) * kChunkNumel));
+  });
+}
+
+void check_flat(const at::Tensor& t, const char* name, int64_t numel) {
+  TORCH_CHECK(t.device().is_cpu(), "offload cpu_adam: ", name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), "offload cpu_adam: ", name, " must be contiguous");
+  TORCH_CHECK(t.numel() == numel, "offload cpu_adam: ", name, " has ", t.numel(), " elements, expected ", numel);
+}
+
+Coeffs adam_coeffs(int64_t step, double lr, double beta1, double beta2, double eps, double wd, bool adamw,
+                   double grad_scale) {
+  Coeffs c;
+  const double w = 1.0 - beta1;
+  c.lerp_w = static_cast<float>(w);
+  c.lerp_from_grad = std::abs(w) >= 0.5;
+  c.beta2 = static_cast<float>(beta2);
+  c.beta2_c = static_cast<float>(1.0 - beta2);
+  c.neg_step_size = static_cast<float>(-lr / (1.0 - std::pow(beta1, static_cast<double>(step))));
+  c.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))));
+  c.eps = static_cast<float>(eps);
+  c.decay = adamw ? static_cast<float>(1.0 - lr * wd) : 1.f;
+  c.l2 = adamw ? 0.f : static_cast<float>(wd);
+  c.inv_scale = static_cast<float>(1.0 / grad_scale);
+  c.scaled = grad_scale != 1.0;
+  return c;
+}
+
+// ---------------------------------------------------------------- entry points (GIL released by the binding)
+
+void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+               c10::optional<at::Tensor> out, int64_t step, double lr, double beta1, double beta2, double eps,
+               double weight_decay, bool adamw, double grad_scale, int64_t num_threads, int64_t isa) {
+  const int64_t numel = param.numel();
+  check_flat(param, "param", numel);
+  check_flat(grad, "grad", numel);
+  check_flat(exp_avg, "exp_avg", numel);
+  check_flat(exp_avg_sq, "exp_avg_sq", numel);
+  TORCH_CHECK(param.scalar_type() == at::kFloat && exp_avg.scalar_type() == at::kFloat &&
+                  exp_avg_sq.scalar_type() == at::kFloat,
+              "offload cpu_adam: param, exp_avg and exp_avg_sq must be float32");
+  TORCH_CHECK(step >= 1, "offload cpu_adam: step must be >= 1, got ", step);
+  int o = NONE;
+  void* out_ptr = nullptr;
+  if (out.has_value()) {
+    check_flat(*out, "out", numel);
+    o = dtype_code(*out);
+    TORCH_CHECK(o != F32, "offload cpu_adam: out must be bfloat16 or float16");
+    out_ptr = out->data_ptr();
+  }
+  const AdamFn fn = pick_adam(resolve_isa(isa), dtype_code(grad), o);
+  const Coeffs c = adam_coeffs(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale);
+  const Ptrs a{param.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
+               out_ptr};
+  for_each_chunk(numel, num_threads, [&](int64_t, int64_t b, int64_t e) { fn(a, c, b, e); });
+}
+
+double grad_sq_sum(at::Tensor grad, int64_t num_threads, int64_t isa) {
+  const int64_t numel = grad.numel();
+  check_flat(grad, "grad", numel);
+  const SqFn fn = pick_sq(resolve_isa(isa), dtype_code(grad));
+  // One partial per chunk, summed in chunk order: the result does not depend on the thread count.
+  std::vector<double> partial((numel + kChunkNumel - 1) / kChunkNumel, 0.0);
+  const void* g = grad.data_ptr();
+  for_each_chunk(numel, num_threads, [&](int64_t c, int64_t b, int64_t e) { partial[c] = fn(g, b, e); });
+  double total = 0.0;
+  for (double x : partial) total += x;
+  return total;
+}
+
+std::string isa_name(int isa) { return isa == AVX512 ? "avx512" : isa == AVX2 ? "avx2" : "scalar"; }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.def("adam_step", &adam_step, py::call_guard<py::gil_scoped_release>());
+  m.def("grad_sq_sum", &grad_sq_sum, py::call_guard<py::gil_scoped_release>());
+  m.def("best_isa", &best_isa);
+  m.def("isa_name", &isa_name);
+}

@@ -1,0 +1,172 @@
+"""CPU Adam parity: the compiled kernel (every ISA this CPU has) and the torch fallback against
+torch.optim.AdamW / Adam (foreach=False), with bf16/fp16 outputs bit-exact against casting the master."""
+
+import math
+
+import pytest
+import torch
+
+from offload import cpu_adam
+from offload.cpu_adam import adam_step, grad_sq_sum
+
+# (backend, isa): the compiled kernel is tested at every ISA the CPU supports, so an AVX-512 machine also
+# checks the AVX2 and scalar code (tails included).
+BACKENDS = [("torch", None), ("compiled", "avx512"), ("compiled", "avx2"), ("compiled", "scalar")]
+SIZES = [1, 7, 4097, 1_000_003]
+LR, BETAS, EPS = 1e-2, (0.9, 0.999), 1e-8
+# "Within 1e-6 relative": params are O(1); values that cross zero get an absolute floor of 1e-7
+# (about one fp32 ulp at 1), since their relative error is unbounded for any float implementation.
+RTOL, ATOL = 1e-6, 1e-7
+
+
+@pytest.fixture(params=BACKENDS, ids=lambda b: b[0] if b[1] is None else f"{b[0]}-{b[1]}")
+def backend(request):
+    name, isa = request.param
+    if name == "compiled":
+        if cpu_adam._get_kernel() is None:
+            pytest.skip(f"compiled kernel unavailable: {cpu_adam._kernel_error}")
+        best = cpu_adam._kernel.best_isa()
+        if cpu_adam._ISAS.index(isa) > best:
+            pytest.skip(f"CPU lacks {isa}")
+    cpu_adam.set_isa(isa)
+    yield name
+    cpu_adam.set_isa(None)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    nan = torch.isnan(a.float())
+    if not torch.equal(nan, torch.isnan(b.float())):
+        return False
+    return torch.equal(a.view(torch.int16)[~nan], b.view(torch.int16)[~nan])
+
+
+def _run_parity(backend, numel, adamw, wd, grad_dtype, scaled, steps=20):
+    gen = torch.Generator().manual_seed(numel + 17 * int(adamw))
+    p0 = torch.randn(numel, generator=gen)
+    ref = torch.nn.Parameter(p0.clone())
+    ref_cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    ref_opt = ref_cls([ref], lr=LR, betas=BETAS, eps=EPS, weight_decay=wd, foreach=False)
+    p, m, v = p0.clone(), torch.zeros(numel), torch.zeros(numel)
+    out_dtype = torch.float16 if grad_dtype == torch.float16 else torch.bfloat16
+    out = torch.empty(numel, dtype=out_dtype)
+    # One factor folds the loss scale and a clip coefficient (not a power of two on purpose).
+    scale = 1024.0 / 0.37 if scaled else 1.0
+    skip_at = 7 if scaled else None
+    step = 0
+    for i in range(steps):
+        g_low = (torch.randn(numel, generator=gen) * scale).to(grad_dtype)
+        if i == skip_at:
+            g_low[numel // 2] = float("inf")
+        if not math.isfinite(grad_sq_sum(g_low, backend=backend)):
+            assert i == skip_at, "finite gradients reported as overflow"
+            continue  # the caller skips the step: nothing is touched, the step count does not advance
+        assert i != skip_at, "overflow not detected"
+        step += 1
+        ref.grad = g_low.float() / scale
+        ref_opt.step()
+        adam_step(p, g_low, m, v, step=step, lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=wd,
+                  adamw=adamw, grad_scale=scale, out=out, backend=backend)
+        assert _bits_equal(out, p.to(out_dtype)), f"step {step}: {out_dtype} output differs from the RNE cast"
+    state = ref_opt.state[ref]
+    torch.testing.assert_close(p, ref.detach(), rtol=RTOL, atol=ATOL)
+    for ours, theirs in ((m, state["exp_avg"]), (v, state["exp_avg_sq"])):  # within 1e-6 of the state's scale
+        torch.testing.assert_close(ours, theirs, rtol=RTOL, atol=RTOL * float(theirs.abs().max()))
+    assert step == (steps - 1 if scaled else steps)
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
+@pytest.mark.parametrize("wd", [0.0, 0.1], ids=["wd0", "wd0.1"])
+@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled+skip"])
+def test_parity_bf16_grads(backend, numel, adamw, wd, scaled):
+    _run_parity(backend, numel, adamw, wd, torch.bfloat16, scaled)
+
+
+@pytest.mark.parametrize("numel", [7, 4097, 100_003])
+@pytest.mark.parametrize("grad_dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
+def test_parity_other_grad_dtypes(backend, numel, grad_dtype, adamw):
+    _run_parity(backend, numel, adamw, 0.05, grad_dtype, scaled=True)
+
+
+def test_no_out_and_fp32_grads_unchanged(backend):
+    """Without `out` only the states change; the caller's fp32 gradient is not modified by unscaling."""
+    gen = torch.Generator().manual_seed(3)
+    p, g = torch.randn(5000, generator=gen), torch.randn(5000, generator=gen)
+    g_before = g.clone()
+    m, v = torch.zeros(5000), torch.zeros(5000)
+    adam_step(p, g, m, v, step=1, lr=LR, beta1=0.9, beta2=0.999, eps=EPS, weight_decay=0.0, grad_scale=4.0,
+              backend=backend)
+    assert torch.equal(g, g_before)
+    torch.testing.assert_close(m, 0.1 * g / 4.0, rtol=1e-6, atol=0)
+
+
+def _tricky_floats(numel: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(11)
+    bits = torch.randint(-2**31, 2**31 - 1, (numel,), generator=gen, dtype=torch.int64)
+    special = torch.tensor([0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001,  # bf16 ties (even/odd), near ties
+                            0x00000001, 0x00008000, 0x00018000, 0x807F8000,   # denormals, denormal ties
+                            0x7F7FFFFF, 0x7F7F8000, 0xFF7FFFFF, 0x477FF000,   # overflow to inf on rounding
+                            0x477FEFFF, 0x33800000, 0x33000000, 0x387FC000,   # fp16 limits, fp16 denormals
+                            0x7F800000, 0xFF800000, 0x80000000, 0x7FC00001], dtype=torch.int64)
+    bits[: special.numel()] = special
+    bits[-special.numel():] = special  # again in the vector tail
+    return bits.to(torch.int32).view(torch.float32).clone()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_out_rounding_bit_exact(backend, out_dtype):
+    """lr=0 leaves the master as is, so `out` must equal master.to(out_dtype) for any bit pattern:
+    ties to even, denormals, values that round to inf, inf, nan (nan-ness compared)."""
+    p = _tricky_floats(10_013)
+    expected = p.to(out_dtype)
+    g, m, v = torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)
+    out = torch.empty(p.numel(), dtype=out_dtype)
+    adam_step(p, g, m, v, step=1, lr=0.0, beta1=0.9, beta2=0.999, eps=EPS, weight_decay=0.0, out=out,
+              backend=backend)
+    assert _bits_equal(out, expected)
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_grad_sq_sum(backend, numel, dtype):
+    gen = torch.Generator().manual_seed(numel)
+    g = (torch.randn(numel, generator=gen) * 3).to(dtype)
+    expected = float(g.double().square().sum())
+    assert grad_sq_sum(g, backend=backend) == pytest.approx(expected, rel=1e-12)
+    for pos in {0, numel // 2, numel - 1}:
+        for bad, want in ((float("inf"), math.inf), (float("-inf"), math.inf), (float("nan"), None)):
+            h = g.clone()
+            h[pos] = bad
+            total = grad_sq_sum(h, backend=backend)
+            assert (math.isnan(total) if want is None else total == want), (pos, bad, total)
+
+
+def test_grad_sq_sum_large_finite_and_threads(backend):
+    """Squares accumulate in fp64: a finite 1e20 must not read as overflow; any thread count, same sum."""
+    g = torch.full((300_001,), 1e20, dtype=torch.float32)
+    x = float(g[0])  # 1e20 rounded to fp32
+    assert grad_sq_sum(g, backend=backend) == pytest.approx(x * x * g.numel(), rel=1e-9)
+    h = torch.randn(1_000_003, dtype=torch.float32)
+    try:
+        cpu_adam.set_num_threads(1)
+        one = grad_sq_sum(h, backend=backend)
+    finally:
+        cpu_adam.set_num_threads(None)
+    assert grad_sq_sum(h, backend=backend) == one
+
+
+def test_threads_do_not_change_the_step():
+    if cpu_adam.kernel_backend() != "compiled":
+        pytest.skip("compiled kernel unavailable")
+    gen = torch.Generator().manual_seed(5)
+    p0, g = torch.randn(700_001, generator=gen), torch.randn(700_001, generator=gen).bfloat16()
+    results = []
+    for threads in (1, None):
+        cpu_adam.set_num_threads(threads)
+        p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+        adam_step(p, g, m, v, step=3, lr=LR, beta1=0.9, beta2=0.999, eps=EPS, weight_decay=0.1)
+        results.append(p)
+    cpu_adam.set_num_threads(None)
+    assert torch.equal(results[0], results[1])
+    assert cpu_adam.get_num_threads() == torch.get_num_threads()
