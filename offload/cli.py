@@ -8,6 +8,7 @@ import sys
 
 # Each module defines register(subparsers); a subcommand sets `func(args) -> int` as its default.
 _COMMAND_MODULES = (
+    "offload.commands.estimate",
 )
 
 
