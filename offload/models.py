@@ -248,7 +248,7 @@ def loss_of(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.loss
 
 
-def _hf_llama(path: str, device, dtype) -> nn.Module:
+def _hf_llama(path: str, device, dtype, seed: int) -> nn.Module:
     config_path = os.path.join(path, "config.json")
     with open(config_path) as f:
         model_type = json.load(f).get("model_type")
@@ -261,6 +261,7 @@ def _hf_llama(path: str, device, dtype) -> nn.Module:
         raise ValueError(f"--model={path}: a Hugging Face directory needs transformers; "
                          f"pip install 'offload[hf]'") from e
     config = LlamaConfig.from_pretrained(path)
+    torch.manual_seed(seed)          # transformers' own init, made repeatable
     with torch.device(device):
         model = LlamaForCausalLM(config)
     return model.to(dtype) if dtype is not None else model
@@ -275,7 +276,7 @@ def build_model(name_or_dir: str | ModelConfig, device="cpu", dtype=None, seed: 
     from its config with transformers' own init; its weights come from its safetensors (offload.hf).
     """
     if isinstance(name_or_dir, str) and os.path.isdir(name_or_dir):
-        return _hf_llama(name_or_dir, device, dtype)
+        return _hf_llama(name_or_dir, device, dtype, seed)
     if isinstance(name_or_dir, ModelConfig):
         cfg = name_or_dir
     elif name_or_dir in PRESETS:
