@@ -9,6 +9,7 @@ import sys
 # Each module defines register(subparsers); a subcommand sets `func(args) -> int` as its default.
 _COMMAND_MODULES = (
     "offload.commands.nvme",
+    "offload.commands.estimate",
 )
 
 

@@ -1,0 +1,58 @@
+"""`offload estimate`: bytes per rank and tier (hbm, dram, nvme): the ZeRO ledger plus runtime buffers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+from offload import estimate as est
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "estimate", help="memory per rank and tier for a model, ZeRO stage and offload choice",
+        description=__doc__ + " GB = 1e9 bytes. " + est.__doc__.split("\n\n")[1].split("\n", 1)[1])
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=str, metavar="N", help="parameter count: 7.5e9, 7.5B, 350M")
+    what.add_argument("--model", metavar="HF_CONFIG_OR_DIR",
+                      help="a HF config.json, a directory with one (Llama-style), or a preset name")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument("--stage", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
+    p.add_argument("--offload-param", default="none", choices=("none", "cpu", "nvme"))
+    p.add_argument("--offload-optimizer", default="none", choices=("none", "cpu", "nvme"))
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--unit-numel", type=int, default=None,
+                   help="parameters in the largest unit (default: from the model; with --params, params/"
+                        f"{est.DEFAULT_UNITS_FOR_PARAMS})")
+    p.add_argument("--resident-units", type=int, default=2,
+                   help="units whose full weights are in hbm at once (default 2: current + prefetched)")
+    p.add_argument("--activation-bytes", type=int, default=0, help="activations in hbm, if known")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def _shape(args) -> est.ModelShape:
+    if args.params is not None:
+        params = est.parse_count(args.params)
+        shape = est.ModelShape(params, math.ceil(params / est.DEFAULT_UNITS_FOR_PARAMS),
+                               f"--params (largest unit assumed params/{est.DEFAULT_UNITS_FOR_PARAMS}; "
+                               f"--unit-numel sets it)")
+    else:
+        shape = est.model_shape(args.model)
+    if args.unit_numel is not None:
+        if args.unit_numel < 1:
+            raise ValueError(f"--unit-numel={args.unit_numel}: must be >= 1")
+        shape = dataclasses.replace(shape, largest_unit_numel=args.unit_numel)
+    return shape
+
+
+def run(args) -> int:
+    if args.resident_units < 1 or args.activation_bytes < 0:
+        raise ValueError(f"--resident-units={args.resident_units}, --activation-bytes={args.activation_bytes}: "
+                         f"need at least 1 resident unit and non-negative bytes")
+    result = est.estimate(_shape(args), dp=args.dp, stage=args.stage, offload_param=args.offload_param,
+                          offload_optimizer=args.offload_optimizer, precision=args.precision,
+                          hbm_units=args.resident_units, activation_bytes=args.activation_bytes)
+    print(json.dumps(result) if args.json else est.format_table(result))
+    return 0

@@ -1,0 +1,246 @@
+"""Memory estimate per rank and tier: the ZeRO ledger plus the runtime's own buffers. Pure functions.
+
+[Note: the ledger]
+Mixed precision with Adam, per parameter (Rajbhandari et al., ZeRO, 2020): 2 B bf16/fp16 weight,
+2 B gradient, K = 12 B optimizer state (fp32 master, m, v). With D data-parallel ranks, stage 1
+partitions the optimizer state (/D), stage 2 also the gradients, stage 3 also the weights. Offload
+moves a term to another tier whole: `offload_param` the weights (dram or nvme), `offload_optimizer`
+the optimizer state (dram or nvme) and, because the step then runs on the CPU, the gradients, which our
+runtime accumulates in fp32 in dram (4 B, not 2). With fp32 precision the weight is its own master:
+4 B weight, 4 B gradient, K = 8 (m, v).
+
+[Note: the runtime]
+Peak memory is never just the ledger. `runtime_bytes` adds what the runtime itself holds, as a function
+of explicit inputs, largest unit first (a unit is a module subtree such as one transformer block):
+gathered weights of the units resident in hbm, one unit's gradient in flight before it leaves hbm, the
+pinned dram staging buffers for NVMe (weights and the optimizer pipeline), rounded to 4 KiB per buffer
+and to the pinned-chunk size per pool. Activations depend on batch and sequence and are added only
+when given (activation_bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+TIERS = ("hbm", "dram", "nvme")
+OFFLOAD_TIER = {"none": "hbm", "cpu": "dram", "nvme": "nvme"}
+ALIGN_BYTES = 4096
+DEFAULT_UNITS_FOR_PARAMS = 32      # --params alone: assume the model is this many equal units
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """One line of the ledger: bytes_per_param on `tier`, divided by D when `partitioned`."""
+    name: str
+    tier: str
+    bytes_per_param: int
+    partitioned: bool
+
+
+def _check_choice(field: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{field}={value}: not one of {', '.join(map(str, allowed))}; pick one of those")
+
+
+def ledger_terms(stage: int, offload_param: str = "none", offload_optimizer: str = "none",
+                 precision: str = "bf16", dram_grad_bytes: int = 4) -> list[Term]:
+    """The three ledger terms (weights, gradients, optimizer) for a ZeRO stage and offload choice.
+
+    dram_grad_bytes: bytes per gradient element when the optimizer runs on the CPU (4: fp32 accumulation).
+    """
+    _check_choice("stage", stage, (0, 1, 2, 3))
+    _check_choice("offload_param", offload_param, tuple(OFFLOAD_TIER))
+    _check_choice("offload_optimizer", offload_optimizer, tuple(OFFLOAD_TIER))
+    _check_choice("precision", precision, ("bf16", "fp16", "fp32"))
+    weight_bytes = 4 if precision == "fp32" else 2
+    k = 8 if precision == "fp32" else 12
+    opt_tier = OFFLOAD_TIER[offload_optimizer]
+    grad_bytes = weight_bytes if opt_tier == "hbm" else dram_grad_bytes   # CPU step: gradients in dram
+    return [Term("weights", OFFLOAD_TIER[offload_param], weight_bytes, stage >= 3),
+            Term("gradients", "hbm" if opt_tier == "hbm" else "dram", grad_bytes, stage >= 2),
+            Term("optimizer", opt_tier, k, stage >= 1)]
+
+
+def model_state_bytes(params: int, dp: int, terms: list[Term]) -> dict[str, int]:
+    """Bytes per rank and tier of the ledger: {"hbm_bytes", "dram_bytes", "nvme_bytes"}."""
+    out = {f"{t}_bytes": 0 for t in TIERS}
+    for term in terms:
+        out[f"{term.tier}_bytes"] += term.bytes_per_param * (math.ceil(params / dp) if term.partitioned else params)
+    return out
+
+
+def _aligned(nbytes: int, align: int = ALIGN_BYTES) -> int:
+    return -(-nbytes // align) * align
+
+
+def runtime_bytes(unit_numel: int, terms: list[Term], dp: int = 1, hbm_units: int = 2,
+                  nvme_weight_units: int = 2, nvme_optimizer_units: int = 3,
+                  optimizer_unit_bytes_per_numel: int = 16, optimizer_chunk_numel: int | None = None,
+                  pinned_chunk_bytes: int = 64 << 20, activation_bytes: int = 0) -> dict:
+    """The runtime's buffers and working set per rank, on top of the ledger.
+
+    unit_numel: parameters in the largest unit (the buffers are sized for it).
+    terms: ledger_terms(...) of the run (where weights, gradients and optimizer state live).
+    dp: data-parallel ranks (a partitioned term's shard of a unit is unit_numel / dp).
+    hbm_units: units whose full weights are resident in hbm at once (current + prefetched).
+    nvme_weight_units: pinned dram buffers for weights read from NVMe (one filling, one draining).
+    nvme_optimizer_units: units in flight in the NVMe optimizer pipeline (read j+1, step j, write j-1).
+    optimizer_unit_bytes_per_numel: bytes per parameter each pipeline slot holds (fp32 master, m, v, grad).
+    optimizer_chunk_numel: the pipeline's slot size when it steps a unit in sub-groups (None: a whole unit).
+    pinned_chunk_bytes: pinned memory is allocated in chunks; each pinned pool rounds up to a chunk.
+    activation_bytes: activations in hbm, when known (they depend on batch and sequence length).
+    Returns {"hbm_bytes", "dram_bytes", "nvme_bytes", "parts": [{"name", "tier", "bytes", "formula"}]}.
+    """
+    w, g, _ = terms
+    parts = []
+
+    def add(name, tier, nbytes, formula):
+        if nbytes:
+            parts.append({"name": name, "tier": tier, "bytes": int(nbytes), "formula": formula})
+
+    if w.tier != "hbm" or (w.partitioned and dp > 1):
+        add("gathered weights", "hbm", hbm_units * _aligned(unit_numel * w.bytes_per_param),
+            f"{hbm_units} units x U x {w.bytes_per_param} B")
+    if g.tier != "hbm" or (g.partitioned and dp > 1):
+        grad_bytes = 4 if w.bytes_per_param == 4 else 2
+        add("gradient in flight", "hbm", _aligned(unit_numel * grad_bytes), f"1 unit x U x {grad_bytes} B")
+    add("activations", "hbm", activation_bytes, "given")
+    pinned = []
+    if w.tier == "nvme":
+        shard = math.ceil(unit_numel / dp) if w.partitioned else unit_numel
+        pinned.append(("nvme weight staging", nvme_weight_units * _aligned(shard * w.bytes_per_param),
+                       f"{nvme_weight_units} x U{'/D' if w.partitioned else ''} x {w.bytes_per_param} B"))
+    if terms[2].tier == "nvme":
+        shard = math.ceil(unit_numel / dp) if terms[2].partitioned else unit_numel
+        slot = "U/D" if terms[2].partitioned else "U"
+        if optimizer_chunk_numel:
+            shard, slot = min(shard, optimizer_chunk_numel), f"min({slot}, {optimizer_chunk_numel})"
+        pinned.append(("nvme optimizer pipeline",
+                       nvme_optimizer_units * _aligned(shard * optimizer_unit_bytes_per_numel),
+                       f"{nvme_optimizer_units} x {slot} x {optimizer_unit_bytes_per_numel} B"))
+    for name, nbytes, formula in pinned:     # each pool is pinned in whole chunks
+        add(name, "dram", _aligned(nbytes, pinned_chunk_bytes),
+            f"{formula}, rounded up to {pinned_chunk_bytes >> 20} MiB pinned chunks")
+    out = {f"{t}_bytes": sum(p["bytes"] for p in parts if p["tier"] == t) for t in TIERS}
+    out["parts"] = parts
+    return out
+
+
+# -- what the estimate is of: a parameter count, a HF config, or a preset ----------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    params: int
+    largest_unit_numel: int
+    source: str               # how params and the unit size were obtained, for the report
+
+
+def parse_count(text: str) -> int:
+    """'7.5e9', '7500000000', '7.5B', '350M', '1.2T' -> int."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(text[-1:].upper(), None)
+    try:
+        value = float(text[:-1]) * scale if scale else float(text)
+    except ValueError:
+        raise ValueError(f"--params={text}: not a number; write e.g. 7.5e9 or 7.5B") from None
+    if not value >= 1 or value != value or math.isinf(value):
+        raise ValueError(f"--params={text}: must be a positive count of parameters")
+    return int(round(value))
+
+
+def llama_param_count(config: dict, where: str = "config") -> tuple[int, int]:
+    """(total parameters, largest unit numel) of a Llama-style HF config, exactly as transformers builds it.
+
+    Embedding, untied lm_head, per layer q/k/v/o (GQA: k, v have num_key_value_heads x head_dim rows;
+    biases if attention_bias), gate/up/down (biases if mlp_bias), two RMSNorms; the final RMSNorm.
+    """
+    def need(key):
+        if config.get(key) is None:
+            raise ValueError(f"{where}: missing {key!r}; a Llama-style config.json has it")
+        return int(config[key])
+
+    vocab, d, ff = need("vocab_size"), need("hidden_size"), need("intermediate_size")
+    layers, heads = need("num_hidden_layers"), need("num_attention_heads")
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or d // heads)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attention = d * q + 2 * d * kv + q * d + (q + 2 * kv + d if config.get("attention_bias") else 0)
+    mlp = 3 * d * ff + (2 * ff + d if config.get("mlp_bias") else 0)
+    block = attention + mlp + 2 * d
+    embed = vocab * d
+    head = 0 if config.get("tie_word_embeddings", False) else embed
+    return embed + layers * block + d + head, max(block, embed)
+
+
+def model_shape(model: str) -> ModelShape:
+    """--model: a config.json file, a directory holding one, or a preset name of offload.models."""
+    if os.path.isdir(model) or model.endswith(".json") or os.sep in model:
+        path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+        with open(path) as f:    # OSError (missing file) names the path
+            try:
+                config = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); pass a HF config.json") from e
+        kind = config.get("model_type")
+        if kind not in ("llama", "mistral"):
+            raise ValueError(f"model_type={kind!r} in {path}: only Llama-style configs (llama, mistral) are "
+                             f"counted; pass --params N instead")
+        params, unit = llama_param_count(config, path)
+        return ModelShape(params, unit, f"{path} (model_type {kind})")
+    from offload.models import PRESETS   # local import: the estimator itself needs no torch
+    if model not in PRESETS:
+        raise ValueError(f"--model={model}: no such file, directory or preset ({', '.join(PRESETS)}); "
+                         f"pass a config.json, a HF model directory or a preset name")
+    cfg = PRESETS[model]
+    embed = cfg.vocab_size * cfg.d_model
+    return ModelShape(cfg.num_params(), max(cfg.block_numel(), embed), f"preset {model!r}")
+
+
+def estimate(shape: ModelShape, dp: int = 1, stage: int = 0, offload_param: str = "none",
+             offload_optimizer: str = "none", precision: str = "bf16", dram_grad_bytes: int = 4,
+             **runtime_kwargs) -> dict:
+    """The whole estimate as the JSON of `offload estimate --json`."""
+    if dp < 1:
+        raise ValueError(f"dp={dp}: must be >= 1 (the number of data-parallel ranks)")
+    terms = ledger_terms(stage, offload_param, offload_optimizer, precision, dram_grad_bytes)
+    states = model_state_bytes(shape.params, dp, terms)
+    runtime = runtime_bytes(shape.largest_unit_numel, terms, dp=dp, **runtime_kwargs)
+    per_rank = {k: states[k] + runtime[k] for k in states}
+    return {"params": shape.params, "largest_unit_numel": shape.largest_unit_numel, "source": shape.source,
+            "dp": dp, "stage": stage, "offload_param": offload_param, "offload_optimizer": offload_optimizer,
+            "precision": precision, "K": terms[2].bytes_per_param,
+            "model_states": states, "runtime": runtime, "per_rank": per_rank,
+            "all_ranks": {k: v * dp for k, v in per_rank.items()},
+            "formula": formula(terms, runtime)}
+
+
+def formula(terms: list[Term], runtime: dict) -> str:
+    """The ledger and runtime formulas per tier, P = params, D = ranks, U = largest unit numel."""
+    lines = []
+    for tier in TIERS:
+        ledger = [f"{t.bytes_per_param}P{'/D' if t.partitioned else ''} ({t.name})" for t in terms if t.tier == tier]
+        extra = [f"{p['formula']} ({p['name']})" for p in runtime["parts"] if p["tier"] == tier]
+        lines.append(f"{tier} = " + (" + ".join(ledger + extra) or "0"))
+    return "; ".join(lines)
+
+
+def format_bytes(n: int) -> str:
+    """3 significant digits in decimal units (GB = 1e9, as in the ZeRO paper)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
+def format_table(result: dict) -> str:
+    head = (f"{result['params']:,} parameters from {result['source']}; dp={result['dp']}, "
+            f"zero stage {result['stage']}, offload_param={result['offload_param']}, "
+            f"offload_optimizer={result['offload_optimizer']}, {result['precision']}, K={result['K']}")
+    rows = [f"{'per rank':<14}" + "".join(f"{t:>12}" for t in TIERS)]
+    for label, key in (("model states", "model_states"), ("runtime", "runtime"), ("total", "per_rank")):
+        rows.append(f"{label:<14}" + "".join(f"{format_bytes(result[key][t + '_bytes']):>12}" for t in TIERS))
+    return "\n".join([head, *rows, f"formula (P = params, D = ranks, U = {result['largest_unit_numel']:,}, "
+                      f"the largest unit's numel): {result['formula']}",
+                      "Not included unless given: activations (--activation-bytes), allocator slack."])

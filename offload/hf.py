@@ -1,0 +1,142 @@
+"""Local Hugging Face directories, tensor by tensor: read safetensors shards as a stream, write them back.
+
+Reading never holds more than one tensor of one open shard (safetensors.safe_open maps the file and
+copies out only the tensor asked for), so a model larger than RAM can stream into its tiers.
+Writing holds at most one shard (max_shard_bytes) in memory. Needs the `safetensors` package
+(the `hf` extra); no network, ever.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+from typing import Iterable, Iterator
+
+import torch
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+        return safetensors
+    except ImportError as e:
+        raise ValueError("safetensors is not installed; pip install 'offload[hf]'") from e
+
+
+def read_config(directory: str) -> dict:
+    """config.json of a HF model directory as a dict."""
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from e
+
+
+def shard_files(directory: str) -> list[str]:
+    """Paths of the safetensors files of a HF directory, in shard order."""
+    index_path = os.path.join(directory, INDEX_FILE)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            try:
+                weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{index_path}: not a safetensors index with a weight_map ({e})") from e
+        paths = [os.path.join(directory, name) for name in sorted(set(weight_map.values()))]
+        for path in paths:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(errno.ENOENT, f"shard named in {INDEX_FILE} is missing", path)
+        return paths
+    single = os.path.join(directory, SINGLE_FILE)
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(errno.ENOENT, f"no {SINGLE_FILE} or {INDEX_FILE} (only safetensors weights are "
+                            f"read; convert .bin checkpoints with save_pretrained(safe_serialization=True))",
+                            directory)
+
+
+def iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the directory, one shard open at a time, one tensor at a time."""
+    st = _safetensors()
+    for path in shard_files(directory):
+        with st.safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _atomic_json(obj: dict, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _own_storage(t: torch.Tensor, pending: dict[str, torch.Tensor]) -> torch.Tensor:
+    # safetensors refuses tensors of one file that share storage (tied weights, views): give each its own.
+    t = t.detach().to("cpu").contiguous()
+    whole = t.untyped_storage().nbytes() == t.nbytes and t.storage_offset() == 0
+    shared = any(p.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for p in pending.values())
+    return t if whole and not shared else t.clone()
+
+
+def save_hf_directory(state_dict_iter: Iterable[tuple[str, torch.Tensor]], config, directory: str,
+                      max_shard_bytes: int = 2 << 30) -> list[str]:
+    """Write (name, tensor) pairs as safetensors shards + index + config.json that from_pretrained loads.
+
+    config: a dict or a transformers PretrainedConfig. One shard -> model.safetensors; several ->
+    model-0000i-of-0000n.safetensors and model.safetensors.index.json. Shards are written under
+    temporary names and renamed when all are complete; weight files of an earlier save that the new one
+    does not use are removed last. Returns the paths of the weight files.
+    """
+    st = _safetensors()
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes}: must be positive")
+    os.makedirs(directory, exist_ok=True)
+    shards: list[tuple[str, list[str], int]] = []     # (temporary path, names, bytes)
+    pending: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
+
+    def flush():
+        tmp = os.path.join(directory, f".tmp-shard-{len(shards):05d}.safetensors")
+        st.torch.save_file(pending, tmp, metadata={"format": "pt"})
+        shards.append((tmp, list(pending), sum(t.nbytes for t in pending.values())))
+        pending.clear()
+
+    for name, tensor in state_dict_iter:
+        if name in seen:
+            raise ValueError(f"tensor name {name!r} appears twice; each name must be written once")
+        seen.add(name)
+        tensor = _own_storage(tensor, pending)
+        if pending and sum(t.nbytes for t in pending.values()) + tensor.nbytes > max_shard_bytes:
+            flush()
+        pending[name] = tensor
+    if pending or not shards:
+        flush()
+    return _finish(shards, config, directory)
+
+
+def _finish(shards: list[tuple[str, list[str], int]], config, directory: str) -> list[str]:
+    n = len(shards)
+    final = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for (tmp, _, _), name in zip(shards, final):
+        os.replace(tmp, os.path.join(directory, name))
+    index_path = os.path.join(directory, INDEX_FILE)
+    if n > 1:
+        weight_map = {key: name for (_, keys, _), name in zip(shards, final) for key in keys}
+        _atomic_json({"metadata": {"total_size": sum(b for _, _, b in shards)}, "weight_map": weight_map},
+                     index_path)
+    config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    _atomic_json(config_dict, os.path.join(directory, "config.json"))
+    stale = [f for f in os.listdir(directory) if (f == SINGLE_FILE or _SHARD_RE.match(f)) and f not in final]
+    if n == 1 and os.path.exists(index_path):
+        stale.append(INDEX_FILE)
+    for f in stale:
+        os.remove(os.path.join(directory, f))
+    return [os.path.join(directory, name) for name in final]

@@ -1,0 +1,130 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from offload import cli
+from offload.estimate import (estimate, format_bytes, ledger_terms, llama_param_count, model_shape,
+                              model_state_bytes, runtime_bytes, ModelShape)
+
+
+def run_json(capsys, *argv):
+    assert cli.main(["estimate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("stage,exact,shown", [(0, 120_000_000_000, "120 GB"), (1, 31_406_250_000, "31.4 GB"),
+                                               (2, 16_640_625_000, "16.6 GB"), (3, 1_875_000_000, "1.88 GB")])
+def test_zero_paper_example_7_5b_params_64_ranks(capsys, stage, exact, shown):
+    # ZeRO (Rajbhandari et al. 2020), Figure 1: Psi = 7.5B, N_d = 64, K = 12.
+    out = run_json(capsys, "--params", "7.5e9", "--dp", "64", "--stage", str(stage))
+    assert out["model_states"] == {"hbm_bytes": exact, "dram_bytes": 0, "nvme_bytes": 0}
+    assert format_bytes(out["model_states"]["hbm_bytes"]) == shown
+    assert out["K"] == 12 and isinstance(out["formula"], str)
+    assert out["per_rank"] == {k: out["model_states"][k] + out["runtime"][k] for k in out["per_rank"]}
+    assert cli.main(["estimate", "--params", "7.5B", "--dp", "64", "--stage", str(stage)]) == 0
+    assert shown in capsys.readouterr().out
+
+
+def test_offload_moves_whole_terms_between_tiers():
+    P = 1_000_000
+    assert model_state_bytes(P, 1, ledger_terms(3, "nvme", "nvme")) == \
+        {"hbm_bytes": 0, "dram_bytes": 4 * P, "nvme_bytes": 14 * P}          # fp32 grads in dram for the CPU step
+    assert model_state_bytes(P, 1, ledger_terms(0, "cpu", "cpu")) == \
+        {"hbm_bytes": 0, "dram_bytes": 18 * P, "nvme_bytes": 0}
+    assert model_state_bytes(P, 4, ledger_terms(2, "none", "cpu")) == \
+        {"hbm_bytes": 2 * P, "dram_bytes": (4 + 12) * P // 4, "nvme_bytes": 0}
+    assert model_state_bytes(P, 1, ledger_terms(0, precision="fp32")) == \
+        {"hbm_bytes": 16 * P, "dram_bytes": 0, "nvme_bytes": 0}             # 4 + 4 + K=8
+    with pytest.raises(ValueError, match="offload_param=ssd"):
+        ledger_terms(3, "ssd")
+
+
+def test_runtime_buffers_follow_their_stated_formula():
+    U = 1_000_000
+    none = runtime_bytes(U, ledger_terms(0), dp=8)
+    assert none["hbm_bytes"] == none["dram_bytes"] == 0 and none["parts"] == []
+    r = runtime_bytes(U, ledger_terms(3, "nvme", "nvme"), dp=1, hbm_units=3, pinned_chunk_bytes=1 << 20)
+    parts = {p["name"]: p["bytes"] for p in r["parts"]}
+    align = lambda n, a=4096: -(-n // a) * a
+    assert parts["gathered weights"] == 3 * align(2 * U)
+    assert parts["gradient in flight"] == align(2 * U)
+    assert parts["nvme weight staging"] == align(2 * align(2 * U), 1 << 20)
+    assert parts["nvme optimizer pipeline"] == align(3 * align(16 * U), 1 << 20)
+    assert r["hbm_bytes"] == 4 * align(2 * U) and r["nvme_bytes"] == 0
+    assert r["dram_bytes"] == parts["nvme weight staging"] + parts["nvme optimizer pipeline"]
+    sharded = runtime_bytes(U, ledger_terms(3, "nvme", "nvme"), dp=4, optimizer_chunk_numel=100_000,
+                            pinned_chunk_bytes=4096)
+    parts = {p["name"]: p["bytes"] for p in sharded["parts"]}
+    assert parts["nvme weight staging"] == 2 * align(2 * U // 4)
+    assert parts["nvme optimizer pipeline"] == 3 * align(16 * 100_000)
+    assert "min(U/D, 100000)" in estimate(ModelShape(8 * U, U, "test"), dp=4, stage=3, offload_optimizer="nvme",
+                                          optimizer_chunk_numel=100_000)["formula"]
+
+
+LLAMA_CONFIGS = [
+    dict(tie_word_embeddings=False),
+    dict(tie_word_embeddings=True),
+    dict(num_key_value_heads=2, head_dim=24, tie_word_embeddings=True),      # GQA, head_dim != hidden/heads
+    dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True),
+]
+
+
+@pytest.mark.parametrize("extra", LLAMA_CONFIGS)
+def test_llama_count_equals_transformers_model(tmp_path, capsys, extra):
+    transformers = pytest.importorskip("transformers")
+    import torch
+    config = dict(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=176,
+                  num_hidden_layers=3, num_attention_heads=4, **extra)
+    hf_config = transformers.LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(hf_config)
+    expected = sum(p.numel() for p in model.parameters())
+    assert llama_param_count(config)[0] == expected
+    hf_config.save_pretrained(tmp_path)                  # the config.json transformers itself writes
+    assert run_json(capsys, "--model", str(tmp_path))["params"] == expected
+    assert run_json(capsys, "--model", str(tmp_path / "config.json"))["params"] == expected
+
+
+def test_preset_count_and_largest_unit():
+    from offload.models import PRESETS, build_model
+    shape = model_shape("tiny")
+    model = build_model("tiny")
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert shape.largest_unit_numel == max(sum(p.numel() for p in model.layers[0].parameters()),
+                                           model.embed.weight.numel())
+    assert model_shape("3b").params == PRESETS["3b"].num_params()
+
+
+def _cli(*argv):
+    return subprocess.run([sys.executable, "-m", "offload", *argv], capture_output=True, text=True, timeout=60)
+
+
+def test_help_works():
+    for argv in (["--help"], ["estimate", "--help"]):
+        res = _cli(*argv)
+        assert res.returncode == 0 and "estimate" in res.stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["estimate", "--params", "1e9", "--bogus"], "unrecognized arguments: --bogus"),
+    (["estimate"], "one of the arguments --params --model is required"),
+    (["estimate", "--params", "lots"], "--params=lots: not a number"),
+    (["estimate", "--params", "1e9", "--dp", "0"], "dp=0: must be >= 1"),
+    (["estimate", "--model", "/no/such/dir/config.json"], "/no/such/dir/config.json"),
+    (["estimate", "--model", "no-such-preset"], "--model=no-such-preset: no such file, directory or preset"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(argv, message):
+    res = _cli(*argv)
+    assert res.returncode == 2 and res.stdout == ""
+    assert message in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_non_llama_config_is_refused(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 8}))
+    assert cli.main(["estimate", "--model", str(tmp_path)]) == 2
+    assert "model_type='gpt2'" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    assert cli.main(["estimate", "--model", str(tmp_path)]) == 2
+    assert "missing 'vocab_size'" in capsys.readouterr().err
