@@ -198,6 +198,20 @@ def model_shape(model: str) -> ModelShape:
     return ModelShape(cfg.num_params(), max(cfg.block_numel(), embed), f"preset {model!r}")
 
 
+def shape_of_model(model, units=None) -> ModelShape:
+    """ModelShape of a built nn.Module (meta device is fine): its parameters, counted once, and its largest
+    unit. units: the modules the runtime treats as units; default: each module of `model.layers` and
+    every other top-level child that owns parameters."""
+    params = sum(p.numel() for p in model.parameters())
+    if units is None:     # ours: model.layers; transformers': model.model.layers
+        holder = model if hasattr(model, "layers") else getattr(model, "model", model)
+        layers = getattr(holder, "layers", None)
+        others = [m for m in (*holder.children(), *model.children()) if m is not holder and m is not layers]
+        units = [*(layers or []), *others]
+    largest = max((sum(p.numel() for p in u.parameters()) for u in units), default=params)
+    return ModelShape(params, largest, type(model).__name__)
+
+
 def estimate(shape: ModelShape, dp: int = 1, stage: int = 0, offload_param: str = "none",
              offload_optimizer: str = "none", precision: str = "bf16", dram_grad_bytes: int = 4,
              **runtime_kwargs) -> dict:

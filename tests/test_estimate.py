@@ -6,7 +6,7 @@ import pytest
 
 from offload import cli
 from offload.estimate import (estimate, format_bytes, ledger_terms, llama_param_count, model_shape,
-                              model_state_bytes, runtime_bytes, ModelShape)
+                              model_state_bytes, runtime_bytes, shape_of_model, ModelShape)
 
 
 def run_json(capsys, *argv):
@@ -95,6 +95,23 @@ def test_preset_count_and_largest_unit():
     assert shape.largest_unit_numel == max(sum(p.numel() for p in model.layers[0].parameters()),
                                            model.embed.weight.numel())
     assert model_shape("3b").params == PRESETS["3b"].num_params()
+    for name in ("tiny", "3b"):
+        ours = shape_of_model(build_model(name, device="meta"))
+        ref = model_shape(name)
+        assert (ours.params, ours.largest_unit_numel) == (ref.params, ref.largest_unit_numel)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_shape_of_a_transformers_model_equals_its_config_count(tie):
+    transformers = pytest.importorskip("transformers")
+    import torch
+    config = dict(vocab_size=50, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    shape = shape_of_model(model)
+    assert (shape.params, shape.largest_unit_numel) == llama_param_count(config)
+
 
 
 def _cli(*argv):
