@@ -5,18 +5,22 @@ The public surface is small on purpose (see API.md): `initialize`, `Config`, `CP
 """
 
 from offload.config import Config, add_arguments, config_from_args, load_config
+from offload.cpu_adam import CPUAdam
 
 __version__ = "0.1.0"
 
 
-def initialize(model, config=None):
+def initialize(model, config=None, weights=None):
     """Wraps `model` in an Engine that trains it with the placement `config` asks for.
 
     config: an offload.Config, a dict, or the path of a .json / .yaml file (see README, "Config").
+    weights: optional callable `name -> tensor` giving each parameter's initial value (for example
+    streamed from a safetensors directory); with a model built on the meta device, the model is
+    then never materialized whole.
     """
     from offload.engine import Engine
 
-    return Engine(model, config)
+    return Engine(model, config, weights)
 
 
-__all__ = ["Config", "add_arguments", "config_from_args", "initialize", "load_config"]
+__all__ = ["CPUAdam", "Config", "add_arguments", "config_from_args", "initialize", "load_config"]

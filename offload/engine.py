@@ -69,8 +69,9 @@ class Staging:
 class Engine(nn.Module):
     """Wraps `model`; see offload.initialize. Use as `engine(batch)`, `engine.backward(loss)`, `engine.step()`."""
 
-    def __init__(self, model: nn.Module, config: Config | dict | str | None = None):
+    def __init__(self, model: nn.Module, config: Config | dict | str | None = None, weights=None):
         super().__init__()
+        self.weights_source = weights  # name -> tensor; initial values instead of the model's own
         cfg = load_config(config)
         if not any(True for _ in model.parameters()):
             raise ValueError("model: has no parameters; offload trains parameters, pass the model to train")

@@ -22,7 +22,7 @@ def materialize(engine) -> None:
     engine.weights = [None] * len(engine.units)
     engine.states = [None] * len(engine.units)
     if any(p.is_meta for p in model.parameters()):
-        _from_meta(engine, model)
+        _from_meta(engine, model, init=engine.weights_source is None)
     else:
         for u in engine.units:
             place(engine, u)
@@ -35,7 +35,10 @@ def materialize(engine) -> None:
     engine.staging.trim()
 
 
-def _from_meta(engine, model: nn.Module) -> None:
+def _from_meta(engine, model: nn.Module, init: bool) -> None:
+    """Allocates modules one by one in `model.modules()` order, initializing them with their own
+    reset_parameters() when `init` (else the weights source gives the values), and places each unit
+    as soon as all its parameters exist."""
     slot_of = {s.param: (u, s) for u in engine.units for s in u.slots}
     holders: dict = {}  # parameter -> every (module, name) holding it (tied weights: several)
     for m in model.modules():
@@ -48,13 +51,14 @@ def _from_meta(engine, model: nn.Module) -> None:
         direct = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
         if not any(t.is_meta for t in direct):
             continue  # nothing of its own, or tied parameters already placed
-        if not hasattr(module, "reset_parameters"):
+        if init and not hasattr(module, "reset_parameters"):
             raise ValueError(f"module {type(module).__name__}: owns parameters but has no reset_parameters(); "
                              "define it, or build the model on the CPU")
         old = dict(module._parameters)
         module.to_empty(device="cpu", recurse=False)  # new Parameter objects: rebind every holder and slot
-        with torch.no_grad():
-            module.reset_parameters()
+        if init:
+            with torch.no_grad():
+                module.reset_parameters()
         for name, p_old in old.items():
             if p_old is None or p_old not in slot_of:
                 continue
@@ -73,17 +77,19 @@ def place(engine, unit: Unit) -> None:
     """Copies the unit's current parameter values into its weight and optimizer-state homes."""
     p = engine.placement
     dtype = engine.dtype
+    values = {s.name: _initial_value(engine, s) for s in unit.slots}
     wbuf = engine.staging.acquire(unit.numel, dtype, f"{unit.name} initial weights")
     wbuf.zero_()
     for s in unit.slots:
-        wbuf[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+        wbuf[s.offset:s.offset + s.numel].copy_(values[s.name])
     master = None
     if unit.trainable_numel:
         master = engine.staging.acquire(unit.trainable_numel, torch.float32, f"{unit.name} initial master")
         master.zero_()
         for s in unit.slots:
             if s.trainable:
-                master[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+                master[s.offset:s.offset + s.numel].copy_(values[s.name])
+    del values
     w = WeightHandle(unit, p.weight_home[unit.index], dtype, engine)  # detaches offloaded params
     if w.home == "nvme":
         engine.store.write(w.key, wbuf).wait()
@@ -101,6 +107,17 @@ def place(engine, unit: Unit) -> None:
         engine.states[unit.index] = st
         engine.staging.release(master)
     engine.staging.release(wbuf)
+
+
+def _initial_value(engine, s) -> torch.Tensor:
+    """A parameter's initial value, flat: from the weights source when given, else the parameter."""
+    if engine.weights_source is None:
+        return s.param.detach().reshape(-1)
+    t = engine.weights_source(s.name)
+    if tuple(t.shape) != tuple(s.shape):
+        raise ValueError(f"weights[{s.name!r}]: shape {tuple(t.shape)} but the model expects {tuple(s.shape)}; "
+                         "the checkpoint does not belong to this model config")
+    return t.reshape(-1)
 
 
 @torch.no_grad()

@@ -204,3 +204,18 @@ def test_batch_on_the_wrong_device(tmp_path):
         x = torch.empty(8, 16, device="meta")
         with pytest.raises(ValueError, match=r"batch tensor on meta.*\.to\(engine.device\)"):
             eng(x, x)
+
+
+def test_weights_source_fills_a_meta_model(tmp_path):
+    torch.manual_seed(3)
+    cpu_model = MLP()
+    values = {n: p.detach().clone() for n, p in cpu_model.named_parameters()}
+    with torch.device("meta"):
+        meta_model = MLP()
+    with offload.initialize(meta_model, cfg(tmp_path), weights=values.__getitem__) as eng:
+        sd = eng.full_state_dict()
+    assert all(torch.equal(sd[n], values[n]) for n in values)
+    with pytest.raises(ValueError, match=r"weights\['inp.weight'\]: shape \(2, 2\)"):
+        with torch.device("meta"):
+            m = MLP()
+        offload.initialize(m, cfg(tmp_path), weights=lambda n: torch.zeros(2, 2))
