@@ -1,0 +1,150 @@
+"""End-to-end training step time: in-memory vs cpu offload vs nvme offload, side by side.
+
+Each mode runs in its own subprocess (so its peak RSS is its own), one after the other, on the same
+model, batch and disk; the figures that matter are the ratios to the in-memory step of the same run.
+
+  in_memory    plain torch: bf16 model, fp32 masters, torch.optim.AdamW(fused=True), copy back
+  cpu_offload  offload engine: weights and optimizer states in dram (offload_param/optimizer = cpu)
+  nvme_offload offload engine: weights and optimizer states on nvme
+
+python bench/e2e.py [--preset bench-200m] [--batch 4] [--seq 256] [--steps 3] [--dir DIR] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+MODES = ("in_memory", "cpu_offload", "nvme_offload")
+
+
+def run_mode(args) -> dict:
+    """In the subprocess: build the model, train warmup + steps, return step times and peak RSS."""
+    import torch
+
+    import offload
+    from offload.data import BatchSampler, load_tokens
+    from offload.models import build_model, loss_of
+
+    torch.manual_seed(0)
+    model = build_model(args.preset, seed=0)
+    sampler = BatchSampler(load_tokens(), args.batch, args.seq, seed=0)
+    params = sum(p.numel() for p in model.parameters())
+    if args.mode == "in_memory":
+        step = _plain_step(model, torch)
+    else:
+        dev = "cpu" if args.mode == "cpu_offload" else "nvme"
+        engine = offload.initialize(model, {"precision": "bf16", "offload_param": {"device": dev},
+                                            "offload_optimizer": {"device": dev}, "nvme_path": args.dir,
+                                            "optimizer": {"lr": 1e-4}})
+
+        def step(ids, labels):
+            loss = loss_of(engine(ids, labels))
+            engine.backward(loss)
+            engine.step()
+            return loss.item()
+
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        ids, labels = sampler.batch(i)
+        t0 = time.perf_counter()
+        losses.append(step(ids, labels))
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    out = {"params": params, "step_s": sorted(times)[len(times) // 2], "losses": losses,
+           "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if args.mode != "in_memory":
+        out["stall_seconds"] = engine.stats()["stall_seconds"]
+        engine.close()
+    return out
+
+
+def _plain_step(model, torch):
+    from offload.models import loss_of
+
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters = [p.detach().float().clone() for p in params]
+    opt = torch.optim.AdamW(masters, lr=1e-4, fused=True)
+
+    def step(ids, labels):
+        loss = loss_of(model(ids, labels))
+        loss.backward()
+        for p, m in zip(params, masters):
+            m.grad = p.grad.float()
+            p.grad = None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+        return loss.item()
+
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="bench-200m")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=3, help="measured steps (median reported)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--dir", default=None, help="swap directory on the drive to test (default: a temp dir in .)")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--mode", help=argparse.SUPPRESS)  # internal: run one mode in this process
+    args = ap.parse_args()
+    if args.mode:
+        print(json.dumps(run_mode(args)))
+        return
+    base = args.dir or tempfile.mkdtemp(prefix="e2e-", dir=".")
+    results = {}
+    for mode in args.modes.split(","):
+        cmd = [sys.executable, __file__, "--mode", mode, "--preset", args.preset, "--batch", str(args.batch),
+               "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup), "--dir", base]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": "."})
+        if proc.returncode:
+            sys.exit(f"{mode} failed:\n{proc.stderr[-3000:]}")
+        results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = _report(args, results)
+    _print_table(report, results)
+    if args.json:
+        print(json.dumps(report))
+
+
+def _report(args, results: dict) -> dict:
+    ref = results.get("in_memory", {}).get("step_s")
+    first = next(iter(results.values()))
+    return {
+        "preset": args.preset, "params": first["params"], "tokens_per_step": args.batch * args.seq,
+        "in_memory_step_s": results.get("in_memory", {}).get("step_s"),
+        "cpu_offload_step_s": results.get("cpu_offload", {}).get("step_s"),
+        "nvme_offload_step_s": results.get("nvme_offload", {}).get("step_s"),
+        "deepspeed_nvme_step_s": None,  # not measured by this version of the benchmark (see RESULTS.md)
+        "peak_rss_bytes": {m: r["peak_rss_bytes"] for m, r in results.items()},
+        "ratio_to_in_memory": {m: (r["step_s"] / ref if ref else None) for m, r in results.items()},
+        "stall_seconds": {m: r.get("stall_seconds") for m, r in results.items()},
+        "first_losses": {m: r["losses"][:2] for m, r in results.items()},
+    }
+
+
+def _print_table(report: dict, results: dict) -> None:
+    print(f"preset {report['preset']}: {report['params'] / 1e6:.0f}M params, {report['tokens_per_step']} tokens/step")
+    print(f"{'mode':14s} {'step s':>8s} {'x in-mem':>9s} {'peak RSS GB':>12s} {'stall s':>8s}")
+    for m, r in results.items():
+        ratio = report["ratio_to_in_memory"][m]
+        stall = r.get("stall_seconds")
+        print(f"{m:14s} {r['step_s']:8.2f} {ratio if ratio else float('nan'):9.2f} "
+              f"{r['peak_rss_bytes'] / 1e9:12.2f} {stall if stall is not None else float('nan'):8.2f}")
+
+
+if __name__ == "__main__":
+    main()
