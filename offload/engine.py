@@ -351,9 +351,10 @@ def run_step(engine: Engine, grad_scale: float, lr: float) -> None:
         w = engine.weights[unit.index]
         out = w.home_buffer()[:unit.trainable_numel]
         t = st.t
-        adam_step(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], step=engine.step_count, lr=lr,
-                  beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
-                  adamw=o.type == "adamw", grad_scale=grad_scale, out=out if lowp else None)
+        step_fn = adam_step if t["master"].device.type == "cpu" else _device_adam_step
+        step_fn(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], step=engine.step_count, lr=lr,
+                beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
+                adamw=o.type == "adamw", grad_scale=grad_scale, out=out if lowp else None)
         if not lowp:
             out.copy_(t["master"])
         w.commit_home()
@@ -361,3 +362,16 @@ def run_step(engine: Engine, grad_scale: float, lr: float) -> None:
     if trainable:
         engine.states[trainable[-1].index].wait_stored()
         engine.weights[trainable[-1].index].wait_for_write()
+
+
+def _device_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, adamw,
+                      grad_scale, out) -> None:
+    """Optimizer states kept in accelerator memory (offload_optimizer none on CUDA): torch's fused op."""
+    fused = torch._fused_adamw_ if adamw else torch._fused_adam_
+    if grad_scale != 1.0:
+        grad = grad / grad_scale
+    fused([param], [grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step), device=param.device)],
+          lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+          grad_scale=None, found_inf=None)
+    if out is not None:
+        out.copy_(param)

@@ -98,7 +98,7 @@ class OptimState(_Handle):
         if first:
             acc.zero_()
         for offset, g in grads:
-            acc[offset:offset + g.numel()].add_(g.to(acc.device, non_blocking=True))
+            acc[offset:offset + g.numel()].add_(g.to(acc.device))  # blocking: the add reads it next
         sq = None
         if last:
             sq = grad_sq_sum(acc) if acc.device.type == "cpu" else float(acc.double().square().sum())
