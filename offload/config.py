@@ -147,6 +147,8 @@ class Config:
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     prefetch_units: int = 2        # units fetched ahead of use along the recorded trace (0: on demand)
+    overlap_step: bool = True      # step each unit as soon as its gradients are final, during backward
+    #                                (not with gradient_clipping or fp16: they need the global norm first)
     swap_checksum: bool = True     # per-entry checksum of swap files
     seed: int = 0                  # seeds meta-device materialization
 

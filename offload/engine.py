@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload import hooks
 from offload.config import Config, load_config
-from offload.optim import OptimState
+from offload.optim import STATES, OptimState
 from offload.placement import Placement, plan_placement
 from offload.residency import WeightHandle
 from offload.tiers import Tiers
@@ -97,6 +97,7 @@ class Engine(nn.Module):
         self._grad_jobs: list = []
         self._grad_sq: dict[int, float] = {}
         self._flushed: set[int] = set()
+        self._overlap = self._stepped_in_backward = False
         self._closed = False
         self.weights: list[WeightHandle] = []
         self.states: list[OptimState | None] = []
@@ -192,14 +193,18 @@ class Engine(nn.Module):
         hbm.charge(nbytes, f"{unit.name} gradients")  # they exist in hbm until the d2h job consumed them
         state = self.states[unit.index]
 
+        overlap = self._overlap
+
         def job():
             try:
-                sq = state.accumulate(grads, first, last)
+                sq = state.accumulate(grads, first, last, keep=overlap)
                 if sq is not None:
                     self._grad_sq[unit.index] = sq
             finally:
                 grads.clear()
                 hbm.refund(nbytes)
+            if overlap:
+                self._overlapped_step(unit, sq)
 
         self._grad_jobs.append(self.d2h.submit(job))
         self.telemetry.link("hbm_to_dram", nbytes, 0.0)
@@ -210,8 +215,11 @@ class Engine(nn.Module):
                              "the engine's forward reduced to one number)")
         scale = self.loss_scale / self.cfg.gradient_accumulation_steps
         self._in_backward, self._flushed = True, set()
+        self._overlap = self._can_overlap()
         try:
             with record_function("offload::backward"):
+                if self._overlap:
+                    self._begin_overlapped_step()
                 (loss * scale if scale != 1.0 else loss).backward()
                 for u in self.units:  # units with unused parameters: flush what they have
                     if u.trainable_numel and u.index not in self._flushed:
@@ -220,11 +228,52 @@ class Engine(nn.Module):
                     w.release()
                 for job in self._grad_jobs:
                     job.wait()
+                if self._overlap:
+                    self._finish_overlapped_step()
         finally:
             self._in_backward = False
             self._grad_jobs = []
             self.trace.end_step()
         self.micro_step += 1
+
+    # -- the optimizer step overlapped with backward ----------------------------------------------------
+    def _can_overlap(self) -> bool:
+        c = self.cfg
+        last = self.micro_step % c.gradient_accumulation_steps == c.gradient_accumulation_steps - 1
+        return c.overlap_step and last and c.gradient_clipping == 0 and c.precision != "fp16"
+
+    def _begin_overlapped_step(self) -> None:
+        """Gradients become final in reverse unit order: read the first unit's states ahead."""
+        self._step_args = {"step": self.step_count + 1, "lr": self.lr, "grad_scale": self.loss_scale}
+        self._step_order = [u.index for u in reversed(self.units) if u.trainable_numel]
+        self._stepped: list[int] = []
+        first = self.states[self._step_order[0]]
+        self._grad_jobs.append(self.d2h.submit(first.load, STATES))
+
+    def _overlapped_step(self, unit: Unit, sq: float) -> None:
+        """On the d2h thread, right after the unit's final gradient arrived: its optimizer step."""
+        if not math.isfinite(sq):
+            raise FloatingPointError(f"{unit.name}: gradients are not finite ({self.cfg.precision}); lower the "
+                                     "learning rate or enable gradient_clipping")
+        step_unit(self, unit, **self._step_args)
+        if self._stepped:  # bound the buffers: the previous unit's write-behind lands now
+            self._wait_stored(self._stepped[-1])
+        self._stepped.append(unit.index)
+        nxt = next((i for i in self._step_order if i not in self._stepped), None)
+        if nxt is not None:
+            self.states[nxt].load(STATES)
+
+    def _wait_stored(self, index: int) -> None:
+        self.states[index].wait_stored()
+        self.weights[index].wait_for_write()
+
+    def _finish_overlapped_step(self) -> None:
+        if self._stepped:
+            self._wait_stored(self._stepped[-1])
+        self._grad_sq.clear()
+        self.last_grad_norm = None
+        self.step_count += 1
+        self._stepped_in_backward = True
 
     # -- step --------------------------------------------------------------------------------------
     @property
@@ -239,9 +288,12 @@ class Engine(nn.Module):
             if self.micro_step == 0:
                 raise RuntimeError("step() called before backward(): call engine.backward(loss) first")
             return False
+        self.micro_step = 0
+        if self._stepped_in_backward:  # done unit by unit during backward (overlap_step)
+            self._stepped_in_backward = False
+            return True
         sq = sum(self._grad_sq.values())
         self._grad_sq.clear()
-        self.micro_step = 0
         if not math.isfinite(sq):
             return self._skip_step()
         grad_norm = math.sqrt(sq) / self.loss_scale
@@ -334,34 +386,39 @@ def lr_factor(sched, step: int) -> float:
 
 
 def run_step(engine: Engine, grad_scale: float, lr: float) -> None:
-    """CPU Adam over every trainable unit: read-ahead of unit j+1's states, write-behind of unit j's."""
+    """The step after backward: every trainable unit in turn, reading unit j+1's states ahead while
+    unit j updates and writing unit j-1's behind (at most two units' states staged at once)."""
+    trainable = [u for u in engine.units if u.trainable_numel]
+    for j, unit in enumerate(trainable):
+        engine.states[unit.index].wait_loaded()
+        if j > 0:  # unit j-1's write-behind lands before unit j+1's read-ahead takes its buffers
+            engine._wait_stored(trainable[j - 1].index)
+        if j + 1 < len(trainable):
+            engine.states[trainable[j + 1].index].load()
+        step_unit(engine, unit, engine.step_count, lr, grad_scale)
+    if trainable:
+        engine._wait_stored(trainable[-1].index)
+
+
+def step_unit(engine: Engine, unit: Unit, step: int, lr: float, grad_scale: float) -> None:
+    """CPU Adam over one unit's states; the new weights go straight into the weight tier's buffer."""
     from offload.cpu_adam import adam_step
 
     o = engine.cfg.optimizer
-    trainable = [u for u in engine.units if u.trainable_numel]
+    st, w = engine.states[unit.index], engine.weights[unit.index]
+    st.wait_loaded()
+    out = w.home_buffer()[:unit.trainable_numel]
+    t = st.t
     lowp = engine.dtype != torch.float32
-    for j, unit in enumerate(trainable):
-        st = engine.states[unit.index]
-        st.wait_loaded()
-        if j > 0:  # unit j-1's write-behind lands before unit j+1's read-ahead takes its buffers
-            engine.states[trainable[j - 1].index].wait_stored()
-            engine.weights[trainable[j - 1].index].wait_for_write()
-        if j + 1 < len(trainable):
-            engine.states[trainable[j + 1].index].load()
-        w = engine.weights[unit.index]
-        out = w.home_buffer()[:unit.trainable_numel]
-        t = st.t
-        step_fn = adam_step if t["master"].device.type == "cpu" else _device_adam_step
-        step_fn(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], step=engine.step_count, lr=lr,
-                beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
-                adamw=o.type == "adamw", grad_scale=grad_scale, out=out if lowp else None)
-        if not lowp:
-            out.copy_(t["master"])
-        w.commit_home()
-        st.store()
-    if trainable:
-        engine.states[trainable[-1].index].wait_stored()
-        engine.weights[trainable[-1].index].wait_for_write()
+    step_fn = adam_step if t["master"].device.type == "cpu" else _device_adam_step
+    with record_function("offload::cpu_adam"):
+        step_fn(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], step=step, lr=lr, beta1=o.betas[0],
+                beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay, adamw=o.type == "adamw",
+                grad_scale=grad_scale, out=out if lowp else None)
+    if not lowp:
+        out.copy_(t["master"])
+    w.commit_home()
+    st.store()
 
 
 def _device_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, adamw,

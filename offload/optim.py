@@ -17,6 +17,7 @@ from offload.residency import HOME_STATE, R, _Handle
 from offload.units import Unit
 
 KINDS = ("master", "exp_avg", "exp_avg_sq", "grad")
+STATES = KINDS[:3]  # what a read-ahead loads: the gradient may not be final yet
 
 
 class OptimState(_Handle):
@@ -29,6 +30,7 @@ class OptimState(_Handle):
         self.t: dict[str, torch.Tensor] = {}
         self._tickets: list = []
         self._t0 = 0.0
+        self._grad: torch.Tensor | None = None  # nvme: a final gradient kept in dram for the step
         if home != "nvme":
             for kind in KINDS:
                 self.t[kind] = engine.tiers.empty(home, self.numel, torch.float32, f"{unit.name} {kind}").zero_()
@@ -42,6 +44,8 @@ class OptimState(_Handle):
         if self.home != "nvme" or self.state is not R.NVME:
             return
         for kind in kinds:
+            if kind == "grad" and self._grad is not None:
+                continue
             buf = self.eng.staging.acquire(self.numel, torch.float32, f"{self.unit.name} {kind}")
             self.t[kind] = buf
             if self.key(kind) in self.eng.store:  # exp_avg/exp_avg_sq start as zeros, unwritten
@@ -52,7 +56,7 @@ class OptimState(_Handle):
         self._set(R.NVME_TO_DRAM, R.NVME)
 
     def wait_loaded(self) -> None:
-        if self.home != "nvme":
+        if self.home != "nvme" or self.state is R.DRAM:
             return
         if self.state is R.NVME:
             self.load()
@@ -60,6 +64,12 @@ class OptimState(_Handle):
             t.wait()
         self.eng.telemetry.link("nvme_to_dram", 4 * self.numel * len(self._tickets), time.perf_counter() - self._t0)
         self._tickets = []
+        if "grad" not in self.t:
+            if self._grad is not None:
+                self.t["grad"], self._grad = self._grad, None
+            else:
+                self.t["grad"] = self.eng.staging.acquire(self.numel, torch.float32, f"{self.unit.name} grad")
+                self.eng.store.read(self.key("grad"), into=self.t["grad"]).wait()
         self._set(R.DRAM, R.NVME_TO_DRAM)
 
     def store(self, kinds=("master", "exp_avg", "exp_avg_sq")) -> None:
@@ -84,9 +94,11 @@ class OptimState(_Handle):
         self._set(R.NVME, R.DRAM_TO_NVME)
 
     # -- the gradient accumulator (runs on the d2h copy thread) --------------------------------------
-    def accumulate(self, grads: list[tuple[int, torch.Tensor]], first: bool, last: bool) -> float | None:
+    def accumulate(self, grads: list[tuple[int, torch.Tensor]], first: bool, last: bool,
+                   keep: bool = False) -> float | None:
         """Adds this micro-step's gradients (offset, flat grad) into the fp32 accumulator; on the last
-        micro-step returns its sum of squares (for the global norm and fp16 overflow detection)."""
+        micro-step returns its sum of squares (for the global norm and fp16 overflow detection).
+        keep: an nvme accumulator stays in dram for the step that follows at once (no round trip)."""
         from offload.cpu_adam import grad_sq_sum
 
         if self.home == "nvme":
@@ -102,9 +114,12 @@ class OptimState(_Handle):
         sq = None
         if last:
             sq = grad_sq_sum(acc) if acc.device.type == "cpu" else float(acc.double().square().sum())
-        if self.home == "nvme":
+        if self.home == "nvme" and keep:
+            self._grad = acc
+        elif self.home == "nvme":
+            t0 = time.perf_counter()
             self.eng.store.write(self.key("grad"), acc).wait()
-            self.eng.telemetry.link("dram_to_nvme", acc.numel() * 4, 0.0)
+            self.eng.telemetry.link("dram_to_nvme", acc.numel() * 4, time.perf_counter() - t0)
             self.eng.staging.release(acc)
         return sq
 
@@ -115,6 +130,9 @@ class OptimState(_Handle):
         if self.home == "nvme":
             for kind in list(self.t):
                 self.eng.staging.release(self.t.pop(kind))
+            if self._grad is not None:
+                self.eng.staging.release(self._grad)
+                self._grad = None
         else:
             for kind in list(self.t):
                 self.eng.tiers.free(self.home, self.t.pop(kind))

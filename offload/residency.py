@@ -9,6 +9,7 @@ be freed while a transfer still uses it.
 from __future__ import annotations
 
 import enum
+import threading
 import time
 
 import torch
@@ -32,7 +33,6 @@ TRANSITIONS = {
     (R.DRAM, R.DRAM_TO_HBM), (R.DRAM_TO_HBM, R.HBM),
     (R.HBM, R.DRAM), (R.HBM, R.NVME),          # release: drop the hbm copy, the home copy stays
     (R.DRAM, R.DRAM_TO_NVME), (R.DRAM_TO_NVME, R.NVME),
-    (R.NVME, R.DRAM),                           # new contents staged in dram (the optimizer's output)
 }
 HOME_STATE = {"hbm": R.HBM, "dram": R.DRAM, "nvme": R.NVME}
 
@@ -72,6 +72,9 @@ class WeightHandle(_Handle):
         self._pending = None       # completion of the transfer in flight
         self._t0 = 0.0
         self._placeholder = torch.empty(0, dtype=dtype, device=self.hbm.device)
+        self._write_lock = threading.Lock()
+        self._update = None        # staging buffer the optimizer is filling
+        self._write = None         # (ticket, buffer, t0) of the update written behind
         if home != "hbm":
             self._free_hbm()
             self._detach()
@@ -100,9 +103,6 @@ class WeightHandle(_Handle):
             self._to_nvme_to_dram()
         elif self.state is R.DRAM:
             self._to_dram_to_hbm()
-        elif self.state is R.DRAM_TO_NVME:  # a write-back in flight: let it land, then read
-            self.wait_for_write()
-            self.fetch()
 
     def advance(self) -> None:
         """Moves an in-flight fetch one step on if its transfer finished (never blocks)."""
@@ -121,6 +121,7 @@ class WeightHandle(_Handle):
         self.eng.telemetry.stall(time.perf_counter() - t0)
 
     def _to_nvme_to_dram(self) -> None:
+        self.wait_for_write()  # an update written behind lands before it is read back
         self.dram = self.eng.staging.acquire(self.unit.numel, self.dtype, f"{self.unit.name} weights")
         self._pending, self._t0 = self.eng.store.read(self.key, into=self.dram), time.perf_counter()
         self._set(R.NVME_TO_DRAM, R.NVME)
@@ -158,42 +159,52 @@ class WeightHandle(_Handle):
             self._set(HOME_STATE[self.home], R.HBM)
 
     # -- new weights from the optimizer ----------------------------------------------------------------
+    # -- new weights from the optimizer (on the d2h thread when the step overlaps backward) ------------
+    # [Note: updates beside residency]
+    # The optimizer writes a unit's new weights to its home copy while the hbm copy may still be attached
+    # (the unit's backward is over once its gradients are final, but units are released when backward()
+    # ends). So an update never changes the residency state: dram homes and the CPU backend's hbm are
+    # written in place (the trainable prefix only; frozen weights are never written), an nvme home through
+    # a staging buffer written behind, which the next fetch waits for before it reads.
     def home_buffer(self) -> torch.Tensor:
         """The flat host buffer the optimizer writes new weights into; then call `commit_home()`."""
-        self.release()
         if self.home == "dram":
             return self.dram
         if self.home == "hbm" and self.hbm.device.type == "cpu":
-            return self.hbm  # the CPU backend's hbm is host memory: write in place
-        self.wait_for_write()
-        self.dram = self.eng.staging.acquire(self.unit.numel, self.dtype, f"{self.unit.name} weights")
-        if self.home == "nvme":
-            if self.unit.trainable_numel < self.unit.numel:  # frozen tail: keep it in the buffer written back
-                self.eng.store.read(self.key, into=self.dram).wait()
-            self._set(R.DRAM, R.NVME)
-        else:
-            self.dram[self.unit.trainable_numel:].copy_(self.hbm[self.unit.trainable_numel:])
-        return self.dram
+            return self.hbm
+        with self._write_lock:
+            self._wait_write_locked()
+            buf = self.eng.staging.acquire(self.unit.numel, self.dtype, f"{self.unit.name} new weights")
+            if self.home == "nvme" and self.unit.trainable_numel < self.unit.numel:
+                self.eng.store.read(self.key, into=buf).wait()  # the frozen tail is written back unchanged
+            self._update = buf
+            return buf
 
     def commit_home(self) -> None:
-        """After the optimizer filled `home_buffer()`: write nvme weights back (write-behind), or copy
-        them to an accelerator-resident buffer."""
-        if self.home == "nvme":
-            self._pending, self._t0 = self.eng.store.write(self.key, self.dram), time.perf_counter()
-            self._set(R.DRAM_TO_NVME, R.DRAM)
-        elif self.home == "hbm" and self.dram is not None:
-            self.eng.h2d.copy(self.hbm, self.dram).wait()
-            self.eng.staging.release(self.dram)
-            self.dram = None
+        """After the optimizer filled `home_buffer()`: nvme weights are written behind; accelerator-resident
+        ones are copied up (the trainable prefix)."""
+        with self._write_lock:
+            buf, self._update = self._update, None
+            if buf is None:
+                return
+            if self.home == "nvme":
+                self._write = (self.eng.store.write(self.key, buf), buf, time.perf_counter())
+                return
+            n = self.unit.trainable_numel
+            self.eng.h2d.copy(self.hbm[:n], buf[:n]).wait()
+            self.eng.staging.release(buf)
 
     def wait_for_write(self) -> None:
-        if self.state is R.DRAM_TO_NVME:
-            self._pending.wait()
-            self._pending = None
-            self.eng.telemetry.link("dram_to_nvme", self.nbytes, time.perf_counter() - self._t0)
-            self.eng.staging.release(self.dram)
-            self.dram = None
-            self._set(R.NVME, R.DRAM_TO_NVME)
+        with self._write_lock:
+            self._wait_write_locked()
+
+    def _wait_write_locked(self) -> None:
+        if self._write is not None:
+            ticket, buf, t0 = self._write
+            ticket.wait()
+            self.eng.telemetry.link("dram_to_nvme", self.nbytes, time.perf_counter() - t0)
+            self.eng.staging.release(buf)
+            self._write = None
 
     def close(self) -> None:
         if self.state in (R.NVME_TO_DRAM, R.DRAM_TO_HBM):

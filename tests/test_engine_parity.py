@@ -106,3 +106,65 @@ def test_adam_with_l2_weight_decay(tmp_path, kernel):
     cfg = config(tmp_path, "cpu", "cpu", "fp32", optimizer={"type": "adam", "weight_decay": 0.01})
     out = train_both(MLP(), cfg, mlp_batches(5), steps=5, adamw=False, weight_decay=0.01, kernel=kernel)
     check(*out[:4], tol=0.0 if kernel else TORCH_TOL)
+
+
+# --- overlap and delays: a missing wait must show up as a wrong number ------------------------------
+
+@pytest.mark.parametrize("param,optim", [("cpu", "cpu"), ("nvme", "nvme")])
+def test_overlap_step_equals_step_after_backward(tmp_path, param, optim):
+    runs = []
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        c = config(tmp_path / str(overlap), param, optim, "bf16", overlap_step=overlap)
+        runs.append(train_both(MLP(), c, mlp_batches(4), steps=4))
+    assert runs[0][0] == runs[1][0]
+    assert max_state_err(runs[0][2], runs[1][2]) == 0.0
+
+
+def test_overlapped_step_runs_during_backward(tmp_path):
+    torch.manual_seed(0)
+    with offload.initialize(MLP(), config(tmp_path, "nvme", "nvme", "fp32")) as eng:
+        before = eng.full_state_dict()
+        x, y = mlp_batches(1)[0]
+        eng.backward(eng(x, y))
+        after = eng.full_state_dict()  # before step(): the units were stepped as their gradients landed
+        assert all(not torch.equal(before[n], after[n]) for n in before)
+        assert eng.step() is True and eng.stats()["step"] == 1
+
+
+class DelayedEngine:
+    """Wraps an I/O engine so every completion arrives after a random delay."""
+
+    def __init__(self, inner, delay_s: float):
+        self.inner, self.delay_s, self.name = inner, delay_s, f"delayed-{inner.name}"
+
+    def submit(self, blocks):
+        import random
+        import time
+
+        def late(done):
+            def wrapped(block, result):
+                time.sleep(random.uniform(0, self.delay_s))
+                done(block, result)
+            return wrapped
+
+        for b in blocks:
+            b.done = late(b.done)
+        self.inner.submit(blocks)
+
+    def close(self):
+        self.inner.close()
+
+
+@pytest.mark.parametrize("param,optim,precision", [("cpu", "cpu", "fp32"), ("nvme", "nvme", "bf16")])
+def test_parity_with_injected_delays(tmp_path, monkeypatch, param, optim, precision):
+    from swap import SwapStore, ThreadsEngine
+    from offload.engine import Engine
+
+    monkeypatch.setenv("OFFLOAD_TEST_COPY_DELAY_S", "0.003")  # before each copy-stream job
+    monkeypatch.setattr(Engine, "_open_store", lambda self: SwapStore(
+        self.cfg.nvme_path, engine=DelayedEngine(ThreadsEngine(4), 0.003), checksum=True))
+    torch.manual_seed(0)
+    out = train_both(MLP(), config(tmp_path, param, optim, precision), mlp_batches(5), steps=5)
+    check(*out[:4])
+    assert out[4]["links"]["dram_to_hbm"]["bytes"] > 0
