@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from offload import hooks
 from offload.config import Config, load_config
 from offload.optim import STATES, OptimState
-from offload.placement import Placement, plan_placement
+from offload.placement import Placement, plan_placement, staging_class_bytes
 from offload.residency import WeightHandle
 from offload.tiers import Tiers
 from offload.units import Unit, partition
@@ -35,34 +35,38 @@ HOME = {"none": "hbm", "cpu": "dram", "nvme": "nvme"}
 
 
 class Staging:
-    """Dram staging buffers for nvme transfers, reused by size (pages stay faulted in: re-faulting fresh
-    pages stalls I/O far more than the engine choice does), charged to the dram accountant."""
+    """Dram staging buffers for nvme transfers, all of one size (placement.staging_class_bytes), reused:
+    pages stay faulted in (re-faulting fresh pages stalls I/O far more than the engine choice does), and
+    charged to the dram accountant. `acquire` hands out a typed view of the first `numel` elements."""
 
-    def __init__(self, tiers: Tiers):
-        self.tiers = tiers
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+    def __init__(self, tiers: Tiers, class_bytes: int):
+        self.tiers, self.class_bytes = tiers, class_bytes
+        self._free: list[torch.Tensor] = []
+        self._lent: dict[int, torch.Tensor] = {}  # data pointer of a handed-out view -> its buffer
         self._lock = threading.Lock()  # the d2h thread stages gradients while the main thread fetches
 
     def acquire(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        if nbytes > self.class_bytes:
+            raise ValueError(f"staging for {what}: {nbytes} bytes exceed the staging buffer size {self.class_bytes}")
         with self._lock:
-            cached = self._free.get((numel, dtype))
-            if cached:
-                return cached.pop()
-        try:
-            return self.tiers.empty("dram", numel, dtype, f"staging for {what}")
-        except MemoryError:
-            self.trim()  # buffers of other sizes may be idle
-            return self.tiers.empty("dram", numel, dtype, f"staging for {what}")
+            base = self._free.pop() if self._free else None
+        if base is None:
+            base = self.tiers.empty("dram", self.class_bytes, torch.uint8, f"staging for {what}")
+        view = base.view(dtype)[:numel]
+        with self._lock:
+            self._lent[view.data_ptr()] = base
+        return view
 
     def release(self, t: torch.Tensor) -> None:
         with self._lock:
-            self._free.setdefault((t.numel(), t.dtype), []).append(t)
+            self._free.append(self._lent.pop(t.data_ptr()))
 
     def trim(self) -> None:
+        """Frees the idle buffers (the ones lent out stay)."""
         with self._lock:
-            for bufs in self._free.values():
-                for t in bufs:
-                    self.tiers.free("dram", t)
+            for t in self._free:
+                self.tiers.free("dram", t)
             self._free.clear()
 
 
@@ -83,7 +87,7 @@ class Engine(nn.Module):
         self.tiers = Tiers(self.device, self.placement.hbm_budget, self.placement.dram_budget,
                            self.placement.nvme_budget, pin=self.device.type == "cuda")
         self.telemetry = Telemetry()
-        self.staging = Staging(self.tiers)
+        self.staging = Staging(self.tiers, staging_class_bytes(self.units, cfg))
         self.store = self._open_store() if self.placement.uses_nvme else None
         delay = float(os.environ.get("OFFLOAD_TEST_COPY_DELAY_S", "0"))
         self.h2d = CopyStream("h2d", self.device, delay)   # fetches: dram -> hbm

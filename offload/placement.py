@@ -69,7 +69,7 @@ def plan_placement(units: list[Unit], cfg, device: torch.device) -> Placement:
         if u.trainable_numel:
             need[state_home[u.index]] += STATE_KINDS * 4 * u.trainable_numel
         rows.append((u.name, u.numel, weight_home[u.index], state_home.get(u.index, "-")))
-    runtime = runtime_bytes(units, cfg, w_home, s_home)
+    runtime = runtime_bytes(units, cfg, w_home, s_home, device.type)
     for tier in ("hbm", "dram"):
         need[tier] += runtime[tier]
     default_hbm, default_dram = _default_budgets(device)
@@ -79,24 +79,40 @@ def plan_placement(units: list[Unit], cfg, device: torch.device) -> Placement:
     return p
 
 
-def runtime_bytes(units: list[Unit], cfg, w_home: str, s_home: str) -> dict[str, int]:
-    """The runtime's own buffers on top of the ledger: the hbm working set of fetched units (the one in
-    use plus `prefetch_units` ahead) and two units' gradients on their way to dram; dram staging for
-    nvme weights (as many as fetched) and for nvme optimizer states (two units' worth: the one being
-    updated and the one read ahead, plus one gradient accumulator)."""
-    offloaded = [u.numel for u in units if not u.persistent]
-    largest = max(offloaded, default=0)
+def staging_class_bytes(units: list[Unit], cfg) -> int:
+    """Every dram staging buffer has this one size (the largest a unit needs: its weights in the compute
+    dtype, or one fp32 state over its trainable prefix), so any idle buffer serves any request and the
+    staging peak is a count of buffers, never a sum over fragmented size classes."""
+    itemsize = cfg.compute_dtype.itemsize
+    return max((max(u.numel * itemsize, u.trainable_numel * 4) for u in units), default=0)
+
+
+def staging_buffers(cfg, w_home: str, s_home: str, device_type: str = "cpu") -> int:
+    """How many staging buffers are in use at most: fetches of nvme weights in flight (the unit in use
+    plus `prefetch_units` ahead); for nvme optimizer states two units' four fp32 states (the unit being
+    updated and the one read ahead or written behind); and two new-weight buffers (one being filled, one
+    written behind) where new weights cannot be written in place (nvme weights, or hbm on a GPU)."""
+    in_flight = 1 + cfg.prefetch_units
+    n = in_flight if w_home == "nvme" else 0
+    if s_home == "nvme":
+        n += 2 * STATE_KINDS
+    if w_home == "nvme" or (w_home == "hbm" and device_type != "cpu"):
+        n += 2
+    return n
+
+
+def runtime_bytes(units: list[Unit], cfg, w_home: str, s_home: str, device_type: str = "cpu") -> dict[str, int]:
+    """The runtime's own buffers on top of the ledger: in hbm the working set of fetched units (the one
+    in use plus `prefetch_units` ahead) and two units' gradients on their way to dram; in dram the
+    staging buffers (staging_buffers x staging_class_bytes)."""
+    largest = max((u.numel for u in units if not u.persistent), default=0)
     largest_trainable = max((u.trainable_numel for u in units), default=0)
     itemsize = cfg.compute_dtype.itemsize
-    in_flight = 1 + cfg.prefetch_units
-    out = {"hbm": 2 * largest_trainable * itemsize, "dram": 0}
+    hbm = 2 * largest_trainable * itemsize
     if w_home != "hbm":
-        out["hbm"] += in_flight * largest * itemsize
-    if w_home == "nvme":
-        out["dram"] += in_flight * largest * itemsize
-    if s_home == "nvme":
-        out["dram"] += 2 * STATE_KINDS * 4 * largest_trainable + largest * itemsize
-    return out
+        hbm += (1 + cfg.prefetch_units) * largest * itemsize
+    dram = staging_buffers(cfg, w_home, s_home, device_type) * staging_class_bytes(units, cfg)
+    return {"hbm": hbm, "dram": dram}
 
 
 def _free_disk(cfg) -> int:

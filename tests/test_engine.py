@@ -44,6 +44,7 @@ def test_hbm_budget_of_two_units_holds(tmp_path, monkeypatch):
     assert st["tiers"]["hbm"]["peak_bytes"] <= budget
     # dram holds only the staging buffers the placement planned (runtime_bytes), never the model
     planned = runtime_bytes(eng.units, eng.cfg, "nvme", "nvme")["dram"]
+    assert planned == 12 * max(u.trainable_numel * 4 for u in eng.units)  # 2 fetches + 8 states + 2 updates
     assert st["tiers"]["dram"]["peak_bytes"] <= planned
     eng.close()
 
