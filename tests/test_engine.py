@@ -50,11 +50,11 @@ def test_hbm_budget_of_two_units_holds(tmp_path, monkeypatch):
 
 
 def test_meta_model_larger_than_dram_budget(tmp_path):
-    n_blocks, d = 48, 128
+    n_blocks, d = 64, 128
     torch.manual_seed(7)
     cpu_model = MLP(d=d, n_blocks=n_blocks)
     fp32_bytes = sum(p.numel() * 4 for p in cpu_model.parameters())
-    budget = 3 << 20
+    budget = 4 << 20
     assert fp32_bytes > 4 * budget
     ref = Reference(cpu_model, "fp32", lr=1e-3)
     with torch.device("meta"):
