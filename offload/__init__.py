@@ -5,3 +5,5 @@ The public surface is small on purpose (see API.md): `initialize`, `Config`, `CP
 """
 
 __version__ = "0.1.0"
+
+from offload.cpu_adam import CPUAdam  # noqa: E402
