@@ -8,8 +8,9 @@ bf16 weights out = 2 + 3*4 bytes read + 3*4 + 2 written = 28 bytes per parameter
 - deepspeed_fp32:    DeepSpeedCPUAdam.step() alone on fp32 grads: 16 read + 12 written = 28 bytes too.
 - roofline:          copy bandwidth (read + written bytes / s, measured in this run: the best of torch's
                      copy_, a threaded memcpy, an in-place p *= 1 and an in-place g += p) / 28 bytes.
-All jobs share the same buffers (files in /dev/shm, mapped by this process and by the DeepSpeed worker),
-so every job sees the same memory; jobs are interleaved round by round and the median step is reported.
+Jobs run interleaved, round by round, and the median step is reported. Each round allocates fresh
+buffers (ordinary anonymous memory, first-touched and warmed up before timing) and frees them before the
+next job's process allocates, so peak memory is one job's set (~20 B/param), not the sum of the processes.
 DeepSpeed runs in-process if importable, else in a worker with another interpreter:
 --deepspeed-python, $OFFLOAD_BENCH_DS_PYTHON, or a `dsvenv` virtualenv beside this checkout.
 
@@ -19,12 +20,10 @@ DeepSpeed runs in-process if importable, else in a worker with another interpret
 import argparse
 import ctypes
 import json
-import math
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -41,24 +40,18 @@ BUFFERS = {"p": torch.float32, "m": torch.float32, "v": torch.float32, "g32": to
            "g16": torch.bfloat16, "out": torch.bfloat16}
 
 
-def map_buffers(folder: str, numel: int, create: bool) -> dict:
-    """The shared buffers as tensors over files in `folder` (MAP_SHARED: both processes see one copy)."""
-    bufs = {}
-    for name, dtype in BUFFERS.items():
-        path = os.path.join(folder, name)
-        if create:
-            with open(path, "wb") as f:
-                f.truncate(numel * dtype.itemsize)
-        bufs[name] = torch.from_file(path, shared=True, size=numel, dtype=dtype)
-    return bufs
-
-
-def init_buffers(b: dict) -> None:
-    b["p"].normal_()
-    b["g32"].normal_()
+def alloc_buffers(numel: int) -> dict:
+    """Fresh buffers, filled by repeating a 1 Mi tile of N(0,1) (fast, and every page touched)."""
+    tile = torch.randn(min(numel, 1 << 20), generator=torch.Generator().manual_seed(0))
+    b = {name: torch.empty(numel, dtype=dtype) for name, dtype in BUFFERS.items()}
+    for s in range(0, numel, tile.numel()):
+        e = min(numel, s + tile.numel())
+        b["p"][s:e].copy_(tile[: e - s])
+        b["g32"][s:e].copy_(tile[: e - s].flip(0))
     b["g16"].copy_(b["g32"])
     for name in ("m", "v", "out"):
         b[name].zero_()
+    return b
 
 
 def time_steps(fn, steps: int) -> list:
@@ -142,32 +135,42 @@ def max_rel_err(numel: int) -> float:
 # ------------------------------------------------------------------------------------------- DeepSpeed
 
 DS_WORKER = r"""
-import json, os, sys, time, torch
-folder, numel, hp = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+import json, sys, time, torch
+numel, hp = int(sys.argv[1]), json.loads(sys.argv[2])
 def say(obj): print("@@" + json.dumps(obj), flush=True)
 try:
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
     import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+    CPUAdamBuilder().load()  # the JIT build of the op, on first use
 except Exception as e:
-    say({"error": f"deepspeed not importable: {e}"}); sys.exit(0)
-dt = {"p": torch.float32, "m": torch.float32, "v": torch.float32, "g32": torch.float32,
-      "g16": torch.bfloat16, "out": torch.bfloat16}
-b = {k: torch.from_file(os.path.join(folder, k), shared=True, size=numel, dtype=d) for k, d in dt.items()}
-param = torch.nn.Parameter(b["p"], requires_grad=True)
-param.grad = b["g32"]
-opt = DeepSpeedCPUAdam([param], lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
-                       weight_decay=hp["weight_decay"], adamw_mode=True)
-opt.state[param] = {"step": 0, "exp_avg": b["m"], "exp_avg_sq": b["v"]}
-opt.step()  # warm-up (and the JIT build of the op, on first use)
+    say({"error": f"DeepSpeedCPUAdam unavailable: {e}"}); sys.exit(0)
 say({"ready": True, "version": deepspeed.__version__})
-def casts():
-    b["g32"].copy_(b["g16"]); opt.step(); b["out"].copy_(b["p"])
+def alloc():  # the same buffers and fill as the parent's alloc_buffers
+    tile = torch.randn(min(numel, 1 << 20), generator=torch.Generator().manual_seed(0))
+    b = {k: torch.empty(numel) for k in ("p", "m", "v", "g32")}
+    b["g16"], b["out"] = torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.bfloat16)
+    for s in range(0, numel, tile.numel()):
+        e = min(numel, s + tile.numel())
+        b["p"][s:e].copy_(tile[: e - s]); b["g32"][s:e].copy_(tile[: e - s].flip(0))
+    b["g16"].copy_(b["g32"]); b["m"].zero_(); b["v"].zero_(); b["out"].zero_()
+    return b
 for line in sys.stdin:
     cmd = json.loads(line)
+    b = alloc()
+    param = torch.nn.Parameter(b["p"], requires_grad=True)
+    param.grad = b["g32"]
+    opt = DeepSpeedCPUAdam([param], lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
+                           weight_decay=hp["weight_decay"], adamw_mode=True)
+    opt.state[param] = {"step": 0, "exp_avg": b["m"], "exp_avg_sq": b["v"]}
+    def casts():
+        b["g32"].copy_(b["g16"]); opt.step(); b["out"].copy_(b["p"])
     fn = casts if cmd["job"] == "casts" else opt.step
+    fn()  # warm-up
     times = []
     for _ in range(cmd["steps"]):
         t0 = time.perf_counter(); fn(); times.append(time.perf_counter() - t0)
+    del opt, param, b, fn
     say({"times": times})
 """
 
@@ -175,8 +178,8 @@ for line in sys.stdin:
 class DeepSpeedWorker:
     """DeepSpeedCPUAdam over the shared buffers, in a subprocess (any interpreter with deepspeed)."""
 
-    def __init__(self, python: str, folder: str, numel: int):
-        self.proc = subprocess.Popen([python, "-c", DS_WORKER, folder, str(numel), json.dumps(HP)],
+    def __init__(self, python: str, numel: int):
+        self.proc = subprocess.Popen([python, "-c", DS_WORKER, str(numel), json.dumps(HP)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         hello = self._read()
         if "error" in hello:
@@ -216,27 +219,18 @@ def deepspeed_python(arg: str | None) -> str | None:
 # ------------------------------------------------------------------------------------------- main
 
 def run_bench(args) -> dict:
-    folder = tempfile.mkdtemp(prefix="offload-bench-adam-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     worker = None
+    py = None if args.no_deepspeed else deepspeed_python(args.deepspeed_python)
+    if py is not None:
+        try:
+            worker = DeepSpeedWorker(py, args.numel)
+        except RuntimeError as e:
+            print(f"DeepSpeed unavailable: {e}", file=sys.stderr)
     try:
-        b = map_buffers(folder, args.numel, create=True)
-        init_buffers(b)
-        py = None if args.no_deepspeed else deepspeed_python(args.deepspeed_python)
-        if py is not None:
-            try:
-                worker = DeepSpeedWorker(py, folder, args.numel)
-            except RuntimeError as e:
-                print(f"DeepSpeed unavailable: {e}", file=sys.stderr)
-        jobs = {"ours": ours_job(b), "torch_fused_casts": torch_fused_casts_job(b)}
-        for fn in jobs.values():
-            fn()  # warm-up (and the kernel build on first use)
         times = {k: [] for k in ("ours", "torch_fused_casts", "deepspeed_casts", "deepspeed_fp32")}
         copy = {}
         for _ in range(args.rounds):
-            for k, gbps in copy_gbps(b, args.steps).items():
-                copy[k] = max(copy.get(k, 0.0), gbps)
-            for name, fn in jobs.items():
-                times[name] += time_steps(fn, args.steps)
+            our_round(args.numel, args.steps, times, copy)  # frees its buffers before the worker allocates
             if worker is not None:
                 times["deepspeed_casts"] += worker.run("casts", args.steps)
                 times["deepspeed_fp32"] += worker.run("fp32", args.steps)
@@ -244,14 +238,22 @@ def run_bench(args) -> dict:
     finally:
         if worker is not None:
             worker.close()
-        for name in BUFFERS:
-            Path(folder, name).unlink(missing_ok=True)
-        os.rmdir(folder)
+
+
+def our_round(numel: int, steps: int, times: dict, copy: dict) -> None:
+    b = alloc_buffers(numel)
+    for k, gbps in copy_gbps(b, steps).items():
+        copy[k] = max(copy.get(k, 0.0), gbps)
+    for name, make in (("ours", ours_job), ("torch_fused_casts", torch_fused_casts_job)):
+        fn = make(b)
+        fn()  # warm-up (and the kernel build on first use)
+        times[name] += time_steps(fn, steps)
 
 
 def summarize(numel: int, times: dict, copy: dict, worker) -> dict:
     copy_gbps_best = max(copy.values())
     rate = {k: (numel / statistics.median(v) / 1e9 if v else None) for k, v in times.items()}
+    best = {k: (numel / min(v) / 1e9 if v else None) for k, v in times.items()}
     ours = rate["ours"]
     ratio = {f"ours_vs_{k}": (ours / r if r else None) for k, r in rate.items() if k != "ours"}
     roofline = copy_gbps_best / BYTES_PER_PARAM
@@ -261,6 +263,7 @@ def summarize(numel: int, times: dict, copy: dict, worker) -> dict:
             "bytes_per_param": BYTES_PER_PARAM, "copy_gbps": copy_gbps_best, "copy_methods_gbps": copy, "ours_gbps": ours * BYTES_PER_PARAM,
             "ours_vs_roofline": ours / roofline, **ratio, "backend": cpu_adam.kernel_backend(),
             "isa": cpu_adam.kernel_isa(), "threads": cpu_adam.get_num_threads(),
+            "best_step_gparams_s": best, "steps_timed": {k: len(v) for k, v in times.items()},
             "deepspeed_version": None if worker is None else worker.version}
 
 
@@ -278,6 +281,8 @@ def print_table(r: dict) -> None:
         ratio = r["ours_gparams_s"] / g
         print(f"  {label:32s} {g:6.3f} Gparam/s {g * 28:6.1f} GB/s   ours/this {ratio:5.2f}x")
     methods = ", ".join(f"{k} {v:.1f}" for k, v in r["copy_methods_gbps"].items())
+    best = ", ".join(f"{k} {v:.3f}" for k, v in r["best_step_gparams_s"].items() if v)
+    print(f"  (medians; best steps: {best})")
     print(f"  copy bandwidth {r['copy_gbps']:.1f} GB/s (best of {methods}); "
           f"max rel err vs torch AdamW {r['max_rel_err']:.2e}")
 
