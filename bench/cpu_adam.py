@@ -1,0 +1,308 @@
+"""CPU Adam throughput: ours next to torch fused AdamW + casts, DeepSpeedCPUAdam (+ casts) and the roofline.
+
+The job (every figure but deepspeed_fp32): bf16 gradients in, fp32 master/exp_avg/exp_avg_sq updated,
+bf16 weights out = 2 + 3*4 bytes read + 3*4 + 2 written = 28 bytes per parameter.
+- ours:              offload.cpu_adam.adam_step(p, g_bf16, m, v, out=w_bf16), one pass.
+- torch_fused_casts: g32.copy_(g_bf16); torch.optim.AdamW(fused=True).step(); w_bf16.copy_(p).
+- deepspeed_casts:   the same casts around DeepSpeedCPUAdam.step().
+- deepspeed_fp32:    DeepSpeedCPUAdam.step() alone on fp32 grads: 16 read + 12 written = 28 bytes too.
+- roofline:          copy bandwidth (read + written bytes / s, measured in this run: the best of torch's
+                     copy_, a threaded memcpy, an in-place p *= 1 and an in-place g += p) / 28 bytes.
+Jobs run interleaved, round by round, and the median step is reported. Each round allocates fresh
+buffers (ordinary anonymous memory, first-touched and warmed up before timing) and frees them before the
+next job's process allocates, so peak memory is one job's set (~20 B/param), not the sum of the processes.
+DeepSpeed runs in-process if importable, else in a worker with another interpreter:
+--deepspeed-python, $OFFLOAD_BENCH_DS_PYTHON, or a `dsvenv` virtualenv beside this checkout.
+
+  python bench/cpu_adam.py --numel 268435456 --json
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from offload import cpu_adam  # noqa: E402
+
+BYTES_PER_PARAM = 28
+HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+BUFFERS = {"p": torch.float32, "m": torch.float32, "v": torch.float32, "g32": torch.float32,
+           "g16": torch.bfloat16, "out": torch.bfloat16}
+
+
+def alloc_buffers(numel: int) -> dict:
+    """Fresh buffers, filled by repeating a 1 Mi tile of N(0,1) (fast, and every page touched)."""
+    tile = torch.randn(min(numel, 1 << 20), generator=torch.Generator().manual_seed(0))
+    b = {name: torch.empty(numel, dtype=dtype) for name, dtype in BUFFERS.items()}
+    for s in range(0, numel, tile.numel()):
+        e = min(numel, s + tile.numel())
+        b["p"][s:e].copy_(tile[: e - s])
+        b["g32"][s:e].copy_(tile[: e - s].flip(0))
+    b["g16"].copy_(b["g32"])
+    for name in ("m", "v", "out"):
+        b[name].zero_()
+    return b
+
+
+def time_steps(fn, steps: int) -> list:
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+# ------------------------------------------------------------------------------------------- our jobs
+
+def ours_job(b: dict):
+    step = [0]
+
+    def run():
+        step[0] += 1
+        cpu_adam.adam_step(b["p"], b["g16"], b["m"], b["v"], step=step[0], lr=HP["lr"], beta1=HP["betas"][0],
+                           beta2=HP["betas"][1], eps=HP["eps"], weight_decay=HP["weight_decay"], out=b["out"])
+    return run
+
+
+def torch_fused_casts_job(b: dict):
+    param = torch.nn.Parameter(b["p"], requires_grad=True)
+    param.grad = b["g32"]
+    opt = torch.optim.AdamW([param], fused=True, **HP)
+    opt.state[param] = {"step": torch.tensor(0.0), "exp_avg": b["m"], "exp_avg_sq": b["v"]}
+
+    def run():
+        b["g32"].copy_(b["g16"])
+        opt.step()
+        b["out"].copy_(b["p"])
+    return run
+
+
+def copy_gbps(b: dict, steps: int) -> dict:
+    """Copy bandwidth in GB/s (bytes read + written) by four methods over 4*numel bytes; the best is the
+    roofline's base. Out-of-place copies pay a read-for-ownership on the destination that our kernel
+    mostly does not (it rewrites lines it just read), so in-place streams are measured too: the
+    stricter (higher) roofline."""
+    src, dst = b["p"], b["g32"]
+    nbytes = src.numel() * 4
+    threads = max(1, torch.get_num_threads())
+
+    def memcpy_threaded():
+        part = (nbytes // threads) & ~4095
+        spans = [(i * part, nbytes - i * part if i == threads - 1 else part) for i in range(threads)]
+        ts = [threading.Thread(target=ctypes.memmove, args=(dst.data_ptr() + o, src.data_ptr() + o, n))
+              for o, n in spans]  # ctypes releases the GIL during the call
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    methods = {"torch_copy": (lambda: dst.copy_(src), 2), "memcpy": (memcpy_threaded, 2),
+               "inplace_scale": (lambda: src.mul_(1.0), 2),       # p = p * 1: read + write the same bytes
+               "inplace_add": (lambda: dst.add_(src), 3)}         # g32 += p: two reads, one write
+    return {k: moved * nbytes / min(time_steps(fn, steps)) / 1e9 for k, (fn, moved) in methods.items()}
+
+
+def max_rel_err(numel: int) -> float:
+    """Ours vs torch.optim.AdamW(foreach=False) after 3 steps on min(numel, 1M) fresh elements:
+    max |ours - ref| / max(|ref|, 1e-3). Also checks the bf16 output is the RNE cast of the master."""
+    n = min(numel, 1 << 20)
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(n, generator=gen)
+    ref = torch.nn.Parameter(p.clone())
+    opt = torch.optim.AdamW([ref], foreach=False, **HP)
+    m, v, out = torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)
+    for step in range(1, 4):
+        g = torch.randn(n, generator=gen).bfloat16()
+        ref.grad = g.float()
+        opt.step()
+        cpu_adam.adam_step(p, g, m, v, step=step, lr=HP["lr"], beta1=HP["betas"][0], beta2=HP["betas"][1],
+                           eps=HP["eps"], weight_decay=HP["weight_decay"], out=out)
+    if not torch.equal(out.view(torch.int16), p.bfloat16().view(torch.int16)):
+        raise AssertionError("bf16 output is not the round-to-nearest-even cast of the fp32 master")
+    return float(((p - ref.detach()).abs() / ref.detach().abs().clamp_min(1e-3)).max())
+
+
+# ------------------------------------------------------------------------------------------- DeepSpeed
+
+DS_WORKER = r"""
+import json, sys, time, torch
+numel, hp = int(sys.argv[1]), json.loads(sys.argv[2])
+def say(obj): print("@@" + json.dumps(obj), flush=True)
+try:
+    import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+    CPUAdamBuilder().load()  # the JIT build of the op, on first use
+except Exception as e:
+    say({"error": f"DeepSpeedCPUAdam unavailable: {e}"}); sys.exit(0)
+say({"ready": True, "version": deepspeed.__version__})
+def alloc():  # the same buffers and fill as the parent's alloc_buffers
+    tile = torch.randn(min(numel, 1 << 20), generator=torch.Generator().manual_seed(0))
+    b = {k: torch.empty(numel) for k in ("p", "m", "v", "g32")}
+    b["g16"], b["out"] = torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.bfloat16)
+    for s in range(0, numel, tile.numel()):
+        e = min(numel, s + tile.numel())
+        b["p"][s:e].copy_(tile[: e - s]); b["g32"][s:e].copy_(tile[: e - s].flip(0))
+    b["g16"].copy_(b["g32"]); b["m"].zero_(); b["v"].zero_(); b["out"].zero_()
+    return b
+for line in sys.stdin:
+    cmd = json.loads(line)
+    b = alloc()
+    param = torch.nn.Parameter(b["p"], requires_grad=True)
+    param.grad = b["g32"]
+    opt = DeepSpeedCPUAdam([param], lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
+                           weight_decay=hp["weight_decay"], adamw_mode=True)
+    opt.state[param] = {"step": 0, "exp_avg": b["m"], "exp_avg_sq": b["v"]}
+    def casts():
+        b["g32"].copy_(b["g16"]); opt.step(); b["out"].copy_(b["p"])
+    fn = casts if cmd["job"] == "casts" else opt.step
+    fn()  # warm-up
+    times = []
+    for _ in range(cmd["steps"]):
+        t0 = time.perf_counter(); fn(); times.append(time.perf_counter() - t0)
+    del opt, param, b, fn
+    say({"times": times})
+"""
+
+
+class DeepSpeedWorker:
+    """DeepSpeedCPUAdam over the shared buffers, in a subprocess (any interpreter with deepspeed)."""
+
+    def __init__(self, python: str, numel: int):
+        self.proc = subprocess.Popen([python, "-c", DS_WORKER, str(numel), json.dumps(HP)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        hello = self._read()
+        if "error" in hello:
+            self.close()
+            raise RuntimeError(hello["error"])
+        self.version = hello["version"]
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                return json.loads(line[2:])
+        raise RuntimeError(f"DeepSpeed worker exited with {self.proc.wait()}")
+
+    def run(self, job: str, steps: int) -> list:
+        self.proc.stdin.write(json.dumps({"job": job, "steps": steps}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()["times"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def deepspeed_python(arg: str | None) -> str | None:
+    """The interpreter for the DeepSpeed worker, or None when there is none."""
+    candidates = [arg, os.environ.get("OFFLOAD_BENCH_DS_PYTHON")]
+    try:
+        import deepspeed  # noqa: F401
+        candidates.append(sys.executable)
+    except ImportError:
+        pass
+    candidates.append(str(ROOT.parent / "dsvenv" / "bin" / "python"))
+    return next((c for c in candidates if c and os.path.exists(c)), None)
+
+
+# ------------------------------------------------------------------------------------------- main
+
+def run_bench(args) -> dict:
+    worker = None
+    py = None if args.no_deepspeed else deepspeed_python(args.deepspeed_python)
+    if py is not None:
+        try:
+            worker = DeepSpeedWorker(py, args.numel)
+        except RuntimeError as e:
+            print(f"DeepSpeed unavailable: {e}", file=sys.stderr)
+    try:
+        times = {k: [] for k in ("ours", "torch_fused_casts", "deepspeed_casts", "deepspeed_fp32")}
+        copy = {}
+        for _ in range(args.rounds):
+            our_round(args.numel, args.steps, times, copy)  # frees its buffers before the worker allocates
+            if worker is not None:
+                times["deepspeed_casts"] += worker.run("casts", args.steps)
+                times["deepspeed_fp32"] += worker.run("fp32", args.steps)
+        return summarize(args.numel, times, copy, worker)
+    finally:
+        if worker is not None:
+            worker.close()
+
+
+def our_round(numel: int, steps: int, times: dict, copy: dict) -> None:
+    b = alloc_buffers(numel)
+    for k, gbps in copy_gbps(b, steps).items():
+        copy[k] = max(copy.get(k, 0.0), gbps)
+    for name, make in (("ours", ours_job), ("torch_fused_casts", torch_fused_casts_job)):
+        fn = make(b)
+        fn()  # warm-up (and the kernel build on first use)
+        times[name] += time_steps(fn, steps)
+
+
+def summarize(numel: int, times: dict, copy: dict, worker) -> dict:
+    copy_gbps_best = max(copy.values())
+    rate = {k: (numel / statistics.median(v) / 1e9 if v else None) for k, v in times.items()}
+    best = {k: (numel / min(v) / 1e9 if v else None) for k, v in times.items()}
+    ours = rate["ours"]
+    ratio = {f"ours_vs_{k}": (ours / r if r else None) for k, r in rate.items() if k != "ours"}
+    roofline = copy_gbps_best / BYTES_PER_PARAM
+    return {"numel": numel, "ours_gparams_s": ours, "torch_fused_casts_gparams_s": rate["torch_fused_casts"],
+            "deepspeed_casts_gparams_s": rate["deepspeed_casts"], "deepspeed_fp32_gparams_s": rate["deepspeed_fp32"],
+            "roofline_gparams_s": roofline, "max_rel_err": max_rel_err(numel),
+            "bytes_per_param": BYTES_PER_PARAM, "copy_gbps": copy_gbps_best, "copy_methods_gbps": copy, "ours_gbps": ours * BYTES_PER_PARAM,
+            "ours_vs_roofline": ours / roofline, **ratio, "backend": cpu_adam.kernel_backend(),
+            "isa": cpu_adam.kernel_isa(), "threads": cpu_adam.get_num_threads(),
+            "best_step_gparams_s": best, "steps_timed": {k: len(v) for k, v in times.items()},
+            "deepspeed_version": None if worker is None else worker.version}
+
+
+def print_table(r: dict) -> None:
+    print(f"CPU Adam, {r['numel']:,} params, {r['bytes_per_param']} B/param, backend={r['backend']} "
+          f"isa={r['isa']} threads={r['threads']}, DeepSpeed {r['deepspeed_version']}")
+    rows = [("ours (bf16 grad -> bf16 out)", "ours"), ("torch fused AdamW + casts", "torch_fused_casts"),
+            ("DeepSpeedCPUAdam + casts", "deepspeed_casts"), ("DeepSpeedCPUAdam fp32 alone", "deepspeed_fp32"),
+            ("roofline (copy GB/s / 28)", "roofline")]
+    for label, key in rows:
+        g = r[f"{key}_gparams_s"]
+        if g is None:
+            print(f"  {label:32s}      n/a")
+            continue
+        ratio = r["ours_gparams_s"] / g
+        print(f"  {label:32s} {g:6.3f} Gparam/s {g * 28:6.1f} GB/s   ours/this {ratio:5.2f}x")
+    methods = ", ".join(f"{k} {v:.1f}" for k, v in r["copy_methods_gbps"].items())
+    best = ", ".join(f"{k} {v:.3f}" for k, v in r["best_step_gparams_s"].items() if v)
+    print(f"  (medians; best steps: {best})")
+    print(f"  copy bandwidth {r['copy_gbps']:.1f} GB/s (best of {methods}); "
+          f"max rel err vs torch AdamW {r['max_rel_err']:.2e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--numel", type=int, default=1 << 26, help="parameters (default 64Mi)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per job per round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of all jobs, interleaved")
+    ap.add_argument("--deepspeed-python", help="interpreter with deepspeed for the reference")
+    ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = ap.parse_args()
+    if args.numel < 1 or args.steps < 1 or args.rounds < 1:
+        ap.error("--numel, --steps and --rounds must be >= 1")
+    result = run_bench(args)
+    print_table(result)
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
