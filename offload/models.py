@@ -109,6 +109,22 @@ class Embedding(nn.Embedding):
         _normal_(self.weight, self.std)
 
 
+class TiedLinear(nn.Module):
+    """The output projection of tied embeddings: it owns the embedding's very Parameter, so the Engine
+    sees a module using that unit's weight and fetches the unit before it runs (a forward reading
+    `self.embed.weight` directly would find it released). Initialized by the embedding, not here."""
+
+    def __init__(self, embed: nn.Embedding):
+        super().__init__()
+        self.weight = embed.weight
+
+    def reset_parameters(self) -> None:
+        pass  # the weight is the embedding's, initialized (once) by Embedding.reset_parameters
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, device=None, dtype=None):
         super().__init__()
@@ -205,7 +221,8 @@ class LlamaLM(nn.Module):
         self.embed = Embedding(cfg.vocab_size, cfg.d_model, 0.02, device, dtype)
         self.layers = nn.ModuleList(Block(cfg, device, dtype) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device, dtype)
-        self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, 0.02, device, dtype)
+        self.lm_head = (TiedLinear(self.embed) if cfg.tie_embeddings
+                        else Linear(cfg.d_model, cfg.vocab_size, 0.02, device, dtype))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         T = input_ids.shape[1]
@@ -220,8 +237,7 @@ class LlamaLM(nn.Module):
             else:
                 x = block(x, cos, sin)
         x = self.norm(x)
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(x, weight)                                                # [B, T, V]
+        logits = self.lm_head(x)                                                    # [B, T, V]
         if labels is None:
             return logits
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),

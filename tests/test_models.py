@@ -26,18 +26,16 @@ def test_preset_sizes_match_their_parameter_count():
     assert sum(p.numel() for p in LlamaLM(untied).parameters()) == untied.num_params()
 
 
-def test_meta_model_materialized_unit_by_unit_equals_cpu_build():
+def test_meta_model_materialized_unit_by_unit_equals_cpu_build(tmp_path):
+    import offload
+
     expected = _state(build_model(CFG, seed=7))
     meta = build_model(CFG, device="meta", seed=7)
     assert all(p.is_meta for p in meta.parameters())
-    torch.manual_seed(7)                       # the Engine's side of the seeding contract
-    units = [meta.embed, *meta.layers, meta.norm]
-    for unit in units:                          # units in module order, one at a time
-        unit.to_empty(device="cpu")
-        for module in unit.modules():
-            if owns_parameters(module):
-                module.reset_parameters()
-    got = _state(meta)
+    cfg = {"precision": "fp32", "seed": 7, "offload_param": {"device": "nvme"},
+           "offload_optimizer": {"device": "nvme"}, "nvme_path": str(tmp_path)}
+    with offload.initialize(meta, cfg) as eng:  # the Engine's side of the seeding contract
+        got = eng.full_state_dict()
     assert got.keys() == expected.keys()
     for k in expected:
         assert torch.equal(got[k], expected[k]), k
