@@ -26,8 +26,8 @@ def _nested(subparsers, name: str, help: str):
 
 def _checksum_flags(p) -> None:
     p.add_argument("--checksum", dest="checksum", action="store_true", default=DEFAULT_CHECKSUM,
-                   help=f"crc32 per block, verified on read (default: {'on' if DEFAULT_CHECKSUM else 'off'})")
-    p.add_argument("--no-checksum", dest="checksum", action="store_false", help="skip the crc32")
+                   help=f"checksum per block, verified on read (default: {'on' if DEFAULT_CHECKSUM else 'off'})")
+    p.add_argument("--no-checksum", dest="checksum", action="store_false", help="skip the checksum")
 
 
 def register(subparsers) -> None:
