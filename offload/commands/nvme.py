@@ -41,6 +41,8 @@ def register(subparsers) -> None:
     bench.add_argument("--queue-depth", type=int, default=DEFAULT_QUEUE_DEPTH)
     bench.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     _checksum_flags(bench)
+    bench.add_argument("--no-warmup", dest="warmup", action="store_false",
+                       help="time the first write into fresh blocks instead of the rewrite in place")
     bench.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
     bench.set_defaults(func=run_bench)
 
@@ -69,7 +71,7 @@ def _log_to_stderr() -> None:
 def run_bench(args: argparse.Namespace) -> int:
     _log_to_stderr()
     r = measure(args.dir, parse_size(args.size), engine=args.engine, block_bytes=args.block_bytes,
-                queue_depth=args.queue_depth, threads=args.threads, checksum=args.checksum)
+                queue_depth=args.queue_depth, threads=args.threads, checksum=args.checksum, warmup=args.warmup)
     print(format_table(r))
     if args.json:
         print(json.dumps(r))
