@@ -41,6 +41,7 @@ class Block:
 
 class IOEngine(Protocol):
     name: str
+    serial_completions: bool  # True when every `done` runs on one thread (callers then keep it light)
 
     def submit(self, blocks: Sequence[Block]) -> None:
         """Queue blocks; each one's `done` is called exactly once, later, from an engine thread."""
@@ -65,6 +66,7 @@ class ThreadsEngine:
     """os.preadv/os.pwritev from a thread pool; short transfers are continued, not failed."""
 
     name = "threads"
+    serial_completions = False
 
     def __init__(self, threads: int = 4):
         self.threads = threads
@@ -109,6 +111,7 @@ class LibaioEngine:
     """
 
     name = "libaio"
+    serial_completions = True  # every `done` runs on the one reaper thread
 
     def __init__(self, queue_depth: int = 32):
         from libaio import libaio as aio  # ctypes bindings; raises OSError when libaio.so.1 is missing
