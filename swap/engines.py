@@ -222,6 +222,9 @@ def _fail(refused: list) -> None:
         _complete(b, -err)
 
 
+_announced: set[str] = set()
+
+
 def libaio_available() -> bool:
     try:
         import libaio  # noqa: F401  (loads libaio.so.1 through ctypes)
@@ -240,7 +243,9 @@ def open_engine(name: str = "auto", *, queue_depth: int = 32, threads: int = 4) 
         raise ValueError(f"threads={threads}: must be >= 1; 4 suits most NVMe drives")
     if name == "auto":
         name = "libaio" if libaio_available() else "threads"
-        log.info("swap: I/O engine auto -> %s", name)
+        if name not in _announced:  # said once per process, not once per store
+            _announced.add(name)
+            log.info("swap: I/O engine auto -> %s%s", name, "" if name == "libaio" else " (libaio.so.1 did not load)")
     if name == "libaio":
         try:
             return LibaioEngine(queue_depth)

@@ -64,12 +64,17 @@ def test_errors_come_back_as_negative_errno(tmp_path, name):
         engine.close()
 
 
-def test_open_engine_validates_and_auto_says_which(caplog):
+def test_open_engine_validates_and_auto_says_which(caplog, monkeypatch):
+    import swap.engines
+
+    monkeypatch.setattr(swap.engines, "_announced", set())
     caplog.set_level("INFO", logger="swap")
     engine = open_engine("auto")
     assert engine.name == ("libaio" if libaio_available() else "threads")
     assert any(f"auto -> {engine.name}" in r.message for r in caplog.records)
     engine.close()
+    open_engine("auto").close()
+    assert sum("auto ->" in r.message for r in caplog.records) == 1  # once per process
     with pytest.raises(ValueError, match="queue_depth=0"):
         open_engine("libaio", queue_depth=0)
     with pytest.raises(ValueError, match="threads=0"):
