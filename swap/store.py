@@ -45,11 +45,13 @@ log = logging.getLogger("swap")
 DEFAULT_BLOCK_BYTES = 1 << 20
 DEFAULT_QUEUE_DEPTH = 32
 DEFAULT_THREADS = 4
-# Off by default, from the figure: `python bench/nvme.py --size 4G --rounds 3` runs ours with and
-# without it side by side; on our shared 2-core test machine checksums cost 24% and 46% of the write
-# bandwidth (two runs; reads -26% and +6%). Hashing 4-5 GB/s needs one or two cores that a busy
-# training step does not have, the drive and link have their own ECC/CRC, and short or failed
-# transfers are caught without it. Turn it on (checksum=True) to catch silent corruption as well.
+# Off by default, from the figures (bench/RESULTS.md, `python bench/nvme.py --size 4G --rounds 3`
+# runs ours with and without it side by side). Computed inline on the libaio reaper it cost 24% of
+# write and 26% of read bandwidth; on helper threads the cost fell inside this shared machine's noise
+# (-46% and +24% on writes in two runs). Either way hashing 2-5 GB/s takes a core and memory
+# bandwidth from CPU Adam, which runs while the optimizer's states stream to and from NVMe; short or
+# failed transfers are caught without it and the drive and link carry their own ECC/CRC. Turn it on
+# (checksum=True) to also catch silent corruption of the swap files.
 DEFAULT_CHECKSUM = False
 _MASK64 = (1 << 64) - 1
 
