@@ -161,19 +161,20 @@ class LibaioEngine:
                 cb.u.c.offset = b.offset
                 self._slot_block[slot] = b
                 self._submit_array[j] = self._ptrs[slot]
+            done, err = 0, 0
             try:
                 done = aio.io_submit(self._ctx, n, self._submit_array)
             except OSError as e:
-                done = 0
-                if not (e.errno == errno.EAGAIN and self._in_flight > n):  # EAGAIN: retry on reap
-                    refused.append((self._slot_block[slots[0]], e.errno or errno.EIO))  # EBADF, EINVAL...
-                    self._release(slots[0])
-                    slots = slots[1:]
-                    done = 0
+                err = e.errno or errno.EIO
+            if done == 0 and self._in_flight > n and err in (0, errno.EAGAIN):
+                for slot in reversed(slots):  # kernel busy: retry after the next reap
+                    self._waiting.appendleft(self._release(slot))
+                break
+            if done == 0:  # EBADF, EINVAL, ...: the first block alone fails; the rest are retried
+                refused.append((self._release(slots[0]), err or errno.EIO))
+                slots, done = slots[1:], 0
             for slot in reversed(slots[done:]):  # not taken by the kernel: back to the queue front
                 self._waiting.appendleft(self._release(slot))
-            if done == 0 and not refused:
-                break
         if self._in_flight:
             self._cond.notify_all()
         return refused

@@ -116,3 +116,11 @@ def test_pool_reuses_released_buffers():
     ptr = t.data_ptr()
     pool.release(t)
     assert pool.acquire(6000).data_ptr() == ptr  # same padded size class (8 KiB)
+
+
+@pytest.mark.gpu
+def test_pinned_buffers_are_page_locked_and_aligned():
+    t = aligned_empty(3 << 20, torch.bfloat16, pin=True)
+    assert t.is_pinned() and t.data_ptr() % ALIGN_BYTES == 0
+    pool = BufferPool(8 << 20, pin=True)
+    assert pool.acquire(5000).is_pinned()

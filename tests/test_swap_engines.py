@@ -53,14 +53,20 @@ def test_errors_come_back_as_negative_errno(tmp_path, name):
     engine = open_engine(name, queue_depth=2, threads=2)
     buf = aligned_empty(ALIGN_BYTES)
     fd = os.open(tmp_path / "g", os.O_RDONLY | os.O_CREAT, 0o600)
+    good_fd = os.open(tmp_path / "ok", os.O_RDWR | os.O_CREAT, 0o600)
     bad_fd = os.open(tmp_path / "h", os.O_RDONLY | os.O_CREAT, 0o600)
-    os.close(bad_fd)
+    os.close(bad_fd)  # (opened last, so no later open reuses its number during the test)
     try:
         res = _run(engine, [(True, fd, 0, buf.data_ptr(), ALIGN_BYTES),  # write to a read-only fd
                             (False, bad_fd, 0, buf.data_ptr(), ALIGN_BYTES)])
         assert res == [-errno.EBADF, -errno.EBADF]
+        # a refused block in the middle of a batch fails alone; its neighbours still complete
+        mixed = [(True, good_fd, 0, buf.data_ptr(), ALIGN_BYTES), (False, bad_fd, 0, buf.data_ptr(), ALIGN_BYTES),
+                 (True, good_fd, ALIGN_BYTES, buf.data_ptr(), ALIGN_BYTES)]
+        assert _run(engine, mixed) == [ALIGN_BYTES, -errno.EBADF, ALIGN_BYTES]
     finally:
         os.close(fd)
+        os.close(good_fd)
         engine.close()
 
 
