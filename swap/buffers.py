@@ -4,8 +4,11 @@
 io_submit on pages that were never touched stalls on page faults inside the kernel: on our test
 machine the libaio package read 2 GiB at 0.4 GB/s into fresh pages and at 3.0-3.4 GB/s into touched
 ones. So every buffer handed out here is populated before its first I/O: large ones through
-mmap(MAP_POPULATE) (the kernel zero-fills them in one pass, faster than touching from Python),
-small ones by zeroing, pinned ones by cudaHostAlloc itself.
+madvise(MADV_POPULATE_WRITE) (the kernel zero-fills them in one pass), small ones by zeroing,
+pinned ones by cudaHostAlloc itself. Large unpinned buffers are also 2 MiB-aligned and marked
+MADV_HUGEPAGE: O_DIRECT pins the user pages of every transfer, and with huge pages that is one
+page per 2 MiB instead of 512; side by side on this machine that raised 1 MiB reads from about
+1.2 to 1.8-2.9 GB/s and writes from about 1.7 to 2.1-3.8 GB/s (busy machine, 4 runs each).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import torch
 
 ALIGN_BYTES = 4096
 _MMAP_MIN_BYTES = 1 << 20  # below this, a malloc'd block + zero_() is cheaper than an mmap syscall
+_HUGE_BYTES = 2 << 20
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not in Python's mmap module yet
 
 
 def round_up(nbytes: int, align: int = ALIGN_BYTES) -> int:
@@ -39,15 +44,30 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, pin: bool = F
         raw = torch.empty(padded + ALIGN_BYTES, dtype=torch.uint8, pin_memory=True)
         raw = _align_slice(raw, padded)
     elif padded >= _MMAP_MIN_BYTES:
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        region = mmap.mmap(-1, padded, flags=flags)  # page-aligned by construction
-        raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
-        if not hasattr(mmap, "MAP_POPULATE"):
-            raw.zero_()
+        raw = _mmap_populated(padded)
     else:
         raw = _align_slice(torch.empty(padded + ALIGN_BYTES, dtype=torch.uint8), padded)
         raw.zero_()
     return raw.view(dtype)[:numel]
+
+
+def _mmap_populated(padded: int) -> torch.Tensor:
+    """Anonymous memory, 2 MiB-aligned and marked for transparent huge pages when large, populated."""
+    huge = padded >= 2 * _HUGE_BYTES
+    region = mmap.mmap(-1, padded + (_HUGE_BYTES if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP disabled: 4 KiB pages still work
+            pass
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
+    skip = (-raw.data_ptr()) % (_HUGE_BYTES if huge else ALIGN_BYTES)
+    raw = raw[skip : skip + padded]
+    try:
+        region.madvise(_MADV_POPULATE_WRITE)  # the kernel faults everything in, in one call
+    except (OSError, ValueError):  # kernels before 5.14
+        raw.zero_()
+    return raw
 
 
 def _align_slice(raw: torch.Tensor, padded: int) -> torch.Tensor:

@@ -15,9 +15,8 @@ class SwapIOError(OSError):
         self.path = path
         self.offset = offset
         self.nbytes = nbytes
-        # OSError.filename makes str(e) grow a second path; keep ours in the message only.
 
-    def __reduce__(self):  # keep it picklable (tickets may cross threads/processes in tests)
+    def __reduce__(self):  # picklable with its fields (OSError's default would drop them)
         return (_rebuild, (type(self), self.errno, self.strerror, self.path, self.offset, self.nbytes))
 
 

@@ -32,6 +32,7 @@ def test_bench_nvme_prints_a_table_and_json_last(tmp_path, capsys, engine):
     assert r["engine"] in ("threads", "libaio") and (engine == "auto" or r["engine"] == engine)
     for op in ("write", "read"):
         assert r[f"{op}_gbps"] > 0 and r[f"{op}_e2e_s"] >= r[f"{op}_task_s"] > 0
+    assert r["warmup"] is True and r["first_write_gbps"] > 0
     assert os.listdir(tmp_path) == []  # the run directory is gone
 
 

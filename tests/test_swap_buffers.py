@@ -32,7 +32,8 @@ def test_aligned_empty_memory_outlives_its_mmap_object():
 
 
 def _check_invariants(pool, lent):
-    spans = sorted((t.data_ptr(), t.data_ptr() + max(pad, 1)) for t, pad, _ in lent)
+    start = lambda t: t.untyped_storage().data_ptr() + t.storage_offset()  # noqa: E731 (0-byte views too)
+    spans = sorted((start(t), start(t) + pad) for t, pad, _ in lent)
     for (_, end), (start, _) in zip(spans, spans[1:]):
         assert end <= start, "pool handed out overlapping bytes"
     assert pool.used_bytes == sum(pad for _, pad, _ in lent)
@@ -115,3 +116,11 @@ def test_pool_reuses_released_buffers():
     ptr = t.data_ptr()
     pool.release(t)
     assert pool.acquire(6000).data_ptr() == ptr  # same padded size class (8 KiB)
+
+
+@pytest.mark.gpu
+def test_pinned_buffers_are_page_locked_and_aligned():
+    t = aligned_empty(3 << 20, torch.bfloat16, pin=True)
+    assert t.is_pinned() and t.data_ptr() % ALIGN_BYTES == 0
+    pool = BufferPool(8 << 20, pin=True)
+    assert pool.acquire(5000).is_pinned()

@@ -53,23 +53,34 @@ def test_errors_come_back_as_negative_errno(tmp_path, name):
     engine = open_engine(name, queue_depth=2, threads=2)
     buf = aligned_empty(ALIGN_BYTES)
     fd = os.open(tmp_path / "g", os.O_RDONLY | os.O_CREAT, 0o600)
+    good_fd = os.open(tmp_path / "ok", os.O_RDWR | os.O_CREAT, 0o600)
     bad_fd = os.open(tmp_path / "h", os.O_RDONLY | os.O_CREAT, 0o600)
-    os.close(bad_fd)
+    os.close(bad_fd)  # (opened last, so no later open reuses its number during the test)
     try:
         res = _run(engine, [(True, fd, 0, buf.data_ptr(), ALIGN_BYTES),  # write to a read-only fd
                             (False, bad_fd, 0, buf.data_ptr(), ALIGN_BYTES)])
         assert res == [-errno.EBADF, -errno.EBADF]
+        # a refused block in the middle of a batch fails alone; its neighbours still complete
+        mixed = [(True, good_fd, 0, buf.data_ptr(), ALIGN_BYTES), (False, bad_fd, 0, buf.data_ptr(), ALIGN_BYTES),
+                 (True, good_fd, ALIGN_BYTES, buf.data_ptr(), ALIGN_BYTES)]
+        assert _run(engine, mixed) == [ALIGN_BYTES, -errno.EBADF, ALIGN_BYTES]
     finally:
         os.close(fd)
+        os.close(good_fd)
         engine.close()
 
 
-def test_open_engine_validates_and_auto_says_which(caplog):
+def test_open_engine_validates_and_auto_says_which(caplog, monkeypatch):
+    import swap.engines
+
+    monkeypatch.setattr(swap.engines, "_announced", set())
     caplog.set_level("INFO", logger="swap")
     engine = open_engine("auto")
     assert engine.name == ("libaio" if libaio_available() else "threads")
     assert any(f"auto -> {engine.name}" in r.message for r in caplog.records)
     engine.close()
+    open_engine("auto").close()
+    assert sum("auto ->" in r.message for r in caplog.records) == 1  # once per process
     with pytest.raises(ValueError, match="queue_depth=0"):
         open_engine("libaio", queue_depth=0)
     with pytest.raises(ValueError, match="threads=0"):

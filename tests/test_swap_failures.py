@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+import swap
 import swap.store
 from swap import SwapCorruptionError, SwapIOError, SwapStore, clean, libaio_available, list_runs, open_engine
 from swap.rundir import RUN_PREFIX, create_file
@@ -224,3 +225,19 @@ def test_interpreter_exit_removes_files_and_crashed_runs_are_cleanable(tmp_path)
         removed = clean(tmp_path)
         assert [str(r.path) for r in removed] == [left]
         assert live.run_dir.exists() and not os.path.exists(left)
+
+
+@pytest.mark.parametrize("nbytes", [1, 7, 8, 4095, 4096, 65536 + 5])
+def test_block_digest_sees_any_single_byte_change_and_zeroing(nbytes):
+    from swap.store import block_digest
+
+    buf = swap.aligned_empty(nbytes).random_(1, 256)
+    ref = block_digest(buf.data_ptr(), nbytes)
+    for pos in {0, nbytes // 2, nbytes - 1}:
+        old = int(buf[pos])
+        buf[pos] = old ^ 0x01
+        assert block_digest(buf.data_ptr(), nbytes) != ref, pos
+        buf[pos] = old
+    assert block_digest(buf.data_ptr(), nbytes) == ref
+    buf.zero_()
+    assert block_digest(buf.data_ptr(), nbytes) != ref

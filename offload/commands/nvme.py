@@ -26,8 +26,8 @@ def _nested(subparsers, name: str, help: str):
 
 def _checksum_flags(p) -> None:
     p.add_argument("--checksum", dest="checksum", action="store_true", default=DEFAULT_CHECKSUM,
-                   help=f"crc32 per block, verified on read (default: {'on' if DEFAULT_CHECKSUM else 'off'})")
-    p.add_argument("--no-checksum", dest="checksum", action="store_false", help="skip the crc32")
+                   help=f"checksum per block, verified on read (default: {'on' if DEFAULT_CHECKSUM else 'off'})")
+    p.add_argument("--no-checksum", dest="checksum", action="store_false", help="skip the checksum")
 
 
 def register(subparsers) -> None:
@@ -41,6 +41,8 @@ def register(subparsers) -> None:
     bench.add_argument("--queue-depth", type=int, default=DEFAULT_QUEUE_DEPTH)
     bench.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     _checksum_flags(bench)
+    bench.add_argument("--no-warmup", dest="warmup", action="store_false",
+                       help="time the first write into fresh blocks instead of the rewrite in place")
     bench.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
     bench.set_defaults(func=run_bench)
 
@@ -69,7 +71,7 @@ def _log_to_stderr() -> None:
 def run_bench(args: argparse.Namespace) -> int:
     _log_to_stderr()
     r = measure(args.dir, parse_size(args.size), engine=args.engine, block_bytes=args.block_bytes,
-                queue_depth=args.queue_depth, threads=args.threads, checksum=args.checksum)
+                queue_depth=args.queue_depth, threads=args.threads, checksum=args.checksum, warmup=args.warmup)
     print(format_table(r))
     if args.json:
         print(json.dumps(r))
