@@ -29,8 +29,15 @@ import sys
 import time
 
 
-def ds_config(batch: int, nvme_dir: str, largest_numel: int) -> dict:
-    """ZeRO-3, bf16, weights and optimizer states on NVMe under nvme_dir, DeepSpeedCPUAdam."""
+def ds_config(batch: int, nvme_dir: str, largest_numel: int, sub_group_size: int = int(1e9)) -> dict:
+    """ZeRO-3, bf16, weights and optimizer states on NVMe under nvme_dir, DeepSpeedCPUAdam.
+
+    [Note: DeepSpeed's host memory] The optimizer swapper keeps buffer_count (4) fp32 buffers of the
+    largest sub-group: with the default sub_group_size (1e9) a 200M model is one sub-group, so 4 x 200M
+    x 4 B = 3.2 GB; the parameter swapper keeps buffer_count x buffer_size bf16 (5 x 1e8 x 2 B = 1 GB).
+    Both are DeepSpeed's defaults, what a user gets; --sub-group-size trades that memory for more,
+    smaller optimizer swaps.
+    """
     # DeepSpeed swaps each parameter whole through buffers of buffer_size elements: the largest
     # parameter must fit (the 3b preset's embedding does not fit the 1e8 default).
     buffer_numel = max(int(1e8), largest_numel)
@@ -42,6 +49,7 @@ def ds_config(batch: int, nvme_dir: str, largest_numel: int) -> dict:
                                                   "weight_decay": 0.0}},
         "zero_optimization": {
             "stage": 3,
+            "sub_group_size": sub_group_size,
             "offload_param": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": False,
                               "buffer_count": 5, "buffer_size": buffer_numel},
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": False},
@@ -82,7 +90,7 @@ def run(args) -> dict:
     os.makedirs(nvme_dir)
     try:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=ds_config(args.batch, nvme_dir, largest))
+                                          config=ds_config(args.batch, nvme_dir, largest, args.sub_group_size))
         if getattr(model, "lm_head", 1) is None:        # tied head: embed.weight is used outside embed
             deepspeed.zero.register_external_parameter(model, model.embed.weight)
         times, losses = [], []
@@ -102,7 +110,7 @@ def run(args) -> dict:
         torch.distributed.destroy_process_group()
     return {"params": params, "step_s": sorted(times)[len(times) // 2], "losses": losses,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "deepspeed_version": deepspeed.__version__}
+            "deepspeed_version": deepspeed.__version__, "sub_group_size": args.sub_group_size}
 
 
 def main() -> None:
@@ -112,10 +120,14 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3, help="measured steps (median reported)")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--sub-group-size", type=int, default=int(1e9),
+                    help="ZeRO-3 sub_group_size (DeepSpeed's default 1e9); see [Note: DeepSpeed's host memory]")
     ap.add_argument("--dir", default=".", help="directory on the drive to test; swap goes in a subdirectory")
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 0:
         ap.error(f"--steps={args.steps} --warmup={args.warmup}: need steps >= 1 and warmup >= 0")
+    if args.sub_group_size < 1:
+        ap.error(f"--sub-group-size={args.sub_group_size}: must be >= 1; DeepSpeed's default is 1000000000")
     if not os.path.isdir(args.dir):
         ap.error(f"--dir={args.dir}: not a directory; create it or pass an existing one")
     json_out = os.fdopen(os.dup(1), "w")
