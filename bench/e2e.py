@@ -6,6 +6,9 @@ model, batch and disk; the figures that matter are the ratios to the in-memory s
   in_memory    plain torch: bf16 model, fp32 masters, torch.optim.AdamW(fused=True), copy back
   cpu_offload  offload engine: weights and optimizer states in dram (offload_param/optimizer = cpu)
   nvme_offload offload engine: weights and optimizer states on nvme
+  deepspeed_nvme  DeepSpeed ZeRO-3, weights and optimizer states on nvme (bench/ds_e2e.py, run by the
+               DeepSpeed venv's python: --ds-python, else $OFFLOAD_DS_PYTHON, else /work/dsvenv/bin/python
+               if it exists; skipped, and reported null, when there is none)
 
 python bench/e2e.py [--preset bench-200m] [--batch 4] [--seq 256] [--steps 3] [--dir DIR] [--json]
 """
@@ -22,6 +25,8 @@ import tempfile
 import time
 
 MODES = ("in_memory", "cpu_offload", "nvme_offload")
+DS_MODE = "deepspeed_nvme"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_mode(args) -> dict:
@@ -98,7 +103,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="measured steps (median reported)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--dir", default=None, help="swap directory on the drive to test (default: a temp dir in .)")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=None, help=f"comma-separated, of {', '.join(MODES + (DS_MODE,))} "
+                    "(default: all; deepspeed_nvme only where a DeepSpeed python is found)")
+    ap.add_argument("--ds-python", default=os.environ.get("OFFLOAD_DS_PYTHON") or _default_ds_python(),
+                    help="python of a venv with DeepSpeed, for the deepspeed_nvme mode")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # internal: run one mode in this process
     args = ap.parse_args()
@@ -106,11 +114,17 @@ def main() -> None:
         print(json.dumps(run_mode(args)))
         return
     base = args.dir or tempfile.mkdtemp(prefix="e2e-", dir=".")
+    modes = args.modes.split(",") if args.modes else list(MODES) + ([DS_MODE] if args.ds_python else [])
+    if DS_MODE in modes and not args.ds_python:
+        sys.exit(f"--modes={args.modes}: {DS_MODE} needs a DeepSpeed venv; pass --ds-python PATH")
     results = {}
-    for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, "--mode", mode, "--preset", args.preset, "--batch", str(args.batch),
-               "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup), "--dir", base]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": "."})
+    for mode in modes:
+        common = ["--preset", args.preset, "--batch", str(args.batch), "--seq", str(args.seq),
+                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--dir", base]
+        cmd = ([args.ds_python, os.path.join(REPO, "bench", "ds_e2e.py")] if mode == DS_MODE
+               else [sys.executable, __file__, "--mode", mode]) + common
+        proc = subprocess.run(cmd, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": REPO, "DS_ACCELERATOR": "cpu"})
         if proc.returncode:
             sys.exit(f"{mode} failed:\n{proc.stderr[-3000:]}")
         results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -118,6 +132,11 @@ def main() -> None:
     _print_table(report, results)
     if args.json:
         print(json.dumps(report))
+
+
+def _default_ds_python() -> str | None:
+    path = "/work/dsvenv/bin/python"
+    return path if os.path.exists(path) else None
 
 
 def _report(args, results: dict) -> dict:
@@ -128,7 +147,7 @@ def _report(args, results: dict) -> dict:
         "in_memory_step_s": results.get("in_memory", {}).get("step_s"),
         "cpu_offload_step_s": results.get("cpu_offload", {}).get("step_s"),
         "nvme_offload_step_s": results.get("nvme_offload", {}).get("step_s"),
-        "deepspeed_nvme_step_s": None,  # not measured by this version of the benchmark (see RESULTS.md)
+        "deepspeed_nvme_step_s": results.get(DS_MODE, {}).get("step_s"),  # null where DeepSpeed is absent
         "peak_rss_bytes": {m: r["peak_rss_bytes"] for m, r in results.items()},
         "ratio_to_in_memory": {m: (r["step_s"] / ref if ref else None) for m, r in results.items()},
         "stall_seconds": {m: r.get("stall_seconds") for m, r in results.items()},

@@ -1,0 +1,142 @@
+"""DeepSpeed ZeRO-3 with NVMe offload of weights and optimizer states: bench/e2e.py's reference mode.
+
+Runs INSIDE a DeepSpeed venv (never ours: DeepSpeed is not a dependency), with our package importable by
+PYTHONPATH=<repo root>. It trains the model and batches e2e.py's other modes train (build_model(preset,
+seed=0), BatchSampler(load_tokens(), batch, seq, seed=0).batch(i)) in a single-process gloo group on
+DeepSpeed's CPU accelerator, and prints one JSON line: {"params", "step_s", "losses", "peak_rss_bytes"}.
+
+  DS_ACCELERATOR=cpu PYTHONPATH=. /work/dsvenv/bin/python bench/ds_e2e.py --preset tiny --dir DIR
+
+[Note: same weights] The model is built (and initialized by our seeding contract) before
+deepspeed.initialize, and zero.Init is not used: DeepSpeed then converts the existing parameters into
+ZeRO-3 partitions (casting them to bf16) without re-initializing them, so the first loss equals ours
+within bf16 noise. The optimizer matches our engine's defaults: AdamW, lr 1e-4, betas (0.9, 0.999),
+eps 1e-8, weight_decay 0 (DeepSpeedCPUAdam, since the optimizer is offloaded).
+
+[Note: stdout] DeepSpeed and its JIT builds print to stdout, so file descriptor 1 is pointed at stderr
+for the whole run and the JSON line goes to a copy of the original stdout, last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import socket
+import sys
+import time
+
+
+def ds_config(batch: int, nvme_dir: str, largest_numel: int, sub_group_size: int = int(1e9)) -> dict:
+    """ZeRO-3, bf16, weights and optimizer states on NVMe under nvme_dir, DeepSpeedCPUAdam.
+
+    [Note: DeepSpeed's host memory] The optimizer swapper keeps buffer_count (4) fp32 buffers of the
+    largest sub-group: with the default sub_group_size (1e9) a 200M model is one sub-group, so 4 x 200M
+    x 4 B = 3.2 GB; the parameter swapper keeps buffer_count x buffer_size bf16 (5 x 1e8 x 2 B = 1 GB).
+    Both are DeepSpeed's defaults, what a user gets; --sub-group-size trades that memory for more,
+    smaller optimizer swaps.
+    """
+    # DeepSpeed swaps each parameter whole through buffers of buffer_size elements: the largest
+    # parameter must fit (the 3b preset's embedding does not fit the 1e8 default).
+    buffer_numel = max(int(1e8), largest_numel)
+    return {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                  "weight_decay": 0.0}},
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": sub_group_size,
+            "offload_param": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": False,
+                              "buffer_count": 5, "buffer_size": buffer_numel},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": False},
+        },
+        # DeepSpeed's documented defaults (1 MiB blocks, 8 in flight): what its NVMe tutorial starts from.
+        "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1,
+                "single_submit": False, "overlap_events": True},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _single_process_group() -> None:
+    """A world of one: gloo on 127.0.0.1 and a free port (DeepSpeed needs a process group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                       "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+
+
+def run(args) -> dict:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    _single_process_group()
+    import deepspeed
+    import torch
+
+    from offload.data import BatchSampler, load_tokens
+    from offload.models import build_model, loss_of
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = build_model(args.preset, seed=0)           # our weights, before DeepSpeed sees the model
+    sampler = BatchSampler(load_tokens(), args.batch, args.seq, seed=0)
+    params = sum(p.numel() for p in model.parameters())
+    largest = max(p.numel() for p in model.parameters())
+    nvme_dir = os.path.join(args.dir, f"deepspeed-{os.getpid()}")
+    os.makedirs(nvme_dir)
+    try:
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config(args.batch, nvme_dir, largest, args.sub_group_size))
+        if getattr(model, "lm_head", 1) is None:        # tied head: embed.weight is used outside embed
+            deepspeed.zero.register_external_parameter(model, model.embed.weight)
+        times, losses = [], []
+        for i in range(args.warmup + args.steps):
+            ids, labels = sampler.batch(i)
+            t0 = time.perf_counter()
+            loss = loss_of(engine(ids, labels))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        engine.destroy()
+    finally:
+        shutil.rmtree(nvme_dir, ignore_errors=True)    # ours alone: created above, gigabytes of swap
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return {"params": params, "step_s": sorted(times)[len(times) // 2], "losses": losses,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "deepspeed_version": deepspeed.__version__, "sub_group_size": args.sub_group_size}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="bench-200m")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=3, help="measured steps (median reported)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--sub-group-size", type=int, default=int(1e9),
+                    help="ZeRO-3 sub_group_size (DeepSpeed's default 1e9); see [Note: DeepSpeed's host memory]")
+    ap.add_argument("--dir", default=".", help="directory on the drive to test; swap goes in a subdirectory")
+    args = ap.parse_args()
+    if args.steps < 1 or args.warmup < 0:
+        ap.error(f"--steps={args.steps} --warmup={args.warmup}: need steps >= 1 and warmup >= 0")
+    if args.sub_group_size < 1:
+        ap.error(f"--sub-group-size={args.sub_group_size}: must be >= 1; DeepSpeed's default is 1000000000")
+    if not os.path.isdir(args.dir):
+        ap.error(f"--dir={args.dir}: not a directory; create it or pass an existing one")
+    json_out = os.fdopen(os.dup(1), "w")
+    sys.stdout.flush()
+    os.dup2(2, 1)                                      # [Note: stdout]
+    result = run(args)
+    json_out.write(json.dumps(result) + "\n")
+    json_out.flush()
+
+
+if __name__ == "__main__":
+    main()
