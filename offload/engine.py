@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import threading
+import time
 
 import torch
 from torch import nn
@@ -200,8 +201,10 @@ class Engine(nn.Module):
         overlap = self._overlap
 
         def job():
+            t0 = time.perf_counter()
             try:
                 sq = state.accumulate(grads, first, last, keep=overlap)
+                self.telemetry.link("hbm_to_dram", nbytes, time.perf_counter() - t0)
                 if sq is not None:
                     self._grad_sq[unit.index] = sq
             finally:
@@ -211,7 +214,6 @@ class Engine(nn.Module):
                 self._overlapped_step(unit, sq)
 
         self._grad_jobs.append(self.d2h.submit(job))
-        self.telemetry.link("hbm_to_dram", nbytes, 0.0)
 
     def backward(self, loss: torch.Tensor) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
@@ -220,6 +222,7 @@ class Engine(nn.Module):
         scale = self.loss_scale / self.cfg.gradient_accumulation_steps
         self._in_backward, self._flushed = True, set()
         self._overlap = self._can_overlap()
+        t_start = time.perf_counter()
         try:
             with record_function("offload::backward"):
                 if self._overlap:
@@ -238,6 +241,7 @@ class Engine(nn.Module):
             self._in_backward = False
             self._grad_jobs = []
             self.trace.end_step()
+            self.telemetry.span("compute", "backward", t_start, time.perf_counter())
         self.micro_step += 1
 
     # -- the optimizer step overlapped with backward ----------------------------------------------------
@@ -306,8 +310,10 @@ class Engine(nn.Module):
         self.last_grad_norm = grad_norm
         lr = self.lr
         self.step_count += 1
+        t0 = time.perf_counter()
         with record_function("offload::step"):
             run_step(self, grad_scale=self.loss_scale / clip_coef, lr=lr)
+        self.telemetry.span("compute", "step", t0, time.perf_counter())
         self._grow_loss_scale()
         return True
 
@@ -343,6 +349,14 @@ class Engine(nn.Module):
                 for n in names[s.param]:
                     out[n] = value
         return out
+
+    def start_trace(self) -> None:
+        """Starts recording a timeline (compute, copy streams, NVMe I/O, CPU Adam); see save_trace."""
+        self.telemetry.start_trace()
+
+    def save_trace(self, path: str) -> None:
+        """Writes the timeline recorded since start_trace() as Chrome/Perfetto trace JSON."""
+        self.telemetry.save_trace(path)
 
     def stats(self) -> dict:
         snap = self.telemetry.snapshot()
@@ -415,10 +429,12 @@ def step_unit(engine: Engine, unit: Unit, step: int, lr: float, grad_scale: floa
     t = st.t
     lowp = engine.dtype != torch.float32
     step_fn = adam_step if t["master"].device.type == "cpu" else _device_adam_step
+    t0 = time.perf_counter()
     with record_function("offload::cpu_adam"):
         step_fn(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], step=step, lr=lr, beta1=o.betas[0],
                 beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay, adamw=o.type == "adamw",
                 grad_scale=grad_scale, out=out if lowp else None)
+    engine.telemetry.span("cpu_adam", f"adam {unit.name}", t0, time.perf_counter())
     if not lowp:
         out.copy_(t["master"])
     w.commit_home()

@@ -12,6 +12,8 @@ release, since the recomputed forward's own backward follows at once.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -36,9 +38,11 @@ def _tensors_requiring_grad(tree):
 
 def register(engine, unit, module: torch.nn.Module) -> list:
     """Hooks `module` (the unit's root or a module using its tied parameters) to fetch/release `unit`."""
+    starts: list[float] = []  # forward start times (a stack: a module may call itself)
 
     def pre_forward(mod, args, kwargs):
         engine.fetch_for_use(unit)
+        starts.append(time.perf_counter())
         if not torch.is_grad_enabled():
             return None
         flat, spec, idx = _tensors_requiring_grad((args, kwargs))
@@ -51,6 +55,8 @@ def register(engine, unit, module: torch.nn.Module) -> list:
         return tree_unflatten(flat, spec)
 
     def post_forward(mod, args, kwargs, output):
+        if starts:
+            engine.telemetry.span("compute", f"forward {unit.name}", starts.pop(), time.perf_counter())
         if torch.is_grad_enabled():
             flat, _, idx = _tensors_requiring_grad(output)
             for i in idx:

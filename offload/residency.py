@@ -118,7 +118,7 @@ class WeightHandle(_Handle):
         while self.state is not R.HBM:
             self._pending.wait()
             self._finish_step()
-        self.eng.telemetry.stall(time.perf_counter() - t0)
+        self.eng.telemetry.stall(time.perf_counter() - t0, self.unit.name)
 
     def _to_nvme_to_dram(self) -> None:
         self.wait_for_write()  # an update written behind lands before it is read back

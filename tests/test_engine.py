@@ -220,3 +220,24 @@ def test_weights_source_fills_a_meta_model(tmp_path):
         with torch.device("meta"):
             m = MLP()
         offload.initialize(m, cfg(tmp_path), weights=lambda n: torch.zeros(2, 2))
+
+
+def test_trace_has_every_track_and_agrees_with_stall_seconds(tmp_path):
+    import json
+
+    torch.manual_seed(0)
+    with offload.initialize(MLP(), cfg(tmp_path, prefetch_units=0)) as eng:
+        eng.start_trace()
+        for x, y in mlp_batches(2):
+            eng.backward(eng(x, y))
+            eng.step()
+        eng.save_trace(str(tmp_path / "trace.json"))
+        st = eng.stats()
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    tracks = {e["cat"] for e in spans}
+    assert {"compute", "h2d", "d2h", "nvme", "cpu_adam"} <= tracks
+    stall_us = sum(e["dur"] for e in spans if e["name"].startswith("stall"))
+    assert stall_us / 1e6 == pytest.approx(st["stall_seconds"], rel=1e-6)
+    assert st["stall_seconds"] > 0  # on-demand fetches from nvme: compute waited
+    assert 0.0 <= st["overlap_fraction"] <= 1.0
