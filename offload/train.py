@@ -201,7 +201,7 @@ def _rebuild_buffer_modules(model: torch.nn.Module) -> None:
                 continue
             try:
                 with torch.device("cpu"):
-                    fresh = type(child)(config)
+                    fresh = type(child)(config=config)
             except Exception as e:
                 raise ValueError(f"module {type(child).__name__} ({child_name}): its buffers are on the meta "
                                  f"device and it cannot be rebuilt from the model config ({e})") from e

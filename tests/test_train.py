@@ -84,3 +84,12 @@ def test_save_a_preset_as_a_hf_directory(tmp_path):
     assert trained.shape == init.layers[0].attn.wq.weight.shape
     assert not torch.equal(trained, init.layers[0].attn.wq.weight)
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)  # tied, as the preset
+
+
+def test_tied_preset_with_its_embedding_as_a_unit_trains(tmp_path):
+    # With min_numel this small the tied embedding would be an offloaded unit, which our LlamaLM's head
+    # reads outside any hooked module call (see train._workaround_units).
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"units": {"min_numel": 1024}}))
+    report = _run(tmp_path, steps=1, offload_config=str(path), offload_param="cpu")
+    assert list(report["config"]["units"]["classes"]) == ["Block"] and report["stats"]["step"] == 1
