@@ -97,6 +97,7 @@ def build_report(run: dict, cfg, info: dict, history: dict, final: dict, init_s:
     tail = history["losses"][-min(10, steps):]
     return {
         "model": run["model"], "params": info["params"], "data": run["data"] or "bundled", "steps": steps,
+        "tokenizer": "bytes" if info["tokenizer"] is None else type(info["tokenizer"]).__name__,
         "tokens_per_step": tokens_per_step, "tokens": steps * tokens_per_step,
         "first_loss": history["losses"][0], "final_loss": history["losses"][-1],
         "final_loss_mean10": sum(tail) / len(tail),

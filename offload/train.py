@@ -208,6 +208,41 @@ def _rebuild_buffer_modules(model: torch.nn.Module) -> None:
             setattr(parent, child_name, fresh)
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def _hf_tokenizer(directory: str):
+    """The directory's own tokenizer (local files only), or None when it has none (then: bytes)."""
+    if not any(os.path.isfile(os.path.join(directory, f)) for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except Exception as e:  # a broken or incomplete tokenizer: say which, rather than train on garbage ids
+        raise ValueError(f"--model={directory}: its tokenizer files do not load ({e}); fix or remove them") from e
+
+
+def load_token_ids(path: str | None, tokenizer=None) -> torch.Tensor:
+    """Token ids of --data (or the bundled corpus): bytes by default, else the model's own tokenizer
+    (int32: real vocabularies exceed int16), each document followed by its EOS."""
+    if tokenizer is None:
+        return load_tokens(path)
+    from offload.data import BUNDLED_CORPUS, _jsonl_documents, _read_text
+
+    path = BUNDLED_CORPUS if path is None else path
+    if not os.path.isfile(path):
+        raise FileNotFoundError(2, "data file not found; pass --data with a local .txt or .jsonl file", path)
+    docs = _jsonl_documents(path) if path.endswith((".jsonl", ".jsonl.gz")) else [_read_text(path)]
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    for doc in docs:
+        for start in range(0, len(doc), 1 << 16):  # pieces, so a slow tokenizer never sees megabytes at once
+            ids += tokenizer(doc[start:start + (1 << 16)], add_special_tokens=False)["input_ids"]
+        ids += eos
+    return torch.tensor(ids, dtype=torch.int32)
+
+
 def build(run: dict, cfg: Config):
     """(model, weights source or None, info dict) for a preset or a HF directory (built on meta)."""
     name = run["model"]
@@ -220,21 +255,25 @@ def build(run: dict, cfg: Config):
         model.config.use_cache = False
         weights = SafetensorsWeights(name, _tied_aliases(model))
         max_len, vocab = hf_config.get("max_position_embeddings"), hf_config.get("vocab_size")
-        info = {"kind": "hf", "hf_config": model.config}
+        tokenizer = _hf_tokenizer(name)
+        info = {"kind": "hf", "hf_config": model.config, "tokenizer": tokenizer}
     elif name in PRESETS:
         preset = PRESETS[name]
         model = build_model(name, device="meta")  # the Engine materializes it unit by unit (seeded)
         weights, max_len, vocab = None, preset.max_seq_len, preset.vocab_size
-        info = {"kind": "preset", "hf_config": hf_llama_config(preset)}
+        info = {"kind": "preset", "hf_config": hf_llama_config(preset), "tokenizer": None}
     else:
         raise ValueError(f"--model={name}: neither a preset ({', '.join(PRESETS)}) nor a directory; "
                          f"pass a preset name or a local Hugging Face directory")
     if max_len is not None and run["seq_len"] > max_len:
         raise ValueError(f"--seq-len={run['seq_len']}: longer than the model's maximum of {max_len}; "
                          f"pass --seq-len {max_len} or less")
-    if vocab is not None and vocab < ByteTokenizer.vocab_size:
-        raise ValueError(f"--model={name}: vocab_size={vocab} is smaller than the byte tokenizer's "
-                         f"{ByteTokenizer.vocab_size}; use a model with at least that many embeddings")
+    tok = info["tokenizer"]
+    need = len(tok) if tok is not None else ByteTokenizer.vocab_size
+    if vocab is not None and vocab < need:
+        raise ValueError(f"--model={name}: vocab_size={vocab} is smaller than the tokenizer's {need} "
+                         f"({'its own' if tok is not None else 'bytes + EOS'}); use a model with at least that "
+                         f"many embeddings")
     info["params"] = sum(p.numel() for p in model.parameters())
     return model, weights, info
 
@@ -258,9 +297,9 @@ def train(args_or_config=None) -> dict:
 
     args = _as_namespace(args_or_config)
     cfg, run = resolve(args)
-    tokens = load_tokens(run["data"])
-    sampler = BatchSampler(tokens, run["batch_size"], run["seq_len"], seed=cfg.seed)
     model, weights, info = build(run, cfg)
+    tokens = load_token_ids(run["data"], info["tokenizer"])
+    sampler = BatchSampler(tokens, run["batch_size"], run["seq_len"], seed=cfg.seed)
     out_dir = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)  # before training: an unwritable --out fails now, not after the run
     cfg = _workaround_units(model, cfg)

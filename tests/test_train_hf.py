@@ -82,3 +82,31 @@ def test_train_hf_dir_and_save_loads_back_into_transformers(hf_dir, tmp_path, ca
     assert "model.layers.0.self_attn.q_proj.weight" in changed  # trained, not a copy of the input
     with torch.no_grad():
         assert torch.isfinite(loaded(input_ids=_ids()).logits).all()
+
+
+def _save_tokenizer(directory, text: str):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"]))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+    fast.save_pretrained(directory)
+    return fast
+
+
+def test_a_directory_with_a_tokenizer_trains_on_its_ids(tmp_path, capsys):
+    model_dir = tmp_path / "llama"
+    _tiny_llama(tied=False).save_pretrained(model_dir, max_shard_size="60KB")
+    text = "To be, or not to be, that is the question. " * 40
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": text[i:i + 300]}) + "\n" for i in range(0, len(text), 300)))
+    tok = _save_tokenizer(model_dir, text)
+    ids = recipe.load_token_ids(str(data), recipe._hf_tokenizer(str(model_dir)))
+    first = tok(text[:300], add_special_tokens=False)["input_ids"]
+    assert ids.dtype == torch.int32 and ids[:len(first)].tolist() == first and ids[len(first)] == tok.eos_token_id
+    rc = main(["train", "--model", str(model_dir), "--data", str(data), "--steps", "1", "--batch-size", "2",
+               "--seq-len", "16", "--nvme-path", str(tmp_path / "swap"), "--out", str(tmp_path / "run"),
+               "--json", "--no-progress"])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokenizer"] != "bytes"
