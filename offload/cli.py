@@ -10,6 +10,7 @@ import sys
 _COMMAND_MODULES = (
     "offload.commands.nvme",
     "offload.commands.estimate",
+    "offload.commands.train",
 )
 
 

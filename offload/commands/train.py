@@ -1,0 +1,20 @@
+"""`offload train`: the main job (offload/train.py); with no flags, the `make demo` run."""
+
+from __future__ import annotations
+
+import offload
+from offload import train as recipe
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train", help="train a model with weights and optimizer states in hbm, dram or nvme (the main job)",
+        description=recipe.__doc__.split("\n\n", 1)[1].replace("[Note: precedence of settings]\n", ""))
+    recipe.add_train_arguments(p)
+    offload.add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    recipe.train(args)
+    return 0

@@ -1,0 +1,188 @@
+"""What `offload train` shows: the header, the progress bar, the memory/link sampler, and the run report
+(report.json, a PNG of per-tier memory and link bandwidth over the run, a summary table)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+
+TIERS = ("hbm", "dram", "nvme")
+LINKS = ("nvme_to_dram", "dram_to_hbm", "hbm_to_dram", "dram_to_nvme")
+SAMPLE_COLUMNS = ("seconds", *(f"{t}_used_bytes" for t in TIERS), *(f"{l}_bytes" for l in LINKS), "stall_seconds")
+REPORT_FILE, PLOT_FILE = "report.json", "memory_and_links.png"
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f}M" if n < 2**30 else f"{n / 2**30:.2f}G"
+
+
+def print_header(run: dict, cfg, info: dict, engine, quiet: bool = False) -> None:
+    if quiet:
+        return
+    tokens = run["batch_size"] * run["seq_len"] * cfg.gradient_accumulation_steps
+    where = f" under {cfg.nvme_path}" if engine.placement.uses_nvme else ""
+    print(f"offload train: {run['model']} ({info['params'] / 1e6:.1f}M params, {len(engine.units)} units), "
+          f"{cfg.precision}, weights {cfg.offload_param.device}, optimizer states {cfg.offload_optimizer.device}"
+          f"{where}; {run['steps']} steps x {tokens} tokens", flush=True)
+
+
+class Progress:
+    """A tqdm bar: loss, tokens/s, per-tier used bytes at the end of the step, stall share of the step."""
+
+    def __init__(self, steps: int, tokens_per_step: int, enabled: bool = True):
+        from tqdm import tqdm
+
+        self.tokens_per_step = tokens_per_step
+        self.bar = tqdm(total=steps, disable=not enabled, unit="step", dynamic_ncols=True)
+
+    def update(self, loss: float, seconds: float, stats: dict, stall_seconds: float) -> None:
+        used = " ".join(f"{t} {_mib(stats['tiers'][t]['used_bytes'])}" for t in TIERS)
+        self.bar.set_postfix_str(f"loss {loss:.3f} | {self.tokens_per_step / seconds:,.0f} tok/s | {used} | "
+                                 f"stall {100 * stall_seconds / seconds:.0f}%", refresh=False)
+        self.bar.update(1)
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+
+class Sampler:
+    """Samples engine.stats() on a thread every `interval_s`: per-tier used bytes and cumulative link bytes
+    over wall time (the step-end values miss what is fetched and released inside a step)."""
+
+    def __init__(self, engine, interval_s: float = 0.1):
+        self.engine, self.interval_s = engine, interval_s
+        self.rows: list[list[float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="offload-report-sampler", daemon=True)
+
+    def _sample(self) -> None:
+        try:
+            s = self.engine.stats()
+        except OSError:  # a swap file vanished between listing and stat: skip this sample
+            return
+        self.rows.append([round(time.perf_counter() - self._t0, 4), *(s["tiers"][t]["used_bytes"] for t in TIERS),
+                          *(s["links"][l]["bytes"] for l in LINKS), round(s["stall_seconds"], 6)])
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __enter__(self) -> "Sampler":
+        self._t0 = time.perf_counter()
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+# --- the report -------------------------------------------------------------------------------------
+
+
+def build_report(run: dict, cfg, info: dict, history: dict, final: dict, init_s: float, out_dir: str,
+                 saved: str | None) -> dict:
+    steps = len(history["losses"])
+    tokens_per_step = run["batch_size"] * run["seq_len"] * cfg.gradient_accumulation_steps
+    train_s = sum(history["step_seconds"])
+    steady = history["step_seconds"][1:] or history["step_seconds"]  # step 1 also records the fetch trace
+    tail = history["losses"][-min(10, steps):]
+    return {
+        "model": run["model"], "params": info["params"], "data": run["data"] or "bundled", "steps": steps,
+        "tokenizer": "bytes" if info["tokenizer"] is None else type(info["tokenizer"]).__name__,
+        "tokens_per_step": tokens_per_step, "tokens": steps * tokens_per_step,
+        "first_loss": history["losses"][0], "final_loss": history["losses"][-1],
+        "final_loss_mean10": sum(tail) / len(tail),
+        "tokens_per_s": len(steady) * tokens_per_step / sum(steady), "init_seconds": init_s, "train_seconds": train_s,
+        "stall_share": sum(history["stall_seconds"]) / train_s,
+        **{k: history[k] for k in ("losses", "step_seconds", "lrs", "grad_norms", "stall_seconds")},
+        "stats": final, "config": cfg.to_dict(), "run": run,
+        "samples": {"columns": list(SAMPLE_COLUMNS), "rows": history["samples"]},
+        "out_dir": out_dir, "saved": saved,
+        "files": {"report": os.path.join(out_dir, REPORT_FILE), "plot": os.path.join(out_dir, PLOT_FILE)},
+    }
+
+
+def write(report: dict, out_dir: str) -> None:
+    """report.json and the PNG, each written under a temporary name and renamed when complete."""
+    path = report["files"]["report"]
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+    plot(report, report["files"]["plot"])
+
+
+def _rates(rows: list[list[float]], column: int, window_s: float) -> tuple[list[float], list[float]]:
+    """GB/s of a cumulative byte counter over sliding windows of about window_s."""
+    xs, ys, j = [], [], 0
+    for i in range(1, len(rows)):
+        while rows[i][0] - rows[j][0] > window_s and j < i - 1:
+            j += 1
+        dt = rows[i][0] - rows[j][0]
+        if dt > 0:
+            xs.append(rows[i][0])
+            ys.append((rows[i][column] - rows[j][column]) / dt / 1e9)
+    return xs, ys
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["samples"]["rows"]
+    t = [r[0] for r in rows]
+    fig, (ax_mem, ax_bw, ax_loss) = plt.subplots(3, 1, figsize=(9, 9), constrained_layout=True)
+    for i, tier in enumerate(TIERS, start=1):
+        ax_mem.plot(t, [r[i] / 2**20 for r in rows], label=tier)
+    ax_mem.set(title=f"offload train: {report['model']}, per-tier memory in use", xlabel="seconds",
+               ylabel="MiB")
+    ax_mem.legend()
+    window = max(1.0, 2 * (t[-1] - t[0]) / max(len(rows), 1))
+    for i, link in enumerate(LINKS, start=1 + len(TIERS)):
+        xs, ys = _rates(rows, i, window)
+        ax_bw.plot(xs, ys, label=link)
+    ax_bw.set(title=f"link bandwidth (bytes moved per {window:.1f} s window)", xlabel="seconds", ylabel="GB/s")
+    ax_bw.legend()
+    ax_loss.plot(range(1, len(report["losses"]) + 1), report["losses"])
+    ax_loss.set(title="training loss", xlabel="step", ylabel="loss")
+    fig.savefig(path + ".tmp.png", dpi=90)
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)
+
+
+def summary_table(report: dict) -> str:
+    st = report["stats"]
+    lines = [
+        f"offload train: {report['model']}, {report['steps']} steps x {report['tokens_per_step']} tokens",
+        f"  loss        {report['first_loss']:.3f} (step 1) -> {report['final_loss']:.3f} (last), "
+        f"{report['final_loss_mean10']:.3f} (mean of the last {min(10, report['steps'])})",
+        f"  step time   {statistics.mean(report['step_seconds']):.2f} s mean, "
+        f"{statistics.median(report['step_seconds']):.2f} s median; {report['tokens_per_s']:,.0f} tokens/s; "
+        f"set-up {report['init_seconds']:.1f} s",
+        f"  stall       {100 * report['stall_share']:.1f}% of step time waiting on transfers",
+        f"  {'tier':6s} {'used':>10s} {'peak':>10s} {'budget':>10s}",
+    ]
+    for tier in TIERS:
+        s = st["tiers"][tier]
+        lines.append(f"  {tier:6s} {_mib(s['used_bytes']):>10s} {_mib(s['peak_bytes']):>10s} "
+                     f"{_mib(s['budget_bytes']):>10s}")
+    lines.append(f"  {'link':13s} {'moved':>10s} {'busy s':>8s} {'GB/s':>7s}")
+    for link in LINKS:
+        s = st["links"][link]
+        rate = f"{s['bytes'] / s['seconds'] / 1e9:.2f}" if s["seconds"] > 0 else "-"
+        lines.append(f"  {link:13s} {_mib(s['bytes']):>10s} {s['seconds']:8.2f} {rate:>7s}")
+    lines.append(f"  report      {report['files']['report']}, {report['files']['plot']}")
+    if report["saved"]:
+        lines.append(f"  saved       {report['saved']} (Hugging Face directory)")
+    return "\n".join(lines)

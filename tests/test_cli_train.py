@@ -1,0 +1,89 @@
+"""The `offload train` command line: --help everywhere, one-line errors with exit code 2, --json last."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from offload.cli import build_parser, main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _commands(parser, prefix=()):
+    """Every runnable command path, e.g. ('train',), ('bench', 'nvme')."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield prefix
+        return
+    for name, sub in subs[0].choices.items():
+        yield from _commands(sub, prefix + (name,))
+
+
+COMMANDS = list(_commands(build_parser()))
+
+
+def test_train_is_a_command():
+    assert ("train",) in COMMANDS
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_every_command_has_help(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: offload " + " ".join(command)) and len(out.splitlines()) > 3
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_every_command_rejects_a_bad_flag_in_one_line(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--no-such-flag"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("offload") and ": error: " in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data", "/nonexistent/corpus.txt"], "data file not found"),
+    (["--model", "/nonexistent/model"], "neither a preset"),
+    (["--model", "huge"], "neither a preset"),
+    (["--offload-config", "/nonexistent/cfg.yaml"], "no such file"),
+    (["--steps", "0"], "--steps=0"),
+    (["--seq-len", "100000"], "--seq-len=100000: longer than the model's maximum of 256"),
+    (["--steps", "3", "--warmup-steps", "3"], "--warmup-steps=3: must be less than --steps=3"),
+    (["--offload-param", "nvme", "--offload-optimizer", "none"], "offload_optimizer.device"),
+])
+def test_bad_values_and_paths_are_one_line_errors(argv, message, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--model", "tiny", "--nvme-path", str(tmp_path / "swap"), "--out", str(out),
+                 "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("offload train: error: ") and message in err
+    assert not out.exists()  # nothing written for a run that never started
+
+
+def test_directory_without_config_json(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    assert main(["train", "--model", str(tmp_path / "m"), "--no-progress"]) == 2
+    assert "config.json" in capsys.readouterr().err
+
+
+def test_json_report_is_the_last_stdout_line(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-m", "offload", "train", "--model", "tiny", "--steps", "2",
+                           "--batch-size", "2", "--seq-len", "32", "--nvme-path", str(tmp_path / "swap"),
+                           "--out", str(out), "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    report = json.loads(lines[-1])
+    assert report["steps"] == 2 and len(report["losses"]) == 2 and report["tokens_per_step"] == 64
+    assert any(line.strip().startswith("loss") for line in lines[:-1])     # the summary table came first
+    assert "step/s" in proc.stderr or "s/step" in proc.stderr                # the progress bar, on stderr
+    assert sorted(os.listdir(out)) == ["memory_and_links.png", "report.json"]
+    assert os.listdir(tmp_path / "swap") == []                               # swap files removed

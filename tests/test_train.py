@@ -1,0 +1,95 @@
+"""The run recipe `offload.train.train`: settings precedence, a short run's report and files, --save."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from offload import train as recipe
+from offload.config import Config
+
+
+def _resolve(**kw):
+    return recipe.resolve(recipe._as_namespace(kw))
+
+
+def test_defaults_are_the_demo_recipe():
+    cfg, run = _resolve()
+    assert (cfg.offload_param.device, cfg.offload_optimizer.device) == ("nvme", "nvme")
+    assert cfg.nvme_path == recipe.DEFAULT_SWAP_DIR and cfg.precision == "bf16"
+    assert cfg.optimizer.lr == recipe.RECIPE["lr"] and cfg.gradient_clipping == recipe.RECIPE["clip"]
+    assert cfg.lr_schedule.type == "cosine" and cfg.lr_schedule.total_steps == recipe.RECIPE["steps"]
+    assert run == {k: recipe.RECIPE[k] for k in ("model", "steps", "batch_size", "seq_len")} | {"data": None}
+
+
+def test_flags_beat_the_config_file_which_beats_the_recipe(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("offload_optimizer: {device: cpu}\noptimizer: {lr: 1.0e-4}\ngradient_clipping: 0.5\n")
+    cfg, _ = _resolve(offload_config=str(path))
+    assert (cfg.offload_param.device, cfg.offload_optimizer.device) == ("none", "cpu")  # file's placement
+    assert cfg.optimizer.lr == 1e-4 and cfg.gradient_clipping == 0.5 and cfg.nvme_path == recipe.DEFAULT_SWAP_DIR
+    cfg, _ = _resolve(offload_config=str(path), lr=0.02, offload_param="cpu", precision="fp32", steps=7)
+    assert cfg.optimizer.lr == 0.02 and cfg.offload_param.device == "cpu" and cfg.precision == "fp32"
+    assert cfg.lr_schedule.total_steps == 7 and cfg.lr_schedule.warmup_steps == 0  # short run, short warmup
+    cfg, _ = _resolve(offload_param="cpu")
+    assert cfg.offload_optimizer.device == "cpu"  # as config_from_args: states follow offloaded weights
+
+
+def test_unknown_setting_names_the_nearest():
+    with pytest.raises(ValueError, match=r"batchsize: unknown train setting; did you mean 'batch_size'\?"):
+        recipe._as_namespace({"batchsize": 4})
+
+
+def _run(tmp_path, **kw):
+    settings = {"model": "tiny", "steps": 3, "batch_size": 4, "seq_len": 64, "nvme_path": str(tmp_path / "swap"),
+                "out": str(tmp_path / "run"), "no_progress": True} | kw
+    return recipe.train(settings)
+
+
+def test_short_run_writes_its_report(tmp_path, capsys):
+    report = _run(tmp_path)
+    assert "loss" in capsys.readouterr().out
+    assert report["steps"] == 3 and len(report["losses"]) == len(report["step_seconds"]) == 3
+    assert report["losses"][-1] < report["losses"][0]                 # it learns
+    assert report["tokens_per_step"] == 256 and report["config"]["offload_param"]["device"] == "nvme"
+    st = report["stats"]
+    assert st["step"] == 3 and st["tiers"]["nvme"]["used_bytes"] > 0  # states really lived on nvme
+    assert st["links"]["nvme_to_dram"]["bytes"] > 0 and st["links"]["dram_to_nvme"]["bytes"] > 0
+    rows = report["samples"]["rows"]
+    assert len(rows) >= 2 and len(rows[0]) == len(report["samples"]["columns"])
+    assert rows[-1][report["samples"]["columns"].index("nvme_to_dram_bytes")] > 0
+    with open(report["files"]["report"]) as f:
+        assert json.load(f)["losses"] == report["losses"]
+    with open(report["files"]["plot"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.listdir(tmp_path / "swap") == []
+
+
+def test_accumulation_and_clipping(tmp_path):
+    report = _run(tmp_path, steps=2, grad_accum=2, clip=0.1, offload_param="cpu", offload_optimizer="cpu")
+    assert report["tokens_per_step"] == 2 * 4 * 64 and report["stats"]["step"] == 2
+    assert report["config"]["gradient_clipping"] == 0.1 and all(g is not None for g in report["grad_norms"])
+
+
+def test_save_a_preset_as_a_hf_directory(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    report = _run(tmp_path, steps=2, save=str(tmp_path / "hf"))
+    model, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and report["saved"] == str(tmp_path / "hf")
+    from offload.models import build_model
+
+    init = build_model("tiny", seed=0)  # the seeded start the Engine materialized
+    trained = model.model.layers[0].self_attn.q_proj.weight
+    assert trained.shape == init.layers[0].attn.wq.weight.shape
+    assert not torch.equal(trained, init.layers[0].attn.wq.weight)
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)  # tied, as the preset
+
+
+def test_tied_preset_with_its_embedding_as_a_unit_trains(tmp_path):
+    # With min_numel this small the tied embedding would be an offloaded unit, which our LlamaLM's head
+    # reads outside any hooked module call (see train._workaround_units).
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"units": {"min_numel": 1024}}))
+    report = _run(tmp_path, steps=1, offload_config=str(path), offload_param="cpu")
+    assert list(report["config"]["units"]["classes"]) == ["Block"] and report["stats"]["step"] == 1
