@@ -80,8 +80,13 @@ def _build() -> object:
     build_dir.mkdir(parents=True, exist_ok=True)
     if not (build_dir / "offload_cpu_adam.so").exists():
         log.warning("offload: building the CPU Adam kernel (first use only, about a minute) in %s", build_dir)
+    # Compile a copy inside the cache directory: ninja records the source path, so building the package's
+    # own file from two checkouts (worktrees, venvs) with the same contents would rebuild on every load.
+    source = build_dir / _SOURCE.name
+    if not source.exists() or source.read_bytes() != _SOURCE.read_bytes():
+        shutil.copyfile(_SOURCE, source)
     try:
-        return cpp_extension.load(name="offload_cpu_adam", sources=[str(_SOURCE)], extra_cflags=["-O3"],
+        return cpp_extension.load(name="offload_cpu_adam", sources=[str(source)], extra_cflags=["-O3"],
                                   build_directory=str(build_dir), verbose=False)
     except Exception as e:  # compiler errors surface as RuntimeError/CalledProcessError/ImportError
         raise RuntimeError(f"building/loading {_SOURCE} in {build_dir} failed: {e}") from e

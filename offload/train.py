@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import difflib
 import json
 import os
@@ -278,16 +277,6 @@ def build(run: dict, cfg: Config):
     return model, weights, info
 
 
-def _workaround_units(model: torch.nn.Module, cfg: Config) -> Config:
-    """[Note: tied LlamaLM head] our LlamaLM reads `self.embed.weight` in the root's forward for its tied
-    head, outside any module call the Engine hooks, so an offloaded embedding unit is released by then.
-    Until that is fixed (models.py / units.py), its blocks are the only units and the small embedding
-    stays resident with the norms."""
-    if isinstance(model, LlamaLM) and model.lm_head is None and not cfg.units.classes:
-        return dataclasses.replace(cfg, units=dataclasses.replace(cfg.units, classes=("Block",)))
-    return cfg
-
-
 # --- the run -----------------------------------------------------------------------------------------
 
 
@@ -302,7 +291,6 @@ def train(args_or_config=None) -> dict:
     sampler = BatchSampler(tokens, run["batch_size"], run["seq_len"], seed=cfg.seed)
     out_dir = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)  # before training: an unwritable --out fails now, not after the run
-    cfg = _workaround_units(model, cfg)
     t0 = time.perf_counter()
     kernel_backend()  # build/load the CPU Adam kernel now, not inside the first timed step
     try:
