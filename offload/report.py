@@ -186,3 +186,36 @@ def summary_table(report: dict) -> str:
     if report["saved"]:
         lines.append(f"  saved       {report['saved']} (Hugging Face directory)")
     return "\n".join(lines)
+
+
+def plot_timeline(trace: dict, path: str) -> None:
+    """One step's timeline from a Chrome trace (the last span on the "step" track): a row per track."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    steps = [e for e in spans if e["cat"] == "step"]
+    if not steps:
+        raise ValueError("trace: no step spans; record at least one training step")
+    t0, t1 = steps[-1]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
+    tracks = ["compute", "h2d", "d2h", "nvme", "cpu_adam"]
+    colors = {"compute": "tab:blue", "h2d": "tab:green", "d2h": "tab:orange", "nvme": "tab:red", "cpu_adam": "tab:purple"}
+    fig, ax = plt.subplots(figsize=(12, 3.2))
+    for row, track in enumerate(tracks):
+        work, stall = [], []
+        for e in spans:
+            if e["cat"] != track or e["ts"] >= t1 or e["ts"] + e["dur"] <= t0:
+                continue
+            start, end = max(e["ts"], t0), min(e["ts"] + e["dur"], t1)
+            (stall if e["name"].startswith("stall") else work).append(((start - t0) / 1e3, (end - start) / 1e3))
+        ax.broken_barh(work, (row - 0.4, 0.8), color=colors[track])
+        ax.broken_barh(stall, (row - 0.4, 0.8), color="black")
+    ax.set_yticks(range(len(tracks)), tracks)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"ms into {steps[-1]['name']} (black: compute stalled on a transfer)")
+    ax.set_xlim(0, (t1 - t0) / 1e3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -62,6 +62,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--save", default=None, metavar="DIR", help="save the trained weights as a Hugging Face directory")
     g.add_argument("--json", action="store_true", help="print the report as one JSON object, the last stdout line")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--trace", default=None, metavar="PATH",
+                   help="write a Chrome/Perfetto trace of the run (and PATH.png: the last step's timeline)")
     return parser
 
 
@@ -297,8 +299,13 @@ def train(args_or_config=None) -> dict:
         with offload.initialize(model, cfg, weights=weights) as engine:
             init_s = time.perf_counter() - t0
             rep.print_header(run, cfg, info, engine, quiet=args.json)
+            if args.trace:
+                engine.start_trace()
             history = _loop(engine, sampler, run, cfg, progress=not args.no_progress)
             final = engine.stats()
+            if args.trace:
+                engine.save_trace(args.trace)
+                rep.plot_timeline(engine.telemetry.chrome_trace(), args.trace + ".png")
             saved = save(engine, info, args.save) if args.save else None
     finally:
         if weights is not None:
@@ -330,6 +337,7 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, progress: bool)
                 loss_sum += loss.item()
             engine.step()
             seconds = time.perf_counter() - t
+            engine.telemetry.span("step", f"step {step + 1}", t, t + seconds)
             stats = engine.stats()
             history["losses"].append(loss_sum / gas)
             history["step_seconds"].append(seconds)

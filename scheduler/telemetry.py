@@ -12,7 +12,7 @@ import threading
 import time
 
 LINKS = ("nvme_to_dram", "dram_to_hbm", "hbm_to_dram", "dram_to_nvme")
-TRACKS = ("compute", "h2d", "d2h", "nvme", "cpu_adam")
+TRACKS = ("step", "compute", "h2d", "d2h", "nvme", "cpu_adam")
 
 
 class Telemetry:

@@ -93,3 +93,13 @@ def test_tied_preset_with_its_embedding_as_a_unit_trains(tmp_path):
     path.write_text(json.dumps({"units": {"min_numel": 1024}}))
     report = _run(tmp_path, steps=2, offload_config=str(path), offload_param="cpu")
     assert report["stats"]["step"] == 2 and report["losses"][1] < report["losses"][0] + 1.0
+
+def test_trace_flag_writes_a_perfetto_trace_and_a_timeline_png(tmp_path):
+    trace = tmp_path / "trace.json"
+    report = _run(tmp_path, steps=2, trace=str(trace), offload_param="nvme")
+    events = json.loads(trace.read_text())["traceEvents"]
+    cats = {e.get("cat") for e in events if e["ph"] == "X"}
+    assert {"step", "compute", "nvme", "cpu_adam"} <= cats
+    png = tmp_path / "trace.json.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["stats"]["step"] == 2
