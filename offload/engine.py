@@ -20,7 +20,7 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload import hooks
-from offload.config import Config, load_config
+from offload.config import Config, LossScaleConfig, load_config
 from offload.optim import STATES, OptimState
 from offload.placement import Placement, plan_placement, staging_class_bytes
 from offload.residency import WeightHandle
@@ -81,6 +81,7 @@ class Engine(nn.Module):
         if not any(True for _ in model.parameters()):
             raise ValueError("model: has no parameters; offload trains parameters, pass the model to train")
         self.cfg, self.module, self.rank = cfg, model, 0
+        _check_unsupported(cfg)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.dtype = cfg.compute_dtype
         self.units: list[Unit] = partition(model, cfg.units.min_numel, cfg.units.classes)
@@ -103,6 +104,7 @@ class Engine(nn.Module):
         self._grad_sq: dict[int, float] = {}
         self._flushed: set[int] = set()
         self._overlap = self._stepped_in_backward = False
+        self._step_mark, self._last_step = self.telemetry.snapshot(), None
         self._closed = False
         self.weights: list[WeightHandle] = []
         self.states: list[OptimState | None] = []
@@ -165,6 +167,9 @@ class Engine(nn.Module):
     def release_after_use(self, unit: Unit, backward: bool) -> None:
         if self._in_backward and not backward:
             return  # a recomputed forward (activation checkpointing): its backward comes right after
+        distance = self.trace.next_use_distance(unit.index)
+        if distance is not None and distance <= self.cfg.reuse_distance:
+            return  # used again soon (the trace says): keep it rather than fetch it again
         with record_function("offload::release"):
             self.weights[unit.index].release()
 
@@ -278,6 +283,7 @@ class Engine(nn.Module):
     def _finish_overlapped_step(self) -> None:
         if self._stepped:
             self._wait_stored(self._stepped[-1])
+        self._mark_step()
         self._grad_sq.clear()
         self.last_grad_norm = None
         self.step_count += 1
@@ -314,6 +320,7 @@ class Engine(nn.Module):
         with record_function("offload::step"):
             run_step(self, grad_scale=self.loss_scale / clip_coef, lr=lr)
         self.telemetry.span("compute", "step", t0, time.perf_counter())
+        self._mark_step()
         self._grow_loss_scale()
         return True
 
@@ -350,6 +357,12 @@ class Engine(nn.Module):
                     out[n] = value
         return out
 
+    def _mark_step(self) -> None:
+        """Per-step telemetry: what moved and how long compute stalled since the previous step."""
+        now = self.telemetry.snapshot()
+        self._last_step = _delta(now, self._step_mark)
+        self._step_mark = now
+
     def start_trace(self) -> None:
         """Starts recording a timeline (compute, copy streams, NVMe I/O, CPU Adam); see save_trace."""
         self.telemetry.start_trace()
@@ -364,8 +377,8 @@ class Engine(nn.Module):
         if self.store is not None:
             tiers["nvme"]["used_bytes"] = self.store.disk_bytes
             tiers["nvme"]["peak_bytes"] = max(tiers["nvme"]["peak_bytes"], self.store.disk_bytes)
-        return {"step": self.step_count, "tiers": tiers, **snap, "loss_scale": self.loss_scale,
-                "skipped_steps": self.skipped_steps}
+        return {"step": self.step_count, "tiers": tiers, **snap, "last_step": self._last_step,
+                "loss_scale": self.loss_scale, "skipped_steps": self.skipped_steps}
 
     def close(self) -> None:
         """Frees pinned memory and removes the swap files. Idempotent."""
@@ -390,6 +403,25 @@ class Engine(nn.Module):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_unsupported(cfg: Config) -> None:
+    """Say so, rather than train something else than asked."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(f"zero_stage={cfg.zero_stage}: training over {dist.get_world_size()} ranks is not "
+                         "implemented yet (each rank would train alone); run a single process")
+    if cfg.precision != "fp16" and cfg.loss_scale != LossScaleConfig():
+        log.warning("offload: loss_scale is ignored with precision=%s (it applies to fp16 only)", cfg.precision)
+
+
+def _delta(now: dict, before: dict) -> dict:
+    links = {k: {"bytes": v["bytes"] - before["links"][k]["bytes"], "seconds": v["seconds"] - before["links"][k]["seconds"]}
+             for k, v in now["links"].items()}
+    stall = now["stall_seconds"] - before["stall_seconds"]
+    moved = sum(v["seconds"] for v in links.values())
+    return {"links": links, "stall_seconds": stall, "overlap_fraction": max(0.0, 1 - stall / moved) if moved else None}
 
 
 def lr_factor(sched, step: int) -> float:

@@ -58,9 +58,10 @@ def ledger_terms(stage: int, offload_param: str = "none", offload_optimizer: str
     weight_bytes = 4 if precision == "fp32" else 2
     k = 8 if precision == "fp32" else 12
     opt_tier = OFFLOAD_TIER[offload_optimizer]
-    grad_bytes = weight_bytes if opt_tier == "hbm" else dram_grad_bytes   # CPU step: gradients in dram
+    grad_bytes = weight_bytes if opt_tier == "hbm" else dram_grad_bytes   # CPU step: fp32 accumulators
+    # The engine keeps each unit's fp32 gradient accumulator beside its optimizer states (dram or nvme).
     return [Term("weights", OFFLOAD_TIER[offload_param], weight_bytes, stage >= 3),
-            Term("gradients", "hbm" if opt_tier == "hbm" else "dram", grad_bytes, stage >= 2),
+            Term("gradients", opt_tier, grad_bytes, stage >= 2),
             Term("optimizer", opt_tier, k, stage >= 1)]
 
 
@@ -258,3 +259,19 @@ def format_table(result: dict) -> str:
     return "\n".join([head, *rows, f"formula (P = params, D = ranks, U = {result['largest_unit_numel']:,}, "
                       f"the largest unit's numel): {result['formula']}",
                       "Not included unless given: activations (--activation-bytes), allocator slack."])
+
+
+def engine_plan(model, config=None) -> dict:
+    """What the Engine itself plans for `model` in one process: its placement's bytes per tier (its flat,
+    padded unit buffers plus staging buffers and hbm working set), computed without allocating anything.
+    `model` may live on the meta device. A measured run stays within this plan (tests/test_estimate_engine.py)."""
+    import torch
+
+    from offload.config import load_config
+    from offload.placement import plan_placement
+    from offload.units import partition
+
+    cfg = load_config(config)
+    units = partition(model, cfg.units.min_numel, cfg.units.classes)
+    need = plan_placement(units, cfg, torch.device("cpu"), check=False).need
+    return {f"{t}_bytes": need[t] for t in TIERS}

@@ -74,39 +74,32 @@ def _from_meta(engine, model: nn.Module, init: bool) -> None:
 
 @torch.no_grad()
 def place(engine, unit: Unit) -> None:
-    """Copies the unit's current parameter values into its weight and optimizer-state homes."""
+    """Copies the unit's initial values into its weight and optimizer-state homes. Resident homes are
+    filled in place; nvme homes through one staging buffer at a time."""
     p = engine.placement
-    dtype = engine.dtype
-    values = {s.name: _initial_value(engine, s) for s in unit.slots}
-    wbuf = engine.staging.acquire(unit.numel, dtype, f"{unit.name} initial weights")
-    wbuf.zero_()
-    for s in unit.slots:
-        wbuf[s.offset:s.offset + s.numel].copy_(values[s.name])
-    master = None
-    if unit.trainable_numel:
-        master = engine.staging.acquire(unit.trainable_numel, torch.float32, f"{unit.name} initial master")
-        master.zero_()
-        for s in unit.slots:
-            if s.trainable:
-                master[s.offset:s.offset + s.numel].copy_(values[s.name])
-    del values
-    w = WeightHandle(unit, p.weight_home[unit.index], dtype, engine)  # detaches offloaded params
-    if w.home == "nvme":
-        engine.store.write(w.key, wbuf).wait()
-    else:
-        (w.hbm if w.home == "hbm" else w.dram).copy_(wbuf)
-        if w.home == "hbm":
-            w._attach()
+    values = {s.name: _initial_value(engine, s) for s in unit.slots}  # keeps the values past _detach()
+    w = WeightHandle(unit, p.weight_home[unit.index], engine.dtype, engine)
+    _fill(engine, w.key if w.home == "nvme" else None, {"hbm": w.hbm, "dram": w.dram}.get(w.home),
+          unit.numel, engine.dtype, [(s.offset, values[s.name]) for s in unit.slots])
+    if w.home == "hbm":
+        w._attach()
     engine.weights[unit.index] = w
-    if master is not None:
+    if unit.trainable_numel:
         st = OptimState(unit, p.state_home[unit.index], engine)
-        if st.home == "nvme":
-            engine.store.write(st.key("master"), master).wait()
-        else:
-            st.t["master"].copy_(master)
+        _fill(engine, st.key("master") if st.home == "nvme" else None, st.t.get("master"),
+              unit.trainable_numel, torch.float32, [(s.offset, values[s.name]) for s in unit.slots if s.trainable])
         engine.states[unit.index] = st
-        engine.staging.release(master)
-    engine.staging.release(wbuf)
+
+
+def _fill(engine, key: str | None, home: torch.Tensor | None, numel: int, dtype, pieces) -> None:
+    """Writes (offset, flat value) pieces, zero padding between them, into `home`, or into swap `key`."""
+    buf = home if key is None else engine.staging.acquire(numel, dtype, f"initial {key}")
+    buf.zero_()
+    for offset, value in pieces:
+        buf[offset:offset + value.numel()].copy_(value)
+    if key is not None:
+        engine.store.write(key, buf).wait()
+        engine.staging.release(buf)
 
 
 def _initial_value(engine, s) -> torch.Tensor:

@@ -241,3 +241,12 @@ def test_trace_has_every_track_and_agrees_with_stall_seconds(tmp_path):
     assert stall_us / 1e6 == pytest.approx(st["stall_seconds"], rel=1e-6)
     assert st["stall_seconds"] > 0  # on-demand fetches from nvme: compute waited
     assert 0.0 <= st["overlap_fraction"] <= 1.0
+
+
+def test_ignored_loss_scale_warns(tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="offload")
+    with offload.initialize(MLP(), cfg(tmp_path, "cpu", "cpu", precision="bf16", loss_scale={"initial": 8.0})):
+        pass
+    assert any("loss_scale is ignored with precision=bf16" in r.getMessage() for r in caplog.records)

@@ -168,3 +168,60 @@ def test_parity_with_injected_delays(tmp_path, monkeypatch, param, optim, precis
     out = train_both(MLP(), config(tmp_path, param, optim, precision), mlp_batches(5), steps=5)
     check(*out[:4])
     assert out[4]["links"]["dram_to_hbm"]["bytes"] > 0
+
+
+class Branchy(MLP):
+    """Dynamic control flow: which blocks run depends on the step (a trace cannot be replayed)."""
+
+    skip = None
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for i, b in enumerate(self.blocks):
+            if i != self.skip:
+                h = b(h)
+        return torch.nn.functional.mse_loss(self.head(self.norm(h)).float(), y.float())
+
+
+def test_dynamic_control_flow_falls_back_to_on_demand_and_warns_once(tmp_path, caplog):
+    import logging
+
+    torch.manual_seed(0)
+    model = Branchy(n_blocks=4)
+    ref = Reference(model, "fp32", lr=1e-2, kernel=True)
+    caplog.set_level(logging.WARNING, logger="offload")
+    with offload.initialize(model, config(tmp_path, "nvme", "nvme", "fp32")) as eng:
+        for step, (x, y) in enumerate(mlp_batches(6)):
+            model.skip = ref.model.skip = step % 3   # a different unit order every step
+            loss = eng(x, y)
+            eng.backward(loss)
+            eng.step()
+            assert loss.item() == ref.micro_step(x, y)
+            ref.step()
+        assert max_state_err(eng.full_state_dict(), ref.state()) == 0.0
+    warnings = [r for r in caplog.records if "differs from the recorded trace" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+@pytest.mark.parametrize("param", ["cpu", "nvme"])
+def test_reuse_distance_keeps_the_last_block_and_changes_no_number(tmp_path, param):
+    runs = []
+    for reuse in (-1, 1):
+        torch.manual_seed(0)
+        c = config(tmp_path / str(reuse), param, param, "fp32", reuse_distance=reuse)
+        runs.append(train_both(MLP(), c, mlp_batches(4), steps=4))
+    assert runs[0][0] == runs[1][0] and max_state_err(runs[0][2], runs[1][2]) == 0.0
+    fetched = [r[4]["links"]["dram_to_hbm"]["bytes"] for r in runs]
+    assert fetched[1] < fetched[0]  # the last block is not released between its forward and backward
+
+
+def test_per_step_stats(tmp_path):
+    torch.manual_seed(0)
+    with offload.initialize(MLP(), config(tmp_path, "nvme", "nvme", "fp32")) as eng:
+        for x, y in mlp_batches(3):
+            eng.backward(eng(x, y))
+            eng.step()
+        st = eng.stats()
+    last = st["last_step"]
+    assert 0 < last["links"]["nvme_to_dram"]["bytes"] < st["links"]["nvme_to_dram"]["bytes"]
+    assert last["links"]["dram_to_nvme"]["bytes"] > 0 and last["stall_seconds"] <= st["stall_seconds"]

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 
 from offload import estimate as est
+from offload.models import PRESETS
 
 
 def register(subparsers) -> None:
@@ -54,5 +56,24 @@ def run(args) -> int:
     result = est.estimate(_shape(args), dp=args.dp, stage=args.stage, offload_param=args.offload_param,
                           offload_optimizer=args.offload_optimizer, precision=args.precision,
                           hbm_units=args.resident_units, activation_bytes=args.activation_bytes)
-    print(json.dumps(result) if args.json else est.format_table(result))
+    if args.model is not None and args.dp == 1 and (args.model in PRESETS or os.path.isdir(args.model)):
+        result["engine_plan"] = _engine_plan(args)
+    table = est.format_table(result)
+    if "engine_plan" in result:
+        plan = result["engine_plan"]
+        table += ("\nthe engine's own plan for this model in one process (padded unit buffers, staging, working "
+                  "set): " + ", ".join(f"{t} {est.format_bytes(plan[f'{t}_bytes'])}" for t in est.TIERS))
+    print(json.dumps(result) if args.json else table)
     return 0
+
+
+def _engine_plan(args) -> dict:
+    """The Engine's placement for the model built on the meta device (nothing is allocated)."""
+    from offload.models import build_model
+
+    model = build_model(args.model, device="meta")
+    return est.engine_plan(model, {"precision": args.precision, "offload_param": {"device": args.offload_param},
+                                   "offload_optimizer": {"device": args.offload_optimizer
+                                                         if args.offload_param == "none" or args.offload_optimizer != "none"
+                                                         else "cpu"},
+                                   "nvme_path": "."})
