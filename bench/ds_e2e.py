@@ -81,7 +81,6 @@ def run(args) -> dict:
     from offload.models import build_model, loss_of
 
     deepspeed.init_distributed(dist_backend="gloo")
-    torch.set_flush_denormal(True)  # as every mode of e2e.py: see [Note: denormals] there
     torch.manual_seed(0)
     model = build_model(args.preset, seed=0)           # our weights, before DeepSpeed sees the model
     sampler = BatchSampler(load_tokens(), args.batch, args.seq, seed=0)

@@ -33,10 +33,6 @@ def run_mode(args) -> dict:
     """In the subprocess: build the model, train warmup + steps, return step times and peak RSS."""
     import torch
 
-    # [Note: denormals] Every mode (ds_e2e.py too) flushes denormals: on this CPU an op that meets them
-    # runs 50-100x slower, and which mode meets them is an accident (the plain loop did, every step:
-    # 4.5 s instead of 0.055 s for the tiny preset), so an unflushed comparison measures that accident.
-    torch.set_flush_denormal(True)
 
     import offload
     from offload.data import BatchSampler, load_tokens
