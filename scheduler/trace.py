@@ -43,6 +43,16 @@ class ExecutionTrace:
                         "and recording again", self._steps)
         return []
 
+    def next_use_distance(self, unit: int) -> int | None:
+        """Events until `unit` is fetched again in this step (0: the very next one); None when unknown
+        (recording, diverged, or not used again)."""
+        if not self.replaying:
+            return None
+        try:
+            return self.recorded.index(unit, self._pos) - self._pos
+        except ValueError:
+            return None
+
     def end_step(self) -> None:
         if self.recorded is None or self._diverged or self._pos != len(self.recorded):
             self.recorded = self._current
