@@ -4,8 +4,8 @@ Two backends compute the same update:
 - "compiled": offload/csrc/cpu_adam.cpp, built on first use with torch.utils.cpp_extension into a cache
   directory ($OFFLOAD_CACHE_DIR, else $XDG_CACHE_HOME/offload, else ~/.cache/offload). One pass per element
   reads the fp32 master/exp_avg/exp_avg_sq and the bf16/fp16/fp32 gradient and writes the states back plus
-  the new weight in bf16/fp16. AVX-512 or AVX2 is chosen at run time (cap it with $OFFLOAD_CPU_ADAM_ISA or
-  `set_isa`); multi-threaded over 64 Ki-element chunks.
+  the new weight in bf16/fp16. AVX-512 (with AVX512_BF16 when present) or AVX2 is chosen at run time (cap
+  it with $OFFLOAD_CPU_ADAM_ISA or `set_isa`); multi-threaded over 64 Ki-element chunks.
 - "torch": torch._fused_adamw_ / _fused_adam_ over cache-sized tiles, the gradient cast and the weight
   cast done per tile so they hit cache. Used automatically when the kernel cannot be built.
 "auto" means the compiled kernel when it builds and loads, else torch ($OFFLOAD_CPU_ADAM_BACKEND overrides).
@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_adam.cpp"
 _BACKENDS = ("auto", "compiled", "torch")
-_ISAS = ("scalar", "avx2", "avx512")  # index = the kernel's ISA code
+_ISAS = ("scalar", "avx2", "avx512", "avx512bf16")  # index = the kernel's ISA code (avx512bf16: AVX-512
+# plus vcvtneps2bf16 for the bf16 weight output)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
 # [Note: fallback tile size] 256 Ki elements = 1 MiB per fp32 array: the tile's gradient cast, the fused
@@ -159,7 +160,7 @@ def get_num_threads() -> int:
 
 
 def set_isa(name: str | None) -> None:
-    """Cap the compiled kernel's instruction set ("avx512", "avx2", "scalar"); None: the best available."""
+    """Cap the compiled kernel's instruction set ("avx512bf16", "avx512", "avx2", "scalar"); None: the best."""
     global _isa_cap
     if name is not None and name not in _ISAS:
         raise ValueError(f"isa={name!r}: unknown; use one of {_ISAS} or None")

@@ -11,7 +11,8 @@ from offload.cpu_adam import adam_step, grad_sq_sum
 
 # (backend, isa): the compiled kernel is tested at every ISA the CPU supports, so an AVX-512 machine also
 # checks the AVX2 and scalar code (tails included).
-BACKENDS = [("torch", None), ("compiled", "avx512"), ("compiled", "avx2"), ("compiled", "scalar")]
+BACKENDS = [("torch", None), ("compiled", "avx512bf16"), ("compiled", "avx512"), ("compiled", "avx2"),
+            ("compiled", "scalar")]
 SIZES = [1, 7, 4097, 1_000_003]
 LR, BETAS, EPS = 1e-2, (0.9, 0.999), 1e-8
 # "Within 1e-6 relative": params are O(1); values that cross zero get an absolute floor of 1e-7
