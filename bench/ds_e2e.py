@@ -114,12 +114,10 @@ def run(args) -> dict:
 
 
 def main() -> None:
+    from e2e import add_run_arguments  # bench/ is this script's directory, first on sys.path
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="bench-200m")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=3, help="measured steps (median reported)")
-    ap.add_argument("--warmup", type=int, default=1)
+    add_run_arguments(ap)
     ap.add_argument("--sub-group-size", type=int, default=int(1e9),
                     help="ZeRO-3 sub_group_size (DeepSpeed's default 1e9); see [Note: DeepSpeed's host memory]")
     ap.add_argument("--dir", default=".", help="directory on the drive to test; swap goes in a subdirectory")

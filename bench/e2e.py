@@ -98,13 +98,18 @@ def _plain_step(model, torch):
     return step
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_arguments(ap: argparse.ArgumentParser) -> None:
+    """The run's shape, shared with bench/ds_e2e.py so every mode runs the same job."""
     ap.add_argument("--preset", default="bench-200m")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3, help="measured steps (median reported)")
     ap.add_argument("--warmup", type=int, default=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(ap)
     ap.add_argument("--dir", default=None, help="swap directory on the drive to test (default: a temp dir in .)")
     ap.add_argument("--modes", default=None, help=f"comma-separated, of {', '.join(MODES + (DS_MODE,))} "
                     "(default: all; deepspeed_nvme only where a DeepSpeed python is found)")
