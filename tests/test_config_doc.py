@@ -37,7 +37,7 @@ def test_every_key_is_documented_with_its_default():
     assert set(rows) == set(flat)
     assert rows["optimizer.lr"] == ("float", "0.001", rows["optimizer.lr"][2])
     assert rows["nvme_path"][:2] == ("str | None", "null")
-    assert rows["aio"][0] == "section" and "`aio.block_bytes` | int | `1048576`" in config_doc.markdown()
+    assert rows["aio"][0] == "section" and "`aio.block_bytes` | int | `8388608`" in config_doc.markdown()
 
 
 def test_a_new_field_changes_the_table(monkeypatch):
