@@ -21,6 +21,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload import hooks
 from offload.config import Config, LossScaleConfig, load_config
+from offload.cpu_adam import adam_step
+from offload.materialize import materialize, unit_values
 from offload.optim import STATES, OptimState
 from offload.placement import Placement, plan_placement, staging_class_bytes
 from offload.residency import WeightHandle
@@ -109,8 +111,6 @@ class Engine(nn.Module):
         self.weights: list[WeightHandle] = []
         self.states: list[OptimState | None] = []
         try:
-            from offload.materialize import materialize
-
             materialize(self)
         except BaseException:
             self.close()
@@ -345,8 +345,6 @@ class Engine(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """{parameter name: fp32 master weight} for every name the model uses (tied names included).
         Frozen parameters have no master: their stored weights are returned upcast to fp32."""
-        from offload.materialize import unit_values
-
         names = {}
         for n, p in self.module.named_parameters(remove_duplicate=False):
             names.setdefault(p, []).append(n)
@@ -452,8 +450,6 @@ def run_step(engine: Engine, grad_scale: float, lr: float) -> None:
 
 def step_unit(engine: Engine, unit: Unit, step: int, lr: float, grad_scale: float) -> None:
     """CPU Adam over one unit's states; the new weights go straight into the weight tier's buffer."""
-    from offload.cpu_adam import adam_step
-
     o = engine.cfg.optimizer
     st, w = engine.states[unit.index], engine.weights[unit.index]
     st.wait_loaded()

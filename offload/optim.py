@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from offload.cpu_adam import grad_sq_sum
 from offload.residency import HOME_STATE, R, _Handle
 from offload.units import Unit
 
@@ -99,8 +100,6 @@ class OptimState(_Handle):
         """Adds this micro-step's gradients (offset, flat grad) into the fp32 accumulator; on the last
         micro-step returns its sum of squares (for the global norm and fp16 overflow detection).
         keep: an nvme accumulator stays in dram for the step that follows at once (no round trip)."""
-        from offload.cpu_adam import grad_sq_sum
-
         if self.home == "nvme":
             acc = self.eng.staging.acquire(self.numel, torch.float32, f"{self.unit.name} grad")
             if not first:

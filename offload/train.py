@@ -27,7 +27,7 @@ import offload
 from offload.config import Config, _read_file, load_config
 from offload.cpu_adam import kernel_backend
 from offload.data import BatchSampler, ByteTokenizer, load_tokens
-from offload.models import PRESETS, LlamaLM, build_model, hf_llama_config, hf_name, loss_of
+from offload.models import PRESETS, build_model, hf_llama_config, hf_name, loss_of
 
 DEFAULT_SWAP_DIR = "./.offload-swap"
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from offload.models import (PRESETS, ModelConfig, LlamaLM, build_model, hf_llama_config, hf_name,
-                            init_weights, loss_of, owns_parameters)
+                            init_weights, loss_of)
 
 CFG = dataclasses.replace(PRESETS["tiny"], n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96)
 

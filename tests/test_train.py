@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from offload import train as recipe
-from offload.config import Config
 
 
 def _resolve(**kw):
