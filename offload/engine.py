@@ -158,9 +158,8 @@ class Engine(nn.Module):
 
     def _prefetch(self, unit: Unit) -> None:
         w = self.weights[unit.index]
-        hbm, dram = self.tiers.acct["hbm"], self.tiers.acct["dram"]
-        need = w.nbytes
-        if hbm.used_bytes + need > hbm.budget_bytes or (w.home == "nvme" and dram.used_bytes + need > dram.budget_bytes):
+        acct = self.tiers.acct
+        if not acct["hbm"].fits(w.nbytes) or (w.home == "nvme" and not acct["dram"].fits(self.staging.class_bytes)):
             return  # no room: it will be fetched on demand
         w.fetch()
 
@@ -198,7 +197,7 @@ class Engine(nn.Module):
         first, last = self.micro_step % gas == 0, self.micro_step % gas == gas - 1
         nbytes = sum(g.numel() * g.element_size() for _, g in grads)
         hbm = self.tiers.acct["hbm"]
-        while hbm.used_bytes + nbytes > hbm.budget_bytes and self._grad_jobs:
+        while not hbm.fits(nbytes) and self._grad_jobs:
             self._grad_jobs.pop(0).wait()  # back-pressure: let earlier gradients leave hbm first
         hbm.charge(nbytes, f"{unit.name} gradients")  # they exist in hbm until the d2h job consumed them
         state = self.states[unit.index]

@@ -53,9 +53,8 @@ class Accountant:
             assert nbytes <= self.used_bytes, f"{self.tier}: refund of {nbytes} > used {self.used_bytes}"
             self.used_bytes -= nbytes
 
-    def reset_peak(self) -> None:
-        with self._lock:
-            self.peak_bytes = self.used_bytes
+    def fits(self, nbytes: int) -> bool:
+        return self.used_bytes + nbytes <= self.budget_bytes
 
     def stats(self) -> dict:
         return {"used_bytes": self.used_bytes, "peak_bytes": self.peak_bytes, "budget_bytes": self.budget_bytes}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import random
-import threading
 import time
 from typing import Callable
 
@@ -52,8 +51,6 @@ class CopyStream:
 
     def __init__(self, name: str, device: torch.device, delay_s: float = 0.0):
         self.name, self.device, self.delay_s = name, device, delay_s
-        self.busy_seconds = 0.0
-        self._lock = threading.Lock()
         if device.type == "cuda":
             self._stream = torch.cuda.Stream(device)  # dedicated: see the note above
             self._pool = None
@@ -85,16 +82,7 @@ class CopyStream:
     def _run(self, fn: Callable, args) -> None:
         if self.delay_s:
             time.sleep(random.uniform(0, self.delay_s))
-        t0 = time.perf_counter()
         fn(*args)
-        with self._lock:
-            self.busy_seconds += time.perf_counter() - t0
-
-    def synchronize(self) -> None:
-        if self._pool is not None:
-            self._pool.submit(lambda: None).result()
-        elif self._stream is not None:
-            self._stream.synchronize()
 
     def close(self) -> None:
         if self._pool is not None:

@@ -42,10 +42,6 @@ class Telemetry:
             self.span("compute", f"stall: {what}", end - seconds, end)
 
     # -- trace ----------------------------------------------------------------------------------------
-    @property
-    def tracing(self) -> bool:
-        return self._spans is not None
-
     def start_trace(self) -> None:
         with self._lock:
             self._spans, self._t0 = [], time.perf_counter()
@@ -81,13 +77,3 @@ class Telemetry:
             return {"links": {k: dict(v) for k, v in self.links.items()}, "stall_seconds": self.stall_seconds,
                     "overlap_fraction": overlap}
 
-
-class Timer:
-    """`with Timer() as t: ...; t.seconds`"""
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.seconds = time.perf_counter() - self.t0
