@@ -211,6 +211,18 @@ def test_grad_sq_sum_large_finite_and_threads(backend):
     assert grad_sq_sum(h, backend=backend) == one
 
 
+def test_kernel_runs_on_several_threads():
+    """The compiled kernel really spreads chunks over threads (a serial loop passed every parity test)."""
+    kernel = cpu_adam._get_kernel()
+    if kernel is None:
+        pytest.skip("compiled kernel unavailable")
+    chunk = 1 << 16
+    assert kernel.threads_used(8 * chunk, 2) == 2
+    assert kernel.threads_used(8 * chunk, 4) == 4
+    assert kernel.threads_used(2 * chunk, 4) == 2   # never more threads than chunks
+    assert kernel.threads_used(8 * chunk, 1) == 1
+
+
 def test_threads_do_not_change_the_step():
     if cpu_adam.kernel_backend() != "compiled":
         pytest.skip("compiled kernel unavailable")
