@@ -149,6 +149,7 @@ class Config:
     prefetch_units: int = 2        # units fetched ahead of use along the recorded trace (0: on demand)
     reuse_distance: int = 1        # keep a unit in hbm when the trace uses it again within this many fetches (-1: never)
     overlap_step: bool = True      # step each unit as soon as its gradients are final, during backward (not with clipping or fp16)
+    delayed_update: bool = False   # one-step delayed parameter update: step k's update lands during step k+1's backward (README)
     swap_checksum: bool = True     # per-entry checksum of swap files
     seed: int = 0                  # seeds meta-device materialization
 
@@ -164,6 +165,10 @@ class Config:
             _fail("gradient_clipping", self.gradient_clipping, "must be >= 0", "use 0 to disable clipping")
         if self.zero_stage not in (0, 1, 2, 3):
             _fail("zero_stage", self.zero_stage, "must be 0, 1, 2 or 3", "see README 'ZeRO stages'")
+        if self.delayed_update and self.gradient_accumulation_steps > 1:
+            _fail("delayed_update", True, f"needs gradient_accumulation_steps 1 (got {self.gradient_accumulation_steps}): "
+                  "the delayed update lands during the next backward, inside the next accumulation window",
+                  "set gradient_accumulation_steps to 1 or delayed_update to false")
         if self.prefetch_units < 0:
             _fail("prefetch_units", self.prefetch_units, "must be >= 0", "use 0 for on-demand fetches")
         if self.reuse_distance < -1:
@@ -274,6 +279,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--nvme-path", default=None, help="directory for swap files (needed for nvme)")
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO partitioning stage")
     g.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="compute dtype")
+    g.add_argument("--delayed-update", action="store_true", default=None,
+                   help="one-step delayed parameter update (the step overlaps the next backward; weights lag one step)")
     g.add_argument("--offload-config", default=None, metavar="PATH", help="a .json/.yaml config; flags override it")
     return parser
 
@@ -286,7 +293,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         data.setdefault("offload_param", {})["device"] = args.offload_param
     if getattr(args, "offload_optimizer", None):
         data.setdefault("offload_optimizer", {})["device"] = args.offload_optimizer
-    for key in ("nvme_path", "zero_stage", "precision"):
+    for key in ("nvme_path", "zero_stage", "precision", "delayed_update"):
         if getattr(args, key, None) is not None:
             data[key] = getattr(args, key)
     if "nvme" in (data.get("offload_param", {}).get("device"), data.get("offload_optimizer", {}).get("device")):

@@ -23,7 +23,7 @@ from offload import hooks
 from offload.config import Config, LossScaleConfig, load_config
 from offload.cpu_adam import adam_step
 from offload.materialize import materialize, unit_values
-from offload.optim import STATES, OptimState
+from offload.optim import KINDS, STATES, OptimState
 from offload.placement import Placement, plan_placement, staging_class_bytes
 from offload.residency import WeightHandle
 from offload.tiers import Tiers
@@ -105,7 +105,8 @@ class Engine(nn.Module):
         self._grad_jobs: list = []
         self._grad_sq: dict[int, float] = {}
         self._flushed: set[int] = set()
-        self._overlap = self._stepped_in_backward = False
+        self._overlap = self._stepped_in_backward = self._delayed = False
+        self._pending: dict | None = None  # delayed_update: the accepted update not applied yet (step_unit args)
         self._step_mark, self._last_step = self.telemetry.snapshot(), None
         self._closed = False
         self.weights: list[WeightHandle] = []
@@ -202,9 +203,11 @@ class Engine(nn.Module):
         hbm.charge(nbytes, f"{unit.name} gradients")  # they exist in hbm until the d2h job consumed them
         state = self.states[unit.index]
 
-        overlap = self._overlap
+        overlap, delayed = self._overlap, self._delayed
 
         def job():
+            if delayed:  # the previous step's update, before the accumulator takes this step's gradient
+                self._pipelined_step(unit)
             t0 = time.perf_counter()
             try:
                 sq = state.accumulate(grads, first, last, keep=overlap)
@@ -215,7 +218,10 @@ class Engine(nn.Module):
                 grads.clear()
                 hbm.refund(nbytes)
             if overlap:
-                self._overlapped_step(unit, sq)
+                if not math.isfinite(sq):
+                    raise FloatingPointError(f"{unit.name}: gradients are not finite ({self.cfg.precision}); lower "
+                                             "the learning rate or enable gradient_clipping")
+                self._pipelined_step(unit)
 
         self._grad_jobs.append(self.d2h.submit(job))
 
@@ -226,11 +232,15 @@ class Engine(nn.Module):
         scale = self.loss_scale / self.cfg.gradient_accumulation_steps
         self._in_backward, self._flushed = True, set()
         self._overlap = self._can_overlap()
+        self._delayed = self._pending is not None
         t_start = time.perf_counter()
         try:
             with record_function("offload::backward"):
                 if self._overlap:
-                    self._begin_overlapped_step()
+                    self._begin_pipelined_step({"step": self.step_count + 1, "lr": self.lr,
+                                                "grad_scale": self.loss_scale}, STATES)
+                elif self._delayed:
+                    self._begin_pipelined_step(self._pending, KINDS)  # gradients of the previous step
                 (loss * scale if scale != 1.0 else loss).backward()
                 for u in self.units:  # units with unused parameters: flush what they have
                     if u.trainable_numel and u.index not in self._flushed:
@@ -239,54 +249,65 @@ class Engine(nn.Module):
                     w.release()
                 for job in self._grad_jobs:
                     job.wait()
-                if self._overlap:
-                    self._finish_overlapped_step()
+                if self._overlap or self._delayed:
+                    self._finish_pipelined_step()
         finally:
-            self._in_backward = False
+            self._in_backward = self._delayed = False
             self._grad_jobs = []
             self.trace.end_step()
             self.telemetry.span("compute", "backward", t_start, time.perf_counter())
         self.micro_step += 1
 
-    # -- the optimizer step overlapped with backward ----------------------------------------------------
+    # -- the optimizer step pipelined with backward (overlap_step, delayed_update) ----------------------
     def _can_overlap(self) -> bool:
         c = self.cfg
         last = self.micro_step % c.gradient_accumulation_steps == c.gradient_accumulation_steps - 1
-        return c.overlap_step and last and c.gradient_clipping == 0 and c.precision != "fp16"
+        return (c.overlap_step and not c.delayed_update and last and c.gradient_clipping == 0
+                and c.precision != "fp16")
 
-    def _begin_overlapped_step(self) -> None:
-        """Gradients become final in reverse unit order: read the first unit's states ahead."""
-        self._step_args = {"step": self.step_count + 1, "lr": self.lr, "grad_scale": self.loss_scale}
+    def _begin_pipelined_step(self, args: dict, kinds) -> None:
+        """Units are stepped on the d2h thread as their gradients become final, in reverse unit order:
+        read the first one's states (`kinds`) ahead. args: step_unit's step, lr and grad_scale."""
+        self._step_args, self._step_kinds = args, kinds
         self._step_order = [u.index for u in reversed(self.units) if u.trainable_numel]
         self._stepped: list[int] = []
         first = self.states[self._step_order[0]]
-        self._grad_jobs.append(self.d2h.submit(first.load, STATES))
+        self._grad_jobs.append(self.d2h.submit(first.load, kinds))
 
-    def _overlapped_step(self, unit: Unit, sq: float) -> None:
-        """On the d2h thread, right after the unit's final gradient arrived: its optimizer step."""
-        if not math.isfinite(sq):
-            raise FloatingPointError(f"{unit.name}: gradients are not finite ({self.cfg.precision}); lower the "
-                                     "learning rate or enable gradient_clipping")
+    def _pipelined_step(self, unit: Unit) -> None:
+        """On the d2h thread, once the unit's weights are no longer needed this backward: its optimizer
+        step; then the previous unit's write-behind lands and the next unit's states are read ahead."""
         step_unit(self, unit, **self._step_args)
         if self._stepped:  # bound the buffers: the previous unit's write-behind lands now
             self._wait_stored(self._stepped[-1])
         self._stepped.append(unit.index)
         nxt = next((i for i in self._step_order if i not in self._stepped), None)
         if nxt is not None:
-            self.states[nxt].load(STATES)
+            self.states[nxt].load(self._step_kinds)
 
     def _wait_stored(self, index: int) -> None:
         self.states[index].wait_stored()
         self.weights[index].wait_for_write()
 
-    def _finish_overlapped_step(self) -> None:
+    def _finish_pipelined_step(self) -> None:
         if self._stepped:
             self._wait_stored(self._stepped[-1])
+        if self._delayed:
+            self._pending = None
+            return
         self._mark_step()
         self._grad_sq.clear()
         self.last_grad_norm = None
         self.step_count += 1
         self._stepped_in_backward = True
+
+    def flush(self) -> None:
+        """delayed_update: applies the accepted update that would land during the next backward, now
+        (at the end of training, before reading or saving the weights). A no-op otherwise."""
+        if self._pending is not None:
+            with record_function("offload::step"):
+                run_step(self, **self._pending)
+            self._pending = None
 
     # -- step --------------------------------------------------------------------------------------
     @property
@@ -315,9 +336,14 @@ class Engine(nn.Module):
         self.last_grad_norm = grad_norm
         lr = self.lr
         self.step_count += 1
+        if self.cfg.delayed_update:  # applied unit by unit during the next backward (or by flush())
+            self._pending = {"step": self.step_count, "lr": lr, "grad_scale": self.loss_scale / clip_coef}
+            self._mark_step()
+            self._grow_loss_scale()
+            return True
         t0 = time.perf_counter()
         with record_function("offload::step"):
-            run_step(self, grad_scale=self.loss_scale / clip_coef, lr=lr)
+            run_step(self, step=self.step_count, lr=lr, grad_scale=self.loss_scale / clip_coef)
         self.telemetry.span("compute", "step", t0, time.perf_counter())
         self._mark_step()
         self._grow_loss_scale()
@@ -343,7 +369,8 @@ class Engine(nn.Module):
     # -- state, stats, close ---------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """{parameter name: fp32 master weight} for every name the model uses (tied names included).
-        Frozen parameters have no master: their stored weights are returned upcast to fp32."""
+        Frozen parameters have no master: their stored weights are returned upcast to fp32. With
+        delayed_update, the last accepted update is not in them until flush()."""
         names = {}
         for n, p in self.module.named_parameters(remove_duplicate=False):
             names.setdefault(p, []).append(n)
@@ -432,7 +459,7 @@ def lr_factor(sched, step: int) -> float:
     return sched.min_ratio + (1 - sched.min_ratio) * shape
 
 
-def run_step(engine: Engine, grad_scale: float, lr: float) -> None:
+def run_step(engine: Engine, step: int, lr: float, grad_scale: float) -> None:
     """The step after backward: every trainable unit in turn, reading unit j+1's states ahead while
     unit j updates and writing unit j-1's behind (at most two units' states staged at once)."""
     trainable = [u for u in engine.units if u.trainable_numel]
@@ -442,7 +469,7 @@ def run_step(engine: Engine, grad_scale: float, lr: float) -> None:
             engine._wait_stored(trainable[j - 1].index)
         if j + 1 < len(trainable):
             engine.states[trainable[j + 1].index].load()
-        step_unit(engine, unit, engine.step_count, lr, grad_scale)
+        step_unit(engine, unit, step, lr, grad_scale)
     if trainable:
         engine._wait_stored(trainable[-1].index)
 

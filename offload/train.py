@@ -122,7 +122,7 @@ def resolve(args: argparse.Namespace) -> tuple[Config, dict]:
             _put(data, "offload_optimizer.device", "cpu")  # as config_from_args: states follow weights off
     if args.offload_optimizer:
         _put(data, "offload_optimizer.device", args.offload_optimizer)
-    for key in ("nvme_path", "zero_stage", "precision"):
+    for key in ("nvme_path", "zero_stage", "precision", "delayed_update"):
         if getattr(args, key) is not None:
             data[key] = getattr(args, key)
     data.setdefault("nvme_path", DEFAULT_SWAP_DIR)
@@ -367,6 +367,7 @@ def save(engine, info: dict, directory: str) -> str:
     """Writes the trained fp32 weights as a HF directory (shards + index + config.json) and returns it."""
     from offload.hf import save_hf_directory
 
+    engine.flush()  # delayed_update: the last step's update is still pending
     items = state_items(engine)
     if info["kind"] == "preset":
         items = ((hf_name(n), t) for n, t in items)

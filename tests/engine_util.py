@@ -86,7 +86,7 @@ class Reference:
     torch's clip_grad_norm_; new weights = masters rounded to the compute dtype."""
 
     def __init__(self, model: nn.Module, precision: str, lr: float = 1e-2, weight_decay: float = 0.0,
-                 adamw: bool = True, clip: float = 0.0, gas: int = 1, kernel: bool = False):
+                 adamw: bool = True, clip: float = 0.0, gas: int = 1, kernel: bool = False, delayed: bool = False):
         self.dtype = DTYPES[precision]
         self.model = copy.deepcopy(model)
         for p in self.model.parameters():  # parameters only: the engine keeps buffers as they are
@@ -99,6 +99,7 @@ class Reference:
         self.hp = dict(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay, adamw=adamw)
         self.moments = [(torch.zeros_like(m), torch.zeros_like(m)) for _, m in self.pairs]
         self.steps = 0
+        self.delayed, self.pending = delayed, None  # delayed_update: (grads, scale, step) applied next step()
 
     def micro_step(self, *batch) -> float:
         batch = [t.to(self.dtype) if t.is_floating_point() else t for t in batch]
@@ -125,19 +126,36 @@ class Reference:
     @torch.no_grad()
     def _kernel_step(self) -> None:
         """The same update through offload's CPU Adam kernel, parameter by parameter (the engine runs
-        it over flat unit buffers): any difference from the engine is then the engine's."""
-        from offload.cpu_adam import adam_step
-
+        it over flat unit buffers): any difference from the engine is then the engine's. delayed: the
+        documented semantics of delayed_update, applying the previous step's update after this step's
+        forward and backward ran on weights one update behind."""
         self.steps += 1
         grads = [m.grad if m.grad is not None else torch.zeros_like(m) for _, m in self.pairs]
         norm = sum(float(g.double().square().sum()) for g in grads) ** 0.5
         scale = 1.0 / min(1.0, self.clip / (norm + 1e-6)) if self.clip else 1.0
+        for _, m in self.pairs:
+            m.grad = None
+        update = (grads, scale, self.steps)
+        if self.delayed:
+            update, self.pending = self.pending, update
+        if update is not None:
+            self._apply(*update)
+
+    def flush(self) -> None:
+        """delayed: applies the pending update (the engine's flush())."""
+        if self.pending is not None:
+            self._apply(*self.pending)
+            self.pending = None
+
+    @torch.no_grad()
+    def _apply(self, grads, scale: float, step: int) -> None:
+        from offload.cpu_adam import adam_step
+
         for (p, m), g, (ea, eas) in zip(self.pairs, grads, self.moments):
             low = torch.empty_like(m, dtype=self.dtype) if self.dtype != torch.float32 else None
-            adam_step(m.view(-1), g.reshape(-1), ea.view(-1), eas.view(-1), step=self.steps, grad_scale=scale,
+            adam_step(m.view(-1), g.reshape(-1), ea.view(-1), eas.view(-1), step=step, grad_scale=scale,
                       out=None if low is None else low.view(-1), **self.hp)
             p.copy_(m if low is None else low)
-            m.grad = None
 
     def state(self) -> dict[str, torch.Tensor]:
         masters = {id(p): m for p, m in self.pairs}

@@ -7,6 +7,8 @@ for every placement and precision (any missed wait, stale buffer or wrong offset
 and states within 1e-5 relative (the kernel orders its float operations differently).
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -225,3 +227,78 @@ def test_per_step_stats(tmp_path):
     last = st["last_step"]
     assert 0 < last["links"]["nvme_to_dram"]["bytes"] < st["links"]["nvme_to_dram"]["bytes"]
     assert last["links"]["dram_to_nvme"]["bytes"] > 0 and last["stall_seconds"] <= st["stall_seconds"]
+
+
+# --- delayed_update: the documented one-step-stale semantics -------------------------------------------
+
+def train_delayed(model, cfg, batches, steps: int, clip: float = 0.0):
+    """Engine with delayed_update next to Reference(delayed=True); both flushed at the end."""
+    ref = Reference(model, cfg["precision"], lr=cfg["optimizer"]["lr"], clip=clip, kernel=True, delayed=True)
+    losses, ref_losses = [], []
+    with offload.initialize(model, {**cfg, "delayed_update": True}) as eng:
+        for batch in batches[:steps]:
+            loss = eng(*batch)
+            eng.backward(loss)
+            assert eng.step() is True
+            losses.append(loss.item())
+            ref_losses.append(ref.micro_step(*batch))
+            ref.step()
+        before_flush = eng.full_state_dict()
+        eng.flush()
+        ref.flush()
+        return losses, ref_losses, eng.full_state_dict(), ref.state(), before_flush
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("param,optim", MODES)
+def test_delayed_update_parity(tmp_path, param, optim, precision):
+    torch.manual_seed(0)
+    out = train_delayed(MLP(), config(tmp_path, param, optim, precision), mlp_batches(5), steps=5)
+    check(*out[:4])
+    assert max_state_err(out[4], out[3]) > 0  # the last update was pending until flush()
+
+
+@pytest.mark.parametrize("param,optim", [("none", "none"), ("cpu", "cpu"), ("nvme", "nvme")])
+def test_delayed_update_with_clipping_tied_weights_and_checkpointing(tmp_path, param, optim):
+    """Clipping (which keeps overlap_step off) pipelines under delayed_update: the global norm of step
+    k is known when its update runs during step k+1's backward."""
+    model = LlamaLoss(llama(tied=True))
+    out = train_delayed(model, config(tmp_path, param, optim, "bf16", gradient_clipping=0.05), llama_batches(5),
+                        steps=5, clip=0.05)
+    check(*out[:4])
+    torch.manual_seed(0)
+    out = train_delayed(MLP(ckpt=True), config(tmp_path / "ckpt", param, optim, "bf16"), mlp_batches(4), steps=4)
+    check(*out[:4])
+
+
+def test_delayed_update_semantics_without_the_reference(tmp_path):
+    """Steps 1 and 2 both run on the initial weights; step 3 on the weights after step 1's update only,
+    which equal a plain (undelayed) run's weights after its first step."""
+    torch.manual_seed(0)
+    model = MLP()
+    batches = mlp_batches(3)
+    c = config(tmp_path, "nvme", "nvme", "fp32")
+    with offload.initialize(copy.deepcopy(model), c) as plain:  # an engine takes over its model's parameters
+        initial = plain.full_state_dict()
+        expected_2 = plain(*batches[1]).item()  # the initial weights on batch 2
+        plain.backward(plain(*batches[0]))
+        plain.step()
+        expected_3 = plain(*batches[2]).item()  # after step 1's update, on batch 3
+        after_1 = plain.full_state_dict()
+    with offload.initialize(model, {**c, "nvme_path": str(tmp_path / "d"), "delayed_update": True}) as eng:
+        for i, batch in enumerate(batches):
+            loss = eng(*batch)
+            if i == 1:
+                assert loss.item() == expected_2
+                assert max_state_err(eng.full_state_dict(), initial) == 0.0  # step 1's update is pending
+            if i == 2:
+                assert loss.item() == expected_3
+                assert max_state_err(eng.full_state_dict(), after_1) == 0.0
+            eng.backward(loss)
+            eng.step()
+
+
+def test_delayed_update_refuses_gradient_accumulation(tmp_path):
+    with pytest.raises(ValueError, match="delayed_update=True: needs gradient_accumulation_steps 1"):
+        offload.initialize(MLP(), config(tmp_path, "cpu", "cpu", "bf16", delayed_update=True,
+                                         gradient_accumulation_steps=2))

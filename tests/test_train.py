@@ -85,6 +85,20 @@ def test_save_a_preset_as_a_hf_directory(tmp_path):
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)  # tied, as the preset
 
 
+def test_delayed_update_flag_and_save_flushes_the_pending_update(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg, _ = _resolve(delayed_update=True)
+    assert cfg.delayed_update is True
+    report = _run(tmp_path, steps=1, delayed_update=True, save=str(tmp_path / "hf"))
+    assert report["config"]["delayed_update"] is True
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    from offload.models import build_model
+
+    init = build_model("tiny", seed=0)
+    # one step under delayed_update: its update was pending at the end, and --save applied it
+    assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight, init.layers[0].attn.wq.weight)
+
+
 def test_tied_preset_with_its_embedding_as_a_unit_trains(tmp_path):
     # With min_numel this small the tied embedding is an offloaded unit; the tied head (TiedLinear)
     # owns the same Parameter, so the Engine fetches that unit for it too.
