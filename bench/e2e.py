@@ -48,7 +48,7 @@ def run_mode(args) -> dict:
         dev = "cpu" if args.mode == "cpu_offload" else "nvme"
         engine = offload.initialize(model, {"precision": "bf16", "offload_param": {"device": dev},
                                             "offload_optimizer": {"device": dev}, "nvme_path": args.dir,
-                                            "optimizer": {"lr": 1e-4}})
+                                            "optimizer": {"lr": 1e-4}, **json.loads(args.engine_config)})
 
         def step(ids, labels):
             loss = loss_of(engine(ids, labels))
@@ -115,9 +115,16 @@ def main() -> None:
                     "(default: all; deepspeed_nvme only where a DeepSpeed python is found)")
     ap.add_argument("--ds-python", default=os.environ.get("OFFLOAD_DS_PYTHON") or _default_ds_python(),
                     help="python of a venv with DeepSpeed, for the deepspeed_nvme mode")
+    ap.add_argument("--engine-config", default="{}", metavar="JSON",
+                    help='extra config keys for the offload modes, e.g. \'{"gradient_clipping": 1.0, "delayed_update": true}\'')
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # internal: run one mode in this process
     args = ap.parse_args()
+    try:
+        if not isinstance(json.loads(args.engine_config), dict):
+            raise ValueError("not an object")
+    except ValueError as e:
+        ap.error(f"--engine-config {args.engine_config!r}: {e}; pass a JSON object of config keys")
     if args.mode:
         print(json.dumps(run_mode(args)))
         return
@@ -129,8 +136,8 @@ def main() -> None:
     for mode in modes:
         common = ["--preset", args.preset, "--batch", str(args.batch), "--seq", str(args.seq),
                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--dir", base]
-        cmd = ([args.ds_python, os.path.join(REPO, "bench", "ds_e2e.py")] if mode == DS_MODE
-               else [sys.executable, __file__, "--mode", mode]) + common
+        cmd = ([args.ds_python, os.path.join(REPO, "bench", "ds_e2e.py")] + common if mode == DS_MODE
+               else [sys.executable, __file__, "--mode", mode, "--engine-config", args.engine_config] + common)
         proc = subprocess.run(cmd, capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": REPO, "DS_ACCELERATOR": "cpu"})
         if proc.returncode:  # keep the other modes' figures; say what failed and exit non-zero at the end
@@ -164,6 +171,7 @@ def _report(args, results: dict, errors: dict) -> dict:
         "ratio_to_in_memory": {m: (r["step_s"] / ref if ref else None) for m, r in results.items()},
         "stall_seconds": {m: r.get("stall_seconds") for m, r in results.items()},
         "first_losses": {m: r["losses"][:2] for m, r in results.items()},
+        "engine_config": json.loads(args.engine_config),
         "errors": errors,
     }
 
