@@ -8,7 +8,7 @@ import torch
 import offload
 from offload.placement import PlacementError, runtime_bytes
 from offload.residency import R
-from tests.engine_util import MLP, Reference, mlp_batches
+from tests.engine_util import MLP, Reference, max_state_err, mlp_batches
 
 
 def cfg(tmp_path, param="nvme", optim="nvme", **extra):
@@ -250,3 +250,35 @@ def test_ignored_loss_scale_warns(tmp_path, caplog):
     with offload.initialize(MLP(), cfg(tmp_path, "cpu", "cpu", precision="bf16", loss_scale={"initial": 8.0})):
         pass
     assert any("loss_scale is ignored with precision=bf16" in r.getMessage() for r in caplog.records)
+
+
+def test_fp16_with_delayed_update(tmp_path):
+    """fp16 pipelines under delayed_update (overlap_step cannot: it needs the overflow check first):
+    same numbers as the reference with the same semantics; an overflowing step is skipped whole, after
+    the previous step's update landed during its backward."""
+    torch.manual_seed(0)
+    model = MLP()
+    ref = Reference(model, "fp16", lr=1e-2, kernel=True, delayed=True)
+    c = cfg(tmp_path, "nvme", "nvme", precision="fp16", loss_scale={"initial": 1.0}, optimizer={"lr": 1e-2},
+            delayed_update=True)
+    with offload.initialize(model, c) as eng:
+        batches = mlp_batches(3)
+        for x, y in batches:
+            loss = eng(x, y)
+            eng.backward(loss)
+            assert eng.step() is True
+            assert loss.item() == ref.micro_step(x, y)
+            ref.step()
+        eng.flush()
+        ref.flush()
+        assert max_state_err(eng.full_state_dict(), ref.state()) == 0.0
+        x, y = batches[0]
+        eng.backward(eng(x, y))
+        assert eng.step() is True                 # its update is pending
+        before = eng.full_state_dict()
+        eng.backward(eng(x, y * 3e4))             # the pending update lands; these gradients overflow
+        after = eng.full_state_dict()
+        assert max_state_err(after, before) > 0
+        assert eng.step() is False and eng.skipped_steps == 1
+        eng.flush()                               # nothing pending: the overflowing step was skipped
+        assert max_state_err(eng.full_state_dict(), after) == 0.0
