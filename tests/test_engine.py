@@ -16,7 +16,8 @@ def cfg(tmp_path, param="nvme", optim="nvme", **extra):
             "nvme_path": str(tmp_path / "swap"), "units": {"min_numel": 512}, **extra}
 
 
-def test_hbm_budget_of_two_units_holds(tmp_path, monkeypatch):
+@pytest.mark.parametrize("delayed", [False, True])
+def test_hbm_budget_of_two_units_holds(tmp_path, monkeypatch, delayed):
     torch.manual_seed(0)
     model = MLP(d=64, n_blocks=6)
     probe = offload.initialize(MLP(d=64, n_blocks=6), cfg(tmp_path / "probe"))
@@ -25,7 +26,8 @@ def test_hbm_budget_of_two_units_holds(tmp_path, monkeypatch):
     probe.close()
     grad_bytes = unit_bytes * 2  # one unit's gradients, in flight to dram
     budget = resident_bytes + 2 * unit_bytes + grad_bytes
-    eng = offload.initialize(model, cfg(tmp_path, prefetch_units=1, budgets={"hbm_bytes": budget}))
+    eng = offload.initialize(model, cfg(tmp_path, prefetch_units=1, budgets={"hbm_bytes": budget},
+                                       delayed_update=delayed))
     most_fetched = 0
     original = eng.fetch_for_use
 
