@@ -271,6 +271,9 @@ def _read_file(path: pathlib.Path) -> dict:
 # --- training-script flags -------------------------------------------------------------------------
 
 
+FLAG_KEYS = ("nvme_path", "zero_stage", "precision", "delayed_update")  # top-level keys set by add_arguments' flags
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the offload flags to an existing training script's parser."""
     g = parser.add_argument_group("offload")
@@ -293,7 +296,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         data.setdefault("offload_param", {})["device"] = args.offload_param
     if getattr(args, "offload_optimizer", None):
         data.setdefault("offload_optimizer", {})["device"] = args.offload_optimizer
-    for key in ("nvme_path", "zero_stage", "precision", "delayed_update"):
+    for key in FLAG_KEYS:
         if getattr(args, key, None) is not None:
             data[key] = getattr(args, key)
     if "nvme" in (data.get("offload_param", {}).get("device"), data.get("offload_optimizer", {}).get("device")):

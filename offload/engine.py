@@ -334,17 +334,15 @@ class Engine(nn.Module):
         clip = self.cfg.gradient_clipping
         clip_coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
         self.last_grad_norm = grad_norm
-        lr = self.lr
+        update = {"step": self.step_count + 1, "lr": self.lr, "grad_scale": self.loss_scale / clip_coef}
         self.step_count += 1
         if self.cfg.delayed_update:  # applied unit by unit during the next backward (or by flush())
-            self._pending = {"step": self.step_count, "lr": lr, "grad_scale": self.loss_scale / clip_coef}
-            self._mark_step()
-            self._grow_loss_scale()
-            return True
-        t0 = time.perf_counter()
-        with record_function("offload::step"):
-            run_step(self, step=self.step_count, lr=lr, grad_scale=self.loss_scale / clip_coef)
-        self.telemetry.span("compute", "step", t0, time.perf_counter())
+            self._pending = update
+        else:
+            t0 = time.perf_counter()
+            with record_function("offload::step"):
+                run_step(self, **update)
+            self.telemetry.span("compute", "step", t0, time.perf_counter())
         self._mark_step()
         self._grow_loss_scale()
         return True

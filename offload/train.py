@@ -24,7 +24,7 @@ import time
 import torch
 
 import offload
-from offload.config import Config, _read_file, load_config
+from offload.config import FLAG_KEYS, Config, _read_file, load_config
 from offload.cpu_adam import kernel_backend
 from offload.data import BatchSampler, ByteTokenizer, load_tokens
 from offload.models import PRESETS, build_model, hf_llama_config, hf_name, loss_of
@@ -122,7 +122,7 @@ def resolve(args: argparse.Namespace) -> tuple[Config, dict]:
             _put(data, "offload_optimizer.device", "cpu")  # as config_from_args: states follow weights off
     if args.offload_optimizer:
         _put(data, "offload_optimizer.device", args.offload_optimizer)
-    for key in ("nvme_path", "zero_stage", "precision", "delayed_update"):
+    for key in FLAG_KEYS:
         if getattr(args, key) is not None:
             data[key] = getattr(args, key)
     data.setdefault("nvme_path", DEFAULT_SWAP_DIR)

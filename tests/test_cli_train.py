@@ -30,20 +30,22 @@ def test_train_is_a_command():
     assert ("train",) in COMMANDS
 
 
+def _exit_code(argv) -> int:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    return e.value.code
+
+
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
 def test_every_command_has_help(command, capsys):
-    with pytest.raises(SystemExit) as e:
-        main([*command, "--help"])
-    assert e.value.code == 0
+    assert _exit_code([*command, "--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: offload " + " ".join(command)) and len(out.splitlines()) > 3
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
 def test_every_command_rejects_a_bad_flag_in_one_line(command, capsys):
-    with pytest.raises(SystemExit) as e:
-        main([*command, "--no-such-flag"])
-    assert e.value.code == 2
+    assert _exit_code([*command, "--no-such-flag"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("offload") and ": error: " in err
 
