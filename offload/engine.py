@@ -29,12 +29,11 @@ from offload.residency import WeightHandle
 from offload.tiers import Tiers
 from offload.units import Unit, partition
 from scheduler.streams import CopyStream
-from scheduler.telemetry import Telemetry
+from scheduler.telemetry import Telemetry, overlap_fraction
 from scheduler.trace import ExecutionTrace
 from swap import SwapStore
 
 log = logging.getLogger("offload")
-HOME = {"none": "hbm", "cpu": "dram", "nvme": "nvme"}
 
 
 class Staging:
@@ -270,7 +269,8 @@ class Engine(nn.Module):
         read the first one's states (`kinds`) ahead. args: step_unit's step, lr and grad_scale."""
         self._step_args, self._step_kinds = args, kinds
         self._step_order = [u.index for u in reversed(self.units) if u.trainable_numel]
-        self._stepped: list[int] = []
+        self._stepped: list[int] = []  # in stepping order; _stepped_set for membership
+        self._stepped_set: set[int] = set()
         first = self.states[self._step_order[0]]
         self._grad_jobs.append(self.d2h.submit(first.load, kinds))
 
@@ -281,7 +281,8 @@ class Engine(nn.Module):
         if self._stepped:  # bound the buffers: the previous unit's write-behind lands now
             self._wait_stored(self._stepped[-1])
         self._stepped.append(unit.index)
-        nxt = next((i for i in self._step_order if i not in self._stepped), None)
+        self._stepped_set.add(unit.index)
+        nxt = next((i for i in self._step_order if i not in self._stepped_set), None)
         if nxt is not None:
             self.states[nxt].load(self._step_kinds)
 
@@ -369,15 +370,18 @@ class Engine(nn.Module):
         """{parameter name: fp32 master weight} for every name the model uses (tied names included).
         Frozen parameters have no master: their stored weights are returned upcast to fp32. With
         delayed_update, the last accepted update is not in them until flush()."""
-        names = {}
+        return dict(self.state_items())
+
+    def state_items(self):
+        """(name, fp32 tensor) for every parameter name, one unit at a time (full_state_dict's content
+        without holding the whole model at once)."""
+        names: dict = {}
         for n, p in self.module.named_parameters(remove_duplicate=False):
             names.setdefault(p, []).append(n)
-        out = {}
-        for u in self.units:
-            for s, value in unit_values(self, u):
-                for n in names[s.param]:
-                    out[n] = value
-        return out
+        for unit in self.units:
+            for slot, value in unit_values(self, unit):
+                for n in names[slot.param]:
+                    yield n, value
 
     def _mark_step(self) -> None:
         """Per-step telemetry: what moved and how long compute stalled since the previous step."""
@@ -397,8 +401,9 @@ class Engine(nn.Module):
         snap = self.telemetry.snapshot()
         tiers = self.tiers.stats()
         if self.store is not None:
-            tiers["nvme"]["used_bytes"] = self.store.disk_bytes
-            tiers["nvme"]["peak_bytes"] = max(tiers["nvme"]["peak_bytes"], self.store.disk_bytes)
+            used = self.store.disk_bytes  # lists the run directory: read once
+            tiers["nvme"]["used_bytes"] = used
+            tiers["nvme"]["peak_bytes"] = max(tiers["nvme"]["peak_bytes"], used)
         return {"step": self.step_count, "tiers": tiers, **snap, "last_step": self._last_step,
                 "loss_scale": self.loss_scale, "skipped_steps": self.skipped_steps}
 
@@ -442,8 +447,7 @@ def _delta(now: dict, before: dict) -> dict:
     links = {k: {"bytes": v["bytes"] - before["links"][k]["bytes"], "seconds": v["seconds"] - before["links"][k]["seconds"]}
              for k, v in now["links"].items()}
     stall = now["stall_seconds"] - before["stall_seconds"]
-    moved = sum(v["seconds"] for v in links.values())
-    return {"links": links, "stall_seconds": stall, "overlap_fraction": max(0.0, 1 - stall / moved) if moved else None}
+    return {"links": links, "stall_seconds": stall, "overlap_fraction": overlap_fraction(links, stall)}
 
 
 def lr_factor(sched, step: int) -> float:

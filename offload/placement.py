@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from offload.estimate import OFFLOAD_TIER as HOME  # offload device -> tier
 from offload.units import Unit
 
-HOME = {"none": "hbm", "cpu": "dram", "nvme": "nvme"}
 SAFETY = 0.85  # of the memory available at start, when a budget is not given
 STATE_KINDS = 4  # fp32 master, exp_avg, exp_avg_sq, gradient accumulator
 

@@ -328,7 +328,7 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, progress: bool)
     with Sampler(engine) as samples, Progress(run["steps"], tokens_per_step, enabled=progress) as bar:
         for step in range(run["steps"]):
             t = time.perf_counter()
-            stall0 = engine.stats()["stall_seconds"]
+            stall0 = engine.telemetry.stall_seconds  # not stats(): that lists the swap directory
             lr, loss_sum = engine.lr, 0.0
             for micro in range(gas):
                 ids, labels = sampler.batch(step * gas + micro)
@@ -349,26 +349,12 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, progress: bool)
     return history
 
 
-def state_items(engine):
-    """(name, fp32 tensor) for every parameter name, one unit at a time (full_state_dict's content
-    without holding the whole model at once)."""
-    from offload.materialize import unit_values
-
-    names: dict = {}
-    for n, p in engine.module.named_parameters(remove_duplicate=False):
-        names.setdefault(p, []).append(n)
-    for unit in engine.units:
-        for slot, value in unit_values(engine, unit):
-            for n in names[slot.param]:
-                yield n, value
-
-
 def save(engine, info: dict, directory: str) -> str:
     """Writes the trained fp32 weights as a HF directory (shards + index + config.json) and returns it."""
     from offload.hf import save_hf_directory
 
     engine.flush()  # delayed_update: the last step's update is still pending
-    items = state_items(engine)
+    items = engine.state_items()
     if info["kind"] == "preset":
         items = ((hf_name(n), t) for n, t in items)
     save_hf_directory(items, info["hf_config"], directory)

@@ -25,12 +25,12 @@ class Telemetry:
         self._spans: list[tuple[str, str, float, float]] | None = None
         self._t0 = time.perf_counter()
 
-    def link(self, name: str, nbytes: int, seconds: float, t_end: float | None = None) -> None:
+    def link(self, name: str, nbytes: int, seconds: float) -> None:
         with self._lock:
             self.links[name]["bytes"] += int(nbytes)
             self.links[name]["seconds"] += seconds
         if self._spans is not None and seconds > 0:
-            end = t_end or time.perf_counter()
+            end = time.perf_counter()
             self.span("nvme" if "nvme" in name else ("h2d" if name == "dram_to_hbm" else "d2h"),
                       f"{name} {nbytes / 2**20:.1f} MiB", end - seconds, end)
 
@@ -72,8 +72,12 @@ class Telemetry:
 
     def snapshot(self) -> dict:
         with self._lock:
-            moved = sum(v["seconds"] for v in self.links.values())
-            overlap = max(0.0, 1.0 - self.stall_seconds / moved) if moved else None
-            return {"links": {k: dict(v) for k, v in self.links.items()}, "stall_seconds": self.stall_seconds,
-                    "overlap_fraction": overlap}
+            links = {k: dict(v) for k, v in self.links.items()}
+            return {"links": links, "stall_seconds": self.stall_seconds,
+                    "overlap_fraction": overlap_fraction(links, self.stall_seconds)}
 
+
+def overlap_fraction(links: dict, stall_seconds: float) -> float | None:
+    """The share of transfer time that compute did not wait for: 1 - stall / seconds moved on all links."""
+    moved = sum(v["seconds"] for v in links.values())
+    return max(0.0, 1.0 - stall_seconds / moved) if moved else None

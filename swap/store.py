@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .buffers import ALIGN_BYTES, aligned_empty, round_up
+from .buffers import ALIGN_BYTES, aligned_empty, is_aligned, round_up
 from .engines import Block, IOEngine, host_buffer, open_engine
 from .errors import SwapCorruptionError, SwapIOError
 from .rundir import create_file, make_run_dir, supports_direct
@@ -119,10 +119,6 @@ class Extents:
             padded += prev
             i -= 1
         self._free.insert(i, (off, padded))
-
-    @property
-    def free_extents(self) -> list[tuple[int, int]]:
-        return list(self._free)
 
 
 class Ticket:
@@ -372,7 +368,7 @@ class SwapStore:
 
     def _source(self, tensor: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, bool]:
         """The bytes to write, as an aligned uint8 tensor when possible; (tensor, staged?)."""
-        if tensor.is_contiguous() and tensor.data_ptr() % ALIGN_BYTES == 0:
+        if tensor.is_contiguous() and is_aligned(tensor):
             return _as_bytes(tensor), False
         staging = aligned_empty(nbytes)
         if nbytes:
@@ -381,7 +377,7 @@ class SwapStore:
 
     @staticmethod
     def _destination(into: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, bool]:
-        if into.data_ptr() % ALIGN_BYTES == 0:
+        if is_aligned(into):
             return _as_bytes(into), False
         return aligned_empty(nbytes), True
 
