@@ -25,9 +25,13 @@ import sys
 import threading
 from pathlib import Path
 
+from typing import NamedTuple
+
 import torch
 
-__all__ = ["CPUAdam", "adam_step", "grad_sq_sum", "kernel_backend", "kernel_isa", "set_isa",
+from swap.store import block_digest
+
+__all__ = ["CPUAdam", "StepDigests", "adam_step", "grad_sq_sum", "kernel_backend", "kernel_isa", "set_isa",
            "set_num_threads", "get_num_threads"]
 
 log = logging.getLogger(__name__)
@@ -42,6 +46,7 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16)
 # step and the weight cast run back to back while the tile is still in L2/L3, and the per-tile Python
 # overhead (~30 us) stays small next to the tile's work.
 _TILE_NUMEL = 1 << 18
+_MASK64 = (1 << 64) - 1
 
 _lock = threading.Lock()
 _kernel = None          # the loaded extension module, once built
@@ -212,9 +217,16 @@ def _check_hparams(step, lr, beta1, beta2, eps, weight_decay, grad_scale) -> Non
                              "0 <= betas < 1 and a finite grad_scale > 0")
 
 
+class StepDigests(NamedTuple):
+    """Swap block digests of (param, exp_avg, exp_avg_sq) before and after a step; one tuple of
+    swap.store.block_digest values per array, one value per span of the `digest_bounds` given."""
+    before: tuple[tuple[int, ...], ...]
+    after: tuple[tuple[int, ...], ...]
+
+
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float, beta2: float,
               eps: float, weight_decay: float, adamw: bool = True, grad_scale: float = 1.0,
-              out=None, backend: str = "auto") -> None:
+              out=None, backend: str = "auto", digest_bounds=None) -> StepDigests | None:
     """One Adam/AdamW update of a flat fp32 shard, in place, using grad / grad_scale.
 
     param, exp_avg, exp_avg_sq: contiguous fp32 CPU tensors; grad: bf16/fp16/fp32, same numel.
@@ -222,6 +234,9 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: 
     (param *= 1 - lr*wd); adamw=False: L2 (grad += wd*param), like torch.optim.Adam. `out` (bf16/fp16)
     receives the new weight rounded to nearest even, in the same pass. The caller checks grad_sq_sum
     for inf/nan first and skips the step (this function does not look).
+    digest_bounds: element offsets [0, ..., numel] of swap blocks (SwapStore.digest_bounds): the step
+    also returns the three states' block digests before and after the update, hashed in the same pass
+    (the compiled kernel; the torch backend hashes in separate passes).
     """
     numel = param.numel() if isinstance(param, torch.Tensor) else None
     _check_flat("param", param, None, (torch.float32,))
@@ -233,17 +248,40 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: 
     lr, beta1, beta2, eps = float(lr), float(beta1), float(beta2), float(eps)
     weight_decay, grad_scale = float(weight_decay), float(grad_scale)
     _check_hparams(step, lr, beta1, beta2, eps, weight_decay, grad_scale)
+    bounds = None if digest_bounds is None else _check_bounds(digest_bounds, numel)
     kernel = _resolve(backend)
     if numel == 0:
-        return
+        return None if bounds is None else StepDigests(((),) * 3, ((),) * 3)
     if kernel is None:
+        states = (param, exp_avg, exp_avg_sq)
+        before = None if bounds is None else tuple(_digests(t, bounds) for t in states)
         _torch_adam_step(param.view(-1), grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1),
                          None if out is None else out.view(-1), step, lr, beta1, beta2, eps, weight_decay,
                          bool(adamw), grad_scale)
-        return
+        return None if bounds is None else StepDigests(before, tuple(_digests(t, bounds) for t in states))
     with torch.profiler.record_function("offload::cpu_adam"):
-        kernel.adam_step(param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps, weight_decay,
-                         bool(adamw), grad_scale, get_num_threads(), _isa_code(kernel))
+        d = kernel.adam_step(param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps, weight_decay,
+                             bool(adamw), grad_scale, get_num_threads(), _isa_code(kernel),
+                             None if bounds is None else torch.tensor(bounds, dtype=torch.int64))
+    if bounds is None:
+        return None
+    cells = d.tolist()  # [before/after][array][block][sum, xor] as signed int64
+    return StepDigests(*(tuple(tuple(((x & _MASK64) << 64) | (s & _MASK64) for s, x in arr) for arr in io)
+                         for io in cells))
+
+
+def _check_bounds(bounds, numel: int) -> list[int]:
+    b = [int(x) for x in bounds]
+    if len(b) < 2 or b[0] != 0 or b[-1] != numel or any(y <= x for x, y in zip(b, b[1:])) \
+            or any(x % 32 for x in b[:-1]):
+        raise ValueError(f"digest_bounds={b[:4]}...{b[-1:]}: must increase from 0 to numel={numel} with block "
+                         "starts in multiples of 32 elements; use SwapStore.digest_bounds(numel, 4)")
+    return b
+
+
+def _digests(t: torch.Tensor, bounds: list[int]) -> tuple[int, ...]:
+    base, size = t.data_ptr(), t.element_size()
+    return tuple(block_digest(base + b * size, (e - b) * size) for b, e in zip(bounds, bounds[1:]))
 
 
 def _torch_adam_step(param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps, weight_decay,

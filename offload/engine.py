@@ -481,18 +481,28 @@ def step_unit(engine: Engine, unit: Unit, step: int, lr: float, grad_scale: floa
     o = engine.cfg.optimizer
     st, w = engine.states[unit.index], engine.weights[unit.index]
     st.wait_loaded()
-    out = w.home_buffer()[:unit.trainable_numel]
+    n = unit.trainable_numel
+    home = w.home_buffer()
+    hashed = {} if st.digest_bounds is None else {"digest_bounds": st.digest_bounds}  # nvme states, checksums on
+    # States read unverified are checked after the step: until then its weights stay out of the live copy.
+    live = home is w.dram or home is w.hbm
+    out = engine.staging.acquire(n, home.dtype, f"{unit.name} new weights") if hashed and live else home[:n]
     t = st.t
     lowp = engine.dtype != torch.float32
     step_fn = adam_step if t["master"].device.type == "cpu" else _device_adam_step
     t0 = time.perf_counter()
     with record_function("offload::cpu_adam"):
-        step_fn(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], step=step, lr=lr, beta1=o.betas[0],
-                beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay, adamw=o.type == "adamw",
-                grad_scale=grad_scale, out=out if lowp else None)
+        digests = step_fn(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], step=step, lr=lr,
+                          beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
+                          adamw=o.type == "adamw", grad_scale=grad_scale, out=out if lowp else None, **hashed)
     engine.telemetry.span("cpu_adam", f"adam {unit.name}", t0, time.perf_counter())
+    if hashed:
+        st.check_digests(digests)  # raises before anything computed from corrupted states is kept
     if not lowp:
         out.copy_(t["master"])
+    if hashed and live:
+        home[:n].copy_(out)
+        engine.staging.release(out)
     w.commit_home()
     st.store()
 

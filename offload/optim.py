@@ -32,6 +32,13 @@ class OptimState(_Handle):
         self._tickets: list = []
         self._t0 = 0.0
         self._grad: torch.Tensor | None = None  # nvme: a final gradient kept in dram for the step
+        # [Note: swap digests in the step] (offload/csrc/cpu_adam.cpp): with swap checksums on, the step
+        # hashes the states it reads and writes, so they are read unverified and checked after it.
+        self.digest_bounds = None
+        if home == "nvme" and engine.store.checksum:
+            self.digest_bounds = engine.store.digest_bounds(self.numel, 4)
+        self._unverified: set[str] = set()       # kinds read without the store's check, until the step's
+        self._digests: dict[str, tuple] = {}     # kind -> block digests of the updated state, for store()
         if home != "nvme":
             for kind in KINDS:
                 self.t[kind] = engine.tiers.empty(home, self.numel, torch.float32, f"{unit.name} {kind}").zero_()
@@ -50,7 +57,10 @@ class OptimState(_Handle):
             buf = self.eng.staging.acquire(self.numel, torch.float32, f"{self.unit.name} {kind}")
             self.t[kind] = buf
             if self.key(kind) in self.eng.store:  # exp_avg/exp_avg_sq start as zeros, unwritten
-                self._tickets.append(self.eng.store.read(self.key(kind), into=buf))
+                verify = self.digest_bounds is None or kind not in STATES
+                self._tickets.append(self.eng.store.read(self.key(kind), into=buf, verify=verify))
+                if not verify:
+                    self._unverified.add(kind)
             else:
                 buf.zero_()
         self._t0 = time.perf_counter()
@@ -73,13 +83,25 @@ class OptimState(_Handle):
                 self.eng.store.read(self.key("grad"), into=self.t["grad"]).wait()
         self._set(R.DRAM, R.NVME_TO_DRAM)
 
-    def store(self, kinds=("master", "exp_avg", "exp_avg_sq")) -> None:
+    def check_digests(self, digests) -> None:
+        """After the step hashed the states (cpu_adam.StepDigests): raises SwapCorruptionError if what was
+        read differs from what was written; keeps the new states' digests for store()."""
+        for kind, before, after in zip(STATES, digests.before, digests.after):
+            if kind in self._unverified:
+                self.eng.store.check_digests(self.key(kind), before)
+            self._digests[kind] = after
+        self._unverified.clear()
+
+    def store(self, kinds=STATES) -> None:
         """Starts writing `kinds` back (write-behind); the other staged kinds are dropped."""
         if self.home != "nvme":
             return
+        if self._unverified:  # an invariant, not user input: unchecked bytes must never be written back
+            raise RuntimeError(f"{self.name}: {sorted(self._unverified)} read unverified and not checked by a step")
         for kind in [k for k in self.t if k not in kinds]:
             self.eng.staging.release(self.t.pop(kind))
-        self._tickets = [self.eng.store.write(self.key(kind), self.t[kind]) for kind in kinds]
+        self._tickets = [self.eng.store.write(self.key(kind), self.t[kind], digests=self._digests.pop(kind, None))
+                         for kind in kinds]
         self._t0 = time.perf_counter()
         self._set(R.DRAM_TO_NVME, R.DRAM)
 
@@ -126,6 +148,8 @@ class OptimState(_Handle):
         for t in self._tickets:
             t.wait()
         self._tickets = []
+        self._unverified.clear()
+        self._digests.clear()
         if self.home == "nvme":
             for kind in list(self.t):
                 self.eng.staging.release(self.t.pop(kind))

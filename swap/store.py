@@ -218,26 +218,60 @@ class SwapStore:
         return ok if direct is None else bool(direct)
 
     # ---- public API ------------------------------------------------------------------------------
-    def write(self, key: str, tensor: torch.Tensor) -> Ticket:
-        """Start writing `tensor` under `key`; keep `tensor` unchanged until ticket.wait()."""
+    def write(self, key: str, tensor: torch.Tensor, *, digests=None) -> Ticket:
+        """Start writing `tensor` under `key`; keep `tensor` unchanged until ticket.wait().
+
+        digests: with checksums on, the block digests of `tensor` when the caller already computed them
+        (one per span of `digest_bounds`, as `block_digest`); the store then records them unhashed."""
         self._check_open()
         _check_key(key)
         _check_host(tensor, "tensor")
         self._settle(key, writes_only=False)
         nbytes = tensor.numel() * tensor.element_size()
+        if digests is not None and len(digests) != self._nblocks(nbytes):
+            raise ValueError(f"digests: {len(digests)} given for {key!r}, its {nbytes} bytes have "
+                             f"{self._nblocks(nbytes)} blocks; compute them over digest_bounds()")
         src, staged = self._source(tensor, nbytes)
         offset, err = self._place(key, nbytes)
         if err is not None:
             return self._failed(err)
-        crcs = [0] * self._nblocks(nbytes) if self.checksum else None
+        crcs = None
+        if self.checksum:
+            crcs = list(digests) if digests is not None else [0] * self._nblocks(nbytes)
 
         def finish(first_err):
             self._finish_write(key, offset, nbytes, crcs, first_err, src, staged)
 
-        return self._start(key, True, offset, nbytes, src, crcs, finish)
+        return self._start(key, True, offset, nbytes, src, crcs if digests is None else None, finish)
 
-    def read(self, key: str, into: torch.Tensor) -> Ticket:
-        """Start reading `key` into the contiguous tensor `into` (same nbytes as written)."""
+    def digest_bounds(self, numel: int, itemsize: int) -> list[int]:
+        """Element offsets where the checksummed blocks of a `numel`-element tensor start, then numel:
+        the spans a caller hashes for `write(digests=)` and `check_digests` (see `block_digest`)."""
+        starts = [s for s, _ in self._digest_spans(numel * itemsize)]
+        if any(b % itemsize for b in starts):
+            raise ValueError(f"itemsize={itemsize}: blocks of {self.block_bytes} bytes do not split into items")
+        return [b // itemsize for b in starts] + [numel]
+
+    def check_digests(self, key: str, digests) -> None:
+        """Raises SwapCorruptionError naming the first block whose digest (hashed by the caller from what
+        `read(key, verify=False)` delivered) differs from the one recorded when `key` was written."""
+        with self._lock:
+            entry = self._index.get(key)
+        if entry is None or entry.crcs is None:
+            raise ValueError(f"check_digests({key!r}): no digests recorded (key missing, or checksums off)")
+        if len(digests) != len(entry.crcs):
+            raise ValueError(f"digests: {len(digests)} given for {key!r}, {len(entry.crcs)} recorded")
+        for i, (got, want) in enumerate(zip(digests, entry.crcs)):
+            if got != want:
+                start, n = self._digest_spans(entry.nbytes)[i]
+                raise SwapCorruptionError(f"checksum mismatch in {key!r} (read {got:#034x}, written {want:#034x})",
+                                          path=str(self.path), offset=entry.offset + start, nbytes=n)
+
+    def read(self, key: str, into: torch.Tensor, *, verify: bool = True) -> Ticket:
+        """Start reading `key` into the contiguous tensor `into` (same nbytes as written).
+
+        verify=False (checksums on): the blocks are not hashed here; the caller hashes what it reads
+        and passes the digests to `check_digests` before it uses or writes back any of it."""
         self._check_open()
         _check_host(into, "into")
         if not into.is_contiguous():
@@ -259,7 +293,7 @@ class SwapStore:
                 raise first_err
             _copy_out(into, dst, staged, nbytes)
 
-        return self._start(key, False, entry.offset, nbytes, dst, entry.crcs, finish)
+        return self._start(key, False, entry.offset, nbytes, dst, entry.crcs if verify else None, finish)
 
     def delete(self, key: str) -> None:
         self._settle(key, writes_only=False)
@@ -332,8 +366,7 @@ class SwapStore:
             raise ValueError(f"SwapStore at {self.run_dir} is closed; create a new store")
 
     def _nblocks(self, nbytes: int) -> int:
-        body = nbytes - nbytes % ALIGN_BYTES
-        return -(-body // self.block_bytes) + (1 if nbytes % ALIGN_BYTES else 0)
+        return len(self._digest_spans(nbytes))
 
     def _settle(self, key: str, *, writes_only: bool) -> None:
         """Wait for earlier operations on `key` (all of them, or only a pending write)."""
@@ -381,12 +414,22 @@ class SwapStore:
             return _as_bytes(into), False
         return aligned_empty(nbytes), True
 
+    def _spans(self, nbytes: int) -> list[tuple[int, int]]:
+        """(start, bytes) of the I/O blocks over the 4 KiB-multiple body; a partial last page is one more."""
+        body = nbytes - nbytes % ALIGN_BYTES
+        return [(s, min(self.block_bytes, body - s)) for s in range(0, body, self.block_bytes)]
+
+    def _digest_spans(self, nbytes: int) -> list[tuple[int, int]]:
+        """(start, bytes) of what each recorded digest covers: the blocks, then the partial last page."""
+        body = nbytes - nbytes % ALIGN_BYTES
+        return self._spans(nbytes) + ([(body, nbytes - body)] if nbytes > body else [])
+
     def _start(self, key, write, offset, nbytes, buf, crcs, finish) -> Ticket:
         body = nbytes - nbytes % ALIGN_BYTES
         tail_page = aligned_empty(ALIGN_BYTES) if nbytes > body else None
         if write and tail_page is not None:
             tail_page[: nbytes - body].copy_(buf[body:nbytes])
-        spans = [(s, min(self.block_bytes, body - s)) for s in range(0, body, self.block_bytes)]
+        spans = self._spans(nbytes)
 
         def finish_with_tail(first_err):
             if tail_page is not None and first_err is None and not write:

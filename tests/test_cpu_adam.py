@@ -254,3 +254,35 @@ def test_out_alignment(backend, offset):
               backend=backend)
     assert _bits_equal(out, p.bfloat16())
     assert not storage[:offset].any() and not storage[offset + numel:].any()  # nothing written outside
+
+
+@pytest.mark.parametrize("numel", [1, 7, 1024, 1025, 3 * 2048 + 5, 200_001])
+@pytest.mark.parametrize("block_bytes", [8192, 1 << 20])  # 1 MiB: several 64 Ki-element chunks per block
+def test_step_digests_match_the_swap_store(backend, numel, block_bytes, tmp_path):
+    """[Note: swap digests in the step]: the digests the step returns are swap.store.block_digest of each
+    block before and after the update (odd tails, partial last pages, chunks split at block starts), and
+    the update itself is the same as without them."""
+    from swap import SwapStore
+
+    with SwapStore(tmp_path, engine="threads", block_bytes=block_bytes, checksum=True) as store:
+        gen = torch.Generator().manual_seed(numel)
+        p, m, g = (torch.randn(numel, generator=gen) for _ in range(3))
+        v = torch.rand(numel, generator=gen)
+        g = g.to(torch.bfloat16)
+        out = torch.empty(numel, dtype=torch.bfloat16)
+        for key, t in zip("pmv", (p, m, v)):
+            store.write(key, t).wait()
+        bounds = store.digest_bounds(numel, 4)
+        ref = [t.clone() for t in (p, m, v)]
+        adam_step(*ref[:1], g, *ref[1:], step=2, lr=LR, beta1=0.9, beta2=0.999, eps=EPS, weight_decay=0.1,
+                  backend=backend)
+        d = adam_step(p, g, m, v, step=2, lr=LR, beta1=0.9, beta2=0.999, eps=EPS, weight_decay=0.1, out=out,
+                      backend=backend, digest_bounds=bounds)
+        assert all(torch.equal(a, b) for a, b in zip((p, m, v), ref))
+        for key, t, before, after in zip("pmv", (p, m, v), d.before, d.after):
+            store.check_digests(key, before)  # what was written: matches
+            store.write(key, t).wait()
+            store.check_digests(key, after)   # what the store hashes of the update: matches
+        with pytest.raises(ValueError, match="digest_bounds"):
+            adam_step(p, g, m, v, step=3, lr=LR, beta1=0.9, beta2=0.999, eps=EPS, weight_decay=0.0,
+                      backend=backend, digest_bounds=[0, 5, numel + 1])

@@ -284,3 +284,42 @@ def test_fp16_with_delayed_update(tmp_path):
         assert eng.step() is False and eng.skipped_steps == 1
         eng.flush()                               # nothing pending: the overflowing step was skipped
         assert max_state_err(eng.full_state_dict(), after) == 0.0
+
+
+@pytest.mark.parametrize("param", ["cpu", "nvme"])
+@pytest.mark.parametrize("clip", [0.0, 1.0])  # overlap_step (the step on the d2h thread), and after backward
+def test_corrupted_optimizer_state_raises_and_keeps_what_was_written(tmp_path, param, clip):
+    """Optimizer states on nvme are verified by the step that hashes them ([Note: swap digests in the
+    step]): a flipped byte raises SwapCorruptionError, and that unit's weights and swap entries stay as
+    they were (nothing computed from the bad bytes is kept)."""
+    from swap import SwapCorruptionError
+
+    model = MLP()
+    eng = offload.initialize(model, cfg(tmp_path, param, "nvme", precision="bf16", gradient_clipping=clip,
+                                        aio={"block_bytes": 8192}))
+    (x, y), batch2 = mlp_batches(2)
+    eng.backward(eng(x, y))
+    eng.step()
+    unit = next(u for u in eng.units if u.name == "blocks.1")
+    st, w = eng.states[unit.index], eng.weights[unit.index]
+    assert len(st.digest_bounds) > 3  # several 8 KiB blocks: the step's per-block digests are exercised
+    key = st.key("exp_avg_sq")
+    entry = eng.store._index[key]
+    with open(eng.store.path, "r+b") as f:  # flip one byte in the middle of its third block
+        f.seek(entry.offset + 2 * 8192 + 100)
+        b = f.read(1)
+        f.seek(entry.offset + 2 * 8192 + 100)
+        f.write(bytes([b[0] ^ 0x10]))
+    def entries():  # the unit's states and weights (its gradient accumulator is this step's to write)
+        return {k: v for k, v in eng.store._index.items() if k.startswith(unit.name + "/") and "/grad" not in k}
+
+    before = entries()
+    weights = w.dram.clone() if param == "cpu" else None
+    with pytest.raises(SwapCorruptionError, match="exp_avg_sq") as e:
+        eng.backward(eng(*batch2))
+        eng.step()
+    assert e.value.offset == entry.offset + 2 * 8192
+    assert entries() == before and len(before) == 3 + (param == "nvme")
+    if weights is not None:
+        assert torch.equal(w.dram, weights)
+    eng.close()

@@ -133,3 +133,38 @@ def test_block_bytes_must_be_a_multiple_of_4096(tmp_path):
         SwapStore(tmp_path, block_bytes=1000)
     with pytest.raises(ValueError, match="engine='fast'"):
         SwapStore(tmp_path, engine="fast")
+
+
+def test_digests_from_the_caller(tmp_path):
+    """write(digests=) records the caller's digests; read(verify=False) leaves the check to the caller,
+    whose check_digests names the first differing block (its file offset and length)."""
+    from swap import SwapCorruptionError
+    from swap.store import block_digest
+
+    with SwapStore(tmp_path, engine="threads", block_bytes=8192, checksum=True) as store:
+        x = torch.randn(5000)  # 20000 bytes: two 8 KiB blocks and a partial last page
+        bounds = store.digest_bounds(x.numel(), 4)
+        assert bounds == [0, 2048, 4096, 5000]
+        digests = [block_digest(x.data_ptr() + 4 * b, 4 * (e - b)) for b, e in zip(bounds, bounds[1:])]
+        store.write("x", x, digests=digests).wait()
+        store.check_digests("x", digests)
+        out = torch.empty_like(x)
+        store.read("x", out).wait()  # the store's own check agrees with the caller's digests
+        assert torch.equal(out, x)
+        entry = store._index["x"]
+        with open(store.path, "r+b") as f:  # corrupt the partial last page
+            f.seek(entry.offset + 16384 + 7)
+            f.write(b"\x55")
+        store.read("x", out, verify=False).wait()  # delivered unchecked
+        got = [block_digest(out.data_ptr() + 4 * b, 4 * (e - b)) for b, e in zip(bounds, bounds[1:])]
+        with pytest.raises(SwapCorruptionError, match="'x'") as e:
+            store.check_digests("x", got)
+        assert (e.value.offset, e.value.nbytes) == (entry.offset + 16384, 20000 - 16384)
+        with pytest.raises(ValueError, match="2 given"):
+            store.write("y", x, digests=digests[:2])
+        with pytest.raises(ValueError, match="no digests"):
+            store.check_digests("missing", got)
+    with SwapStore(tmp_path, engine="threads", block_bytes=8192, checksum=False) as plain:
+        plain.write("x", x, digests=digests).wait()  # checksums off: nothing to record, nothing to check
+        with pytest.raises(ValueError, match="checksums off"):
+            plain.check_digests("x", digests)

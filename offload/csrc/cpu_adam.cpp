@@ -71,6 +71,7 @@ struct Ptrs {
 
 using AdamFn = void (*)(const Ptrs&, const Coeffs&, int64_t, int64_t);
 using SqFn = double (*)(const void*, int64_t, int64_t);
+using DigestFn = void (*)(const float*, int64_t, int64_t, uint64_t&, uint64_t&);
 
 // ---------------------------------------------------------------- scalar (any CPU; also AVX2 tails)
 // std::fma where the vector kernels fuse, so every path rounds alike (it is a libm call on CPUs without
@@ -118,6 +119,22 @@ double sq_range(const void* g, int64_t begin, int64_t end) {
     acc += x * x;
   }
   return acc;
+}
+
+// Swap digest of fp32 elements [begin, end) (begin even): sum and xor of the little-endian 64-bit words;
+// an odd last element counts as swap.store.block_digest counts a 4-byte tail (s += u, x ^= u << 1).
+inline void digest_range(const float* a, int64_t begin, int64_t end, uint64_t& s, uint64_t& x) {
+  const uint64_t* w = reinterpret_cast<const uint64_t*>(a + begin);
+  const int64_t n = (end - begin) / 2;
+  for (int64_t i = 0; i < n; ++i) {
+    s += w[i];
+    x ^= w[i];
+  }
+  if ((end - begin) % 2) {
+    const uint64_t u = reinterpret_cast<const uint32_t*>(a)[end - 1];
+    s += u;
+    x ^= u << 1;
+  }
 }
 
 }  // namespace scalar
@@ -299,6 +316,31 @@ double sq_range(const void* g, int64_t begin, int64_t end) {
   return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
 }
 
+// The swap digest (see scalar::digest_range) with four 8-lane accumulators: sums and xors commute, so
+// lane order does not matter. Reads what the step has in cache (see [Note: swap digests in the step]).
+inline void digest_range(const float* a, int64_t begin, int64_t end, uint64_t& s, uint64_t& x) {
+  const uint64_t* w = reinterpret_cast<const uint64_t*>(a + begin);
+  const int64_t n = (end - begin) / 2;
+  __m512i s0 = _mm512_setzero_si512(), s1 = s0, x0 = s0, x1 = s0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i a0 = _mm512_loadu_si512(w + i), a1 = _mm512_loadu_si512(w + i + 8);
+    s0 = _mm512_add_epi64(s0, a0);
+    s1 = _mm512_add_epi64(s1, a1);
+    x0 = _mm512_xor_si512(x0, a0);
+    x1 = _mm512_xor_si512(x1, a1);
+  }
+  alignas(64) uint64_t xs[8];
+  _mm512_store_si512(xs, _mm512_xor_si512(x0, x1));
+  s += static_cast<uint64_t>(_mm512_reduce_add_epi64(_mm512_add_epi64(s0, s1)));
+  for (int k = 0; k < 8; ++k) x ^= xs[k];
+  for (; i < n; ++i) {
+    s += w[i];
+    x ^= w[i];
+  }
+  if ((end - begin) % 2) scalar::digest_range(a, end - 1, end, s, x);
+}
+
 }  // namespace avx512
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -401,6 +443,32 @@ double sq_range(const void* g, int64_t begin, int64_t end) {
   return total + scalar::sq_range<G>(g, i, end);
 }
 
+inline void digest_range(const float* a, int64_t begin, int64_t end, uint64_t& s, uint64_t& x) {
+  const uint64_t* w = reinterpret_cast<const uint64_t*>(a + begin);
+  const int64_t n = (end - begin) / 2;
+  __m256i s0 = _mm256_setzero_si256(), s1 = s0, x0 = s0, x1 = s0;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i a0 = _mm256_loadu_si256((const __m256i*)(w + i)), a1 = _mm256_loadu_si256((const __m256i*)(w + i + 4));
+    s0 = _mm256_add_epi64(s0, a0);
+    s1 = _mm256_add_epi64(s1, a1);
+    x0 = _mm256_xor_si256(x0, a0);
+    x1 = _mm256_xor_si256(x1, a1);
+  }
+  alignas(32) uint64_t ss[4], xs[4];
+  _mm256_store_si256((__m256i*)ss, _mm256_add_epi64(s0, s1));
+  _mm256_store_si256((__m256i*)xs, _mm256_xor_si256(x0, x1));
+  for (int k = 0; k < 4; ++k) {
+    s += ss[k];
+    x ^= xs[k];
+  }
+  for (; i < n; ++i) {
+    s += w[i];
+    x ^= w[i];
+  }
+  if ((end - begin) % 2) scalar::digest_range(a, end - 1, end, s, x);
+}
+
 }  // namespace avx2
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -462,6 +530,14 @@ SqFn pick_sq_isa(int isa) {
   return scalar::sq_range<G>;
 }
 
+DigestFn pick_digest(int isa) {
+#ifdef OFFLOAD_X86
+  if (isa >= AVX512) return avx512::digest_range;
+  if (isa == AVX2) return avx2::digest_range;
+#endif
+  return scalar::digest_range;
+}
+
 SqFn pick_sq(int isa, int g) {
   if (g == BF16) return pick_sq_isa<BF16>(isa);
   if (g == F16) return pick_sq_isa<F16>(isa);
@@ -497,23 +573,43 @@ constexpr int64_t kChunkNumel = int64_t(1) << 16;
 // just read, where streaming stores are slower (measured), so they stay normal stores.
 constexpr int64_t kStreamOutNumel = int64_t(1) << 18;  // 512 KiB of bf16 output
 
+// A chunk of the flat arrays; `block` is the swap block it lies in (0 without digests).
+struct Chunk {
+  int64_t begin, end, block;
+};
+
+// Chunks of at most kChunkNumel elements that never straddle a bound: bounds are the block starts
+// followed by numel (just {0, numel} without digests), so a chunk starts on a block start or
+// kChunkNumel after one.
+std::vector<Chunk> make_chunks(const std::vector<int64_t>& bounds) {
+  std::vector<Chunk> chunks;
+  for (size_t b = 0; b + 1 < bounds.size(); ++b)
+    for (int64_t s = bounds[b]; s < bounds[b + 1]; s += kChunkNumel)
+      chunks.push_back({s, std::min(bounds[b + 1], s + kChunkNumel), static_cast<int64_t>(b)});
+  return chunks;
+}
+
 template <typename Fn>
-void for_each_chunk(int64_t numel, int64_t num_threads, const Fn& fn) {
-  const int64_t n_chunks = (numel + kChunkNumel - 1) / kChunkNumel;
+void run_chunks(const std::vector<Chunk>& chunks, int64_t num_threads, const Fn& fn) {
+  const int64_t n_chunks = static_cast<int64_t>(chunks.size());
   const int64_t workers = std::min<int64_t>(std::max<int64_t>(num_threads, 1), n_chunks);
   if (workers <= 1) {
-    for (int64_t c = 0; c < n_chunks; ++c) fn(c, c * kChunkNumel, std::min(numel, (c + 1) * kChunkNumel));
+    for (int64_t c = 0; c < n_chunks; ++c) fn(c, chunks[c]);
     return;
   }
   std::atomic<int64_t> next{0};
   auto work = [&]() {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;)
-      fn(c, c * kChunkNumel, std::min(numel, (c + 1) * kChunkNumel));
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;) fn(c, chunks[c]);
   };
   std::vector<std::thread> helpers;
   for (int64_t t = 1; t < workers; ++t) helpers.emplace_back(work);
   work();
   for (auto& t : helpers) t.join();
+}
+
+template <typename Fn>
+void for_each_chunk(int64_t numel, int64_t num_threads, const Fn& fn) {
+  run_chunks(make_chunks({0, numel}), num_threads, [&](int64_t c, const Chunk& k) { fn(c, k.begin, k.end); });
 }
 
 void check_flat(const at::Tensor& t, const char* name, int64_t numel) {
@@ -542,9 +638,18 @@ Coeffs adam_coeffs(int64_t step, double lr, double beta1, double beta2, double e
 
 // ---------------------------------------------------------------- entry points (GIL released by the binding)
 
-void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
-               c10::optional<at::Tensor> out, int64_t step, double lr, double beta1, double beta2, double eps,
-               double weight_decay, bool adamw, double grad_scale, int64_t num_threads, int64_t isa) {
+// [Note: swap digests in the step]
+// With optimizer states on NVMe and swap checksums on, every state is hashed twice per step outside the
+// step (verify after the read, record before the write): two more passes over 12 bytes per parameter
+// that miss cache, on the cores the forward/backward compute needs. Given the swap blocks' element
+// bounds, the step hashes each chunk of param/exp_avg/exp_avg_sq right before updating it (the loads
+// that bring the chunk into cache) and right after (still in cache), and returns per block and array
+// the (sum, xor) of the inputs and of the outputs, which the caller checks against the digests recorded
+// at write time and hands to the next write. Same digest as swap.store.block_digest (tested).
+at::Tensor adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                     c10::optional<at::Tensor> out, int64_t step, double lr, double beta1, double beta2, double eps,
+                     double weight_decay, bool adamw, double grad_scale, int64_t num_threads, int64_t isa,
+                     c10::optional<at::Tensor> digest_bounds) {
   const int64_t numel = param.numel();
   check_flat(param, "param", numel);
   check_flat(grad, "grad", numel);
@@ -562,6 +667,16 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
     TORCH_CHECK(o != F32, "offload cpu_adam: out must be bfloat16 or float16");
     out_ptr = out->data_ptr();
   }
+  std::vector<int64_t> bounds{0, numel};
+  if (digest_bounds.has_value()) {
+    const at::Tensor b = digest_bounds->to(at::kLong).contiguous();
+    bounds.assign(b.data_ptr<int64_t>(), b.data_ptr<int64_t>() + b.numel());
+    TORCH_CHECK(bounds.size() >= 2 && bounds.front() == 0 && bounds.back() == numel,
+                "offload cpu_adam: digest_bounds must run from 0 to numel (", numel, ")");
+    for (size_t i = 1; i < bounds.size(); ++i)
+      TORCH_CHECK(bounds[i] > bounds[i - 1] && (i + 1 == bounds.size() || bounds[i] % 32 == 0),
+                  "offload cpu_adam: digest_bounds must increase, block starts in multiples of 32 elements");
+  }
   const int resolved = resolve_isa(isa);
   const AdamFn fn = pick_adam(resolved, dtype_code(grad), o);
   const Coeffs c = adam_coeffs(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale);
@@ -572,7 +687,34 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
                           reinterpret_cast<uintptr_t>(out_ptr) % align == 0;
   const Ptrs a{param.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
                out_ptr, stream_out};
-  for_each_chunk(numel, num_threads, [&](int64_t, int64_t b, int64_t e) { fn(a, c, b, e); });
+  const std::vector<Chunk> chunks = make_chunks(bounds);
+  if (!digest_bounds.has_value()) {
+    run_chunks(chunks, num_threads, [&](int64_t, const Chunk& k) { fn(a, c, k.begin, k.end); });
+    return at::Tensor();
+  }
+  // part[chunk][in/out][array][sum/xor], folded per block below (sums add, xors xor: order-free).
+  const DigestFn digest = pick_digest(resolved);
+  const float* arrays[3] = {a.p, a.m, a.v};
+  std::vector<uint64_t> part(chunks.size() * 12, 0);
+  run_chunks(chunks, num_threads, [&](int64_t i, const Chunk& k) {
+    uint64_t* d = part.data() + i * 12;
+    for (int j = 0; j < 3; ++j) digest(arrays[j], k.begin, k.end, d[2 * j], d[2 * j + 1]);
+    fn(a, c, k.begin, k.end);
+    for (int j = 0; j < 3; ++j) digest(arrays[j], k.begin, k.end, d[6 + 2 * j], d[6 + 2 * j + 1]);
+  });
+  const int64_t n_blocks = static_cast<int64_t>(bounds.size()) - 1;
+  at::Tensor result = at::zeros({2, 3, n_blocks, 2}, at::kLong);  // [in/out][array][block][sum/xor]
+  uint64_t* r = reinterpret_cast<uint64_t*>(result.data_ptr<int64_t>());
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const uint64_t* d = part.data() + i * 12;
+    for (int io = 0; io < 2; ++io)
+      for (int j = 0; j < 3; ++j) {
+        uint64_t* cell = r + ((io * 3 + j) * n_blocks + chunks[i].block) * 2;
+        cell[0] += d[io * 6 + 2 * j];
+        cell[1] ^= d[io * 6 + 2 * j + 1];
+      }
+  }
+  return result;
 }
 
 double grad_sq_sum(at::Tensor grad, int64_t num_threads, int64_t isa) {
