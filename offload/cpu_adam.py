@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from swap.store import block_digest
+from swap.store import tensor_digests
 
 __all__ = ["CPUAdam", "StepDigests", "adam_step", "grad_sq_sum", "kernel_backend", "kernel_isa", "set_isa",
            "set_num_threads", "get_num_threads"]
@@ -254,11 +254,11 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: 
         return None if bounds is None else StepDigests(((),) * 3, ((),) * 3)
     if kernel is None:
         states = (param, exp_avg, exp_avg_sq)
-        before = None if bounds is None else tuple(_digests(t, bounds) for t in states)
+        before = None if bounds is None else tuple(tensor_digests(t, bounds) for t in states)
         _torch_adam_step(param.view(-1), grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1),
                          None if out is None else out.view(-1), step, lr, beta1, beta2, eps, weight_decay,
                          bool(adamw), grad_scale)
-        return None if bounds is None else StepDigests(before, tuple(_digests(t, bounds) for t in states))
+        return None if bounds is None else StepDigests(before, tuple(tensor_digests(t, bounds) for t in states))
     with torch.profiler.record_function("offload::cpu_adam"):
         d = kernel.adam_step(param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps, weight_decay,
                              bool(adamw), grad_scale, get_num_threads(), _isa_code(kernel),
@@ -277,11 +277,6 @@ def _check_bounds(bounds, numel: int) -> list[int]:
         raise ValueError(f"digest_bounds={b[:4]}...{b[-1:]}: must increase from 0 to numel={numel} with block "
                          "starts in multiples of 32 elements; use SwapStore.digest_bounds(numel, 4)")
     return b
-
-
-def _digests(t: torch.Tensor, bounds: list[int]) -> tuple[int, ...]:
-    base, size = t.data_ptr(), t.element_size()
-    return tuple(block_digest(base + b * size, (e - b) * size) for b, e in zip(bounds, bounds[1:]))
 
 
 def _torch_adam_step(param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps, weight_decay,

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload import hooks
 from offload.config import Config, LossScaleConfig, load_config
-from offload.cpu_adam import adam_step
+from offload.cpu_adam import StepDigests, adam_step
 from offload.materialize import materialize, unit_values
 from offload.optim import KINDS, STATES, OptimState
 from offload.placement import Placement, plan_placement, staging_class_bytes
@@ -236,8 +236,7 @@ class Engine(nn.Module):
         try:
             with record_function("offload::backward"):
                 if self._overlap:
-                    self._begin_pipelined_step({"step": self.step_count + 1, "lr": self.lr,
-                                                "grad_scale": self.loss_scale}, STATES)
+                    self._begin_pipelined_step({"lr": self.lr, "grad_scale": self.loss_scale}, STATES)
                 elif self._delayed:
                     self._begin_pipelined_step(self._pending, KINDS)  # gradients of the previous step
                 (loss * scale if scale != 1.0 else loss).backward()
@@ -266,7 +265,7 @@ class Engine(nn.Module):
 
     def _begin_pipelined_step(self, args: dict, kinds) -> None:
         """Units are stepped on the d2h thread as their gradients become final, in reverse unit order:
-        read the first one's states (`kinds`) ahead. args: step_unit's step, lr and grad_scale."""
+        read the first one's states (`kinds`) ahead. args: step_unit's lr and grad_scale."""
         self._step_args, self._step_kinds = args, kinds
         self._step_order = [u.index for u in reversed(self.units) if u.trainable_numel]
         self._stepped: list[int] = []  # in stepping order; _stepped_set for membership
@@ -335,7 +334,7 @@ class Engine(nn.Module):
         clip = self.cfg.gradient_clipping
         clip_coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
         self.last_grad_norm = grad_norm
-        update = {"step": self.step_count + 1, "lr": self.lr, "grad_scale": self.loss_scale / clip_coef}
+        update = {"lr": self.lr, "grad_scale": self.loss_scale / clip_coef}
         self.step_count += 1
         if self.cfg.delayed_update:  # applied unit by unit during the next backward (or by flush())
             self._pending = update
@@ -461,7 +460,7 @@ def lr_factor(sched, step: int) -> float:
     return sched.min_ratio + (1 - sched.min_ratio) * shape
 
 
-def run_step(engine: Engine, step: int, lr: float, grad_scale: float) -> None:
+def run_step(engine: Engine, lr: float, grad_scale: float) -> None:
     """The step after backward: every trainable unit in turn, reading unit j+1's states ahead while
     unit j updates and writing unit j-1's behind (at most two units' states staged at once)."""
     trainable = [u for u in engine.units if u.trainable_numel]
@@ -471,33 +470,43 @@ def run_step(engine: Engine, step: int, lr: float, grad_scale: float) -> None:
             engine._wait_stored(trainable[j - 1].index)
         if j + 1 < len(trainable):
             engine.states[trainable[j + 1].index].load()
-        step_unit(engine, unit, step, lr, grad_scale)
+        step_unit(engine, unit, lr, grad_scale)
     if trainable:
         engine._wait_stored(trainable[-1].index)
 
 
-def step_unit(engine: Engine, unit: Unit, step: int, lr: float, grad_scale: float) -> None:
+def step_unit(engine: Engine, unit: Unit, lr: float, grad_scale: float) -> None:
     """CPU Adam over one unit's states; the new weights go straight into the weight tier's buffer."""
     o = engine.cfg.optimizer
     st, w = engine.states[unit.index], engine.weights[unit.index]
     st.wait_loaded()
     n = unit.trainable_numel
     home = w.home_buffer()
-    hashed = {} if st.digest_bounds is None else {"digest_bounds": st.digest_bounds}  # nvme states, checksums on
     # States read unverified are checked after the step: until then its weights stay out of the live copy.
     live = home is w.dram or home is w.hbm
+    hashed = st.digest_bounds is not None  # nvme states with swap checksums: the step hashes them
     out = engine.staging.acquire(n, home.dtype, f"{unit.name} new weights") if hashed and live else home[:n]
     t = st.t
     lowp = engine.dtype != torch.float32
     step_fn = adam_step if t["master"].device.type == "cpu" else _device_adam_step
+    runs = st.runs()
+    whole = len(runs) == 1 and runs[0][:2] == (0, n)  # the common step: every slot, one step count
+    fused = hashed and whole
+    before = st.hash_states() if hashed and not fused else None  # [Note: parameters without a gradient]
     t0 = time.perf_counter()
     with record_function("offload::cpu_adam"):
-        digests = step_fn(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], step=step, lr=lr,
-                          beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
-                          adamw=o.type == "adamw", grad_scale=grad_scale, out=out if lowp else None, **hashed)
+        if not whole:
+            out.copy_(t["master"])  # skipped slots keep their weights
+        for b, e, step in runs:
+            digests = step_fn(t["master"][b:e], t["grad"][b:e], t["exp_avg"][b:e], t["exp_avg_sq"][b:e],
+                              step=step, lr=lr, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps,
+                              weight_decay=o.weight_decay, adamw=o.type == "adamw", grad_scale=grad_scale,
+                              out=out[b:e] if lowp else None,
+                              **({"digest_bounds": st.digest_bounds} if fused else {}))
     engine.telemetry.span("cpu_adam", f"adam {unit.name}", t0, time.perf_counter())
-    if hashed:
-        st.check_digests(digests)  # raises before anything computed from corrupted states is kept
+    if hashed:  # raises before anything computed from corrupted states is kept
+        st.check_digests(digests if fused else StepDigests(before, st.hash_states()))
+    st.count_steps()
     if not lowp:
         out.copy_(t["master"])
     if hashed and live:

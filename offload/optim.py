@@ -15,6 +15,7 @@ import torch
 
 from offload.cpu_adam import grad_sq_sum
 from offload.residency import HOME_STATE, R, _Handle
+from swap.store import tensor_digests
 from offload.units import Unit
 
 KINDS = ("master", "exp_avg", "exp_avg_sq", "grad")
@@ -34,6 +35,15 @@ class OptimState(_Handle):
         self._grad: torch.Tensor | None = None  # nvme: a final gradient kept in dram for the step
         # [Note: swap digests in the step] (offload/csrc/cpu_adam.cpp): with swap checksums on, the step
         # hashes the states it reads and writes, so they are read unverified and checked after it.
+        # [Note: parameters without a gradient]
+        # torch's optimizers skip a parameter whose .grad is None: no decay, no moment update, and its own
+        # step count (bias correction) does not advance. So each trainable slot counts its steps, the
+        # accumulator notes which slots received a gradient in the accumulation window, and the step
+        # updates only those (see engine.step_unit); in the common case that is one run over all.
+        self.slots = sorted((s for s in unit.slots if s.trainable), key=lambda s: s.offset)
+        self.slot_steps = [0] * len(self.slots)
+        self._slot_at = {s.offset: i for i, s in enumerate(self.slots)}
+        self.got_grad: set[int] = set()           # slot indices with a gradient in this window
         self.digest_bounds = None
         if home == "nvme" and engine.store.checksum:
             self.digest_bounds = engine.store.digest_bounds(self.numel, 4)
@@ -83,6 +93,30 @@ class OptimState(_Handle):
                 self.eng.store.read(self.key("grad"), into=self.t["grad"]).wait()
         self._set(R.DRAM, R.NVME_TO_DRAM)
 
+    def runs(self) -> list[tuple[int, int, int]]:
+        """(begin, end, step) element ranges of the trainable prefix to update now, each with the 1-based
+        step count of its slots; a slot's range runs to the next slot (its padding included)."""
+        ends = [s.offset for s in self.slots[1:]] + [self.numel]
+        out: list[list[int]] = []
+        for i, (slot, end) in enumerate(zip(self.slots, ends)):
+            if i not in self.got_grad:
+                continue
+            step = self.slot_steps[i] + 1
+            if out and out[-1][1] == slot.offset and out[-1][2] == step:
+                out[-1][1] = end
+            else:
+                out.append([slot.offset, end, step])
+        return [tuple(r) for r in out]
+
+    def hash_states(self) -> tuple[tuple[int, ...], ...]:
+        """Swap digests of the staged master/exp_avg/exp_avg_sq (when the step cannot hash them itself)."""
+        return tuple(tensor_digests(self.t[k], self.digest_bounds) for k in STATES)
+
+    def count_steps(self) -> None:
+        """After the update: the slots that had a gradient advanced one step."""
+        for i in self.got_grad:
+            self.slot_steps[i] += 1
+
     def check_digests(self, digests) -> None:
         """After the step hashed the states (cpu_adam.StepDigests): raises SwapCorruptionError if what was
         read differs from what was written; keeps the new states' digests for store()."""
@@ -130,6 +164,8 @@ class OptimState(_Handle):
             acc = self.t["grad"]
         if first:
             acc.zero_()
+            self.got_grad = set()
+        self.got_grad.update(self._slot_at[offset] for offset, _ in grads)
         for offset, g in grads:
             acc[offset:offset + g.numel()].add_(g.to(acc.device))  # blocking: the add reads it next
         sq = None

@@ -76,6 +76,13 @@ def block_digest(addr: int, nbytes: int) -> int:
     return (x << 64) | (s & _MASK64)
 
 
+def tensor_digests(t: torch.Tensor, bounds) -> tuple[int, ...]:
+    """block_digest of each element span [bounds[i], bounds[i + 1]) of the contiguous tensor `t`
+    (bounds from SwapStore.digest_bounds): what `write(digests=)` and `check_digests` take."""
+    base, size = t.data_ptr(), t.element_size()
+    return tuple(block_digest(base + b * size, (e - b) * size) for b, e in zip(bounds, bounds[1:]))
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     offset: int

@@ -98,7 +98,7 @@ class Reference:
         self.clip, self.gas, self.kernel = clip, gas, kernel
         self.hp = dict(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay, adamw=adamw)
         self.moments = [(torch.zeros_like(m), torch.zeros_like(m)) for _, m in self.pairs]
-        self.steps = 0
+        self.steps = [0] * len(self.pairs)  # per parameter, as torch counts them
         self.delayed, self.pending = delayed, None  # delayed_update: (grads, scale, step) applied next step()
 
     def micro_step(self, *batch) -> float:
@@ -128,14 +128,14 @@ class Reference:
         """The same update through offload's CPU Adam kernel, parameter by parameter (the engine runs
         it over flat unit buffers): any difference from the engine is then the engine's. delayed: the
         documented semantics of delayed_update, applying the previous step's update after this step's
-        forward and backward ran on weights one update behind."""
-        self.steps += 1
-        grads = [m.grad if m.grad is not None else torch.zeros_like(m) for _, m in self.pairs]
-        norm = sum(float(g.double().square().sum()) for g in grads) ** 0.5
+        forward and backward ran on weights one update behind. A parameter without a gradient is
+        skipped and keeps its own step count, as torch's optimizers do."""
+        grads = [m.grad for _, m in self.pairs]
+        norm = sum(float(g.double().square().sum()) for g in grads if g is not None) ** 0.5
         scale = 1.0 / min(1.0, self.clip / (norm + 1e-6)) if self.clip else 1.0
         for _, m in self.pairs:
             m.grad = None
-        update = (grads, scale, self.steps)
+        update = (grads, scale)
         if self.delayed:
             update, self.pending = self.pending, update
         if update is not None:
@@ -148,12 +148,15 @@ class Reference:
             self.pending = None
 
     @torch.no_grad()
-    def _apply(self, grads, scale: float, step: int) -> None:
+    def _apply(self, grads, scale: float) -> None:
         from offload.cpu_adam import adam_step
 
-        for (p, m), g, (ea, eas) in zip(self.pairs, grads, self.moments):
+        for i, ((p, m), g, (ea, eas)) in enumerate(zip(self.pairs, grads, self.moments)):
+            if g is None:
+                continue
+            self.steps[i] += 1
             low = torch.empty_like(m, dtype=self.dtype) if self.dtype != torch.float32 else None
-            adam_step(m.view(-1), g.reshape(-1), ea.view(-1), eas.view(-1), step=step, grad_scale=scale,
+            adam_step(m.view(-1), g.reshape(-1), ea.view(-1), eas.view(-1), step=self.steps[i], grad_scale=scale,
                       out=None if low is None else low.view(-1), **self.hp)
             p.copy_(m if low is None else low)
 
