@@ -162,12 +162,17 @@ class OptimState(_Handle):
                 self.eng.store.read(self.key("grad"), into=acc).wait()
         else:
             acc = self.t["grad"]
-        if first:
-            acc.zero_()
+        if first:  # the first micro-step's gradients are copied in (a cast); only the gaps are zeroed
             self.got_grad = set()
+            end = 0
+            for offset, g in sorted(grads, key=lambda og: og[0]):
+                acc[end:offset].zero_()
+                end = offset + g.numel()
+            acc[end:].zero_()
         self.got_grad.update(self._slot_at[offset] for offset, _ in grads)
         for offset, g in grads:
-            acc[offset:offset + g.numel()].add_(g.to(acc.device))  # blocking: the add reads it next
+            dst = acc[offset:offset + g.numel()]
+            dst.copy_(g) if first else dst.add_(g.to(acc.device))  # blocking: the add reads it next
         sq = None
         if last:
             sq = grad_sq_sum(acc) if acc.device.type == "cpu" else float(acc.double().square().sum())
