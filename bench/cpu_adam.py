@@ -6,6 +6,11 @@ bf16 weights out = 2 + 3*4 bytes read + 3*4 + 2 written = 28 bytes per parameter
 - torch_fused_casts: g32.copy_(g_bf16); torch.optim.AdamW(fused=True).step(); w_bf16.copy_(p).
 - deepspeed_casts:   the same casts around DeepSpeedCPUAdam.step().
 - deepspeed_fp32:    DeepSpeedCPUAdam.step() alone on fp32 grads: 16 read + 12 written = 28 bytes too.
+- ours_digests:      ours with the swap digests of p/m/v before and after the update hashed in the same
+                     pass (digest_bounds of 8 MiB blocks, what the engine does with optimizer states on
+                     NVMe); `separate_hashes` times the two hash passes over p/m/v that the swap store
+                     would make instead (verify after the read, record before the write; numpy, one
+                     thread), so ours + separate_hashes is the step before the digests moved into it.
 - roofline:          copy bandwidth / 28 bytes, the copy being an in-place p *= 1 over the same 4-byte
                      elements (read + written bytes / s), timed right after each of our steps: the host's
                      bandwidth swings 2x within a minute here (neighbours), so each of our steps is
@@ -69,13 +74,35 @@ def time_steps(fn, steps: int) -> list:
 
 # ------------------------------------------------------------------------------------------- our jobs
 
-def ours_job(b: dict):
+def ours_job(b: dict, digest_bounds=None):
     step = [0]
+    hashed = {} if digest_bounds is None else {"digest_bounds": digest_bounds}
 
     def run():
         step[0] += 1
         cpu_adam.adam_step(b["p"], b["g16"], b["m"], b["v"], step=step[0], lr=HP["lr"], beta1=HP["betas"][0],
-                           beta2=HP["betas"][1], eps=HP["eps"], weight_decay=HP["weight_decay"], out=b["out"])
+                           beta2=HP["betas"][1], eps=HP["eps"], weight_decay=HP["weight_decay"], out=b["out"],
+                           **hashed)
+    return run
+
+
+def digest_bounds(numel: int, block_bytes: int = 8 << 20) -> list:
+    """The engine's swap blocks over a numel-element fp32 state (its default aio.block_bytes)."""
+    import tempfile
+
+    from swap import SwapStore
+
+    with tempfile.TemporaryDirectory() as d, SwapStore(d, engine="threads", block_bytes=block_bytes) as store:
+        return store.digest_bounds(numel, 4)
+
+
+def separate_hashes_job(b: dict, bounds: list):
+    from swap.store import tensor_digests
+
+    def run():
+        for _ in range(2):  # verify after the read, record before the write
+            for k in ("p", "m", "v"):
+                tensor_digests(b[k], bounds)
     return run
 
 
@@ -231,7 +258,8 @@ def run_bench(args) -> dict:
         except RuntimeError as e:
             print(f"DeepSpeed unavailable: {e}", file=sys.stderr)
     try:
-        times = {k: [] for k in ("ours", "roofline_copy", "torch_fused_casts", "deepspeed_casts", "deepspeed_fp32")}
+        times = {k: [] for k in ("ours", "roofline_copy", "ours_digests", "separate_hashes", "torch_fused_casts",
+                                 "deepspeed_casts", "deepspeed_fp32")}
         copy = {}
         for _ in range(args.rounds):
             our_round(args.numel, args.steps, times, copy)  # frees its buffers before the worker allocates
@@ -250,9 +278,14 @@ def our_round(numel: int, steps: int, times: dict, copy: dict) -> None:
         copy[k] = max(copy.get(k, 0.0), gbps)
     ours = ours_job(b)
     ours()  # warm-up (and the kernel build on first use)
-    for _ in range(steps):  # each step paired with the in-place copy right after it
+    bounds = digest_bounds(numel)
+    fused, hashes = ours_job(b, bounds), separate_hashes_job(b, bounds)
+    fused()
+    for _ in range(steps):  # each step paired with the in-place copy right after it, and the digest jobs
         times["ours"] += time_steps(ours, 1)
         times["roofline_copy"] += time_steps(lambda: b["p"].mul_(1.0), 1)  # 8 B/elem moved
+        times["ours_digests"] += time_steps(fused, 1)
+        times["separate_hashes"] += time_steps(hashes, 1)
     torch_job = torch_fused_casts_job(b)
     torch_job()
     times["torch_fused_casts"] += time_steps(torch_job, steps)
@@ -260,6 +293,7 @@ def our_round(numel: int, steps: int, times: dict, copy: dict) -> None:
 
 def summarize(numel: int, times: dict, copy: dict, worker) -> dict:
     copy_times = times.pop("roofline_copy")
+    fused_times, hash_times = times.pop("ours_digests"), times.pop("separate_hashes")
     # the copy moves 8 B per element, the step 28 B per parameter: the step's time at copy bandwidth
     roof_times = [t * BYTES_PER_PARAM / 8 for t in copy_times]
     rate = {k: (numel / statistics.median(v) / 1e9 if v else None) for k, v in times.items()}
@@ -276,6 +310,12 @@ def summarize(numel: int, times: dict, copy: dict, worker) -> dict:
             "ours_vs_roofline": statistics.median(r / o for r, o in zip(roof_times, times["ours"])),
             "roofline_best_gparams_s": copy_gbps_best / BYTES_PER_PARAM,
             "ours_best_vs_roofline_best": best["ours"] / (copy_gbps_best / BYTES_PER_PARAM),
+            "ours_digests_gparams_s": numel / statistics.median(fused_times) / 1e9,
+            "separate_hashes_s": statistics.median(hash_times),
+            # paired medians: the fused step's cost over the plain one, and its gain over plain + two passes
+            "digests_in_step_vs_ours": statistics.median(f / o for f, o in zip(fused_times, times["ours"])),
+            "separate_vs_digests_in_step": statistics.median((o + h) / f for o, h, f in
+                                                             zip(times["ours"], hash_times, fused_times)),
             **ratio, "backend": cpu_adam.kernel_backend(),
             "isa": cpu_adam.kernel_isa(), "threads": cpu_adam.get_num_threads(),
             "best_step_gparams_s": best, "steps_timed": {k: len(v) for k, v in times.items()},
@@ -301,6 +341,9 @@ def print_table(r: dict) -> None:
     print(f"  roofline: in-place copy right after each of our steps, median {r['copy_gbps']:.1f} GB/s; ours/roofline is "
           f"the median of the paired ratios. Whole-run best copy {r['roofline_best_gparams_s'] * 28:.1f} GB/s "
           f"({methods}): our best step / that = {r['ours_best_vs_roofline_best']:.2f}")
+    print(f"  swap digests of p/m/v in the step: {r['ours_digests_gparams_s']:.3f} Gparam/s, "
+          f"{r['digests_in_step_vs_ours']:.2f}x our plain step's time; the store's two separate hash passes "
+          f"{r['separate_hashes_s']:.3f} s: plain step + those = {r['separate_vs_digests_in_step']:.2f}x the fused step")
     print(f"  max rel err vs torch AdamW {r['max_rel_err']:.2e}")
 
 

@@ -422,7 +422,7 @@ class SwapStore:
         return aligned_empty(nbytes), True
 
     def _spans(self, nbytes: int) -> list[tuple[int, int]]:
-        """(start, bytes) of the I/O blocks over the 4 KiB-multiple body; a partial last page is one more."""
+        """(start, bytes) of the I/O blocks over the 4 KiB-multiple body (a partial last page moves apart)."""
         body = nbytes - nbytes % ALIGN_BYTES
         return [(s, min(self.block_bytes, body - s)) for s in range(0, body, self.block_bytes)]
 

@@ -19,3 +19,5 @@ def test_cpu_adam_bench_json():
     assert r["ours_gparams_s"] > 0 and r["roofline_gparams_s"] > 0 and r["ours_vs_roofline"] > 0
     assert r["steps_timed"]["ours"] == 4 and r["max_rel_err"] < 1e-5
     assert "roofline (paired copy / 28 B)" in out.stdout
+    assert r["ours_digests_gparams_s"] > 0 and r["separate_hashes_s"] > 0 and r["digests_in_step_vs_ours"] > 0
+    assert "swap digests of p/m/v in the step" in out.stdout
