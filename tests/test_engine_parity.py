@@ -352,3 +352,36 @@ def test_parameters_without_gradients_are_skipped_like_torch(tmp_path, param, op
         sd = eng.full_state_dict()
     assert torch.equal(sd["blocks.0.fc2.bias"], bias0.float())  # never had a gradient: never touched
     assert max_state_err(sd, ref.state()) <= tol
+
+
+@pytest.mark.parametrize("extra", [{"gradient_clipping": 1.0}, {"gradient_accumulation_steps": 2},
+                                   {"delayed_update": True},
+                                   {"precision": "fp16", "loss_scale": {"initial": 1.0}}],  # unscaled, as the reference
+                         ids=["clip", "gas2", "delayed", "fp16"])
+@pytest.mark.parametrize("param,optim", [("cpu", "cpu"), ("nvme", "nvme")])
+def test_parameters_without_gradients_in_every_step_path(tmp_path, param, optim, extra):
+    """The same skipping on the paths beside overlap_step: the step after backward (clipping, fp16 with
+    its loss scale), accumulation windows, and the delayed update; exact against the kernel reference."""
+    torch.manual_seed(0)
+    model = SometimesMLP()
+    extra = dict(extra)
+    precision = extra.pop("precision", "bf16")
+    gas = extra.get("gradient_accumulation_steps", 1)
+    delayed = extra.get("delayed_update", False)
+    cfg = config(tmp_path, param, optim, precision, optimizer={"weight_decay": 0.1}, **extra)
+    ref = Reference(model, precision, lr=1e-2, weight_decay=0.1, clip=extra.get("gradient_clipping", 0.0),
+                    gas=gas, kernel=True, delayed=delayed)
+    ref.model.calls = 0
+    batches = mlp_batches(6 * gas)
+    with offload.initialize(model, cfg) as eng:
+        for s in range(6):
+            for m in range(gas):
+                loss = eng(*batches[s * gas + m])
+                eng.backward(loss)
+                eng.step()
+                assert loss.item() == ref.micro_step(*batches[s * gas + m])
+            ref.step()
+        eng.flush()
+        ref.flush()
+        sd = eng.full_state_dict()
+    assert max_state_err(sd, ref.state()) == 0.0
