@@ -150,7 +150,7 @@ class Config:
     reuse_distance: int = 1        # keep a unit in hbm when the trace uses it again within this many fetches (-1: never)
     overlap_step: bool = True      # step each unit as soon as its gradients are final, during backward (not with clipping or fp16)
     delayed_update: bool = False   # one-step delayed parameter update: step k's update lands during step k+1's backward (README)
-    swap_checksum: bool = True     # per-entry checksum of swap files
+    swap_checksum: bool = True     # per-block checksums of swap files, verified on read (nvme optimizer states: in the CPU Adam pass)
     seed: int = 0                  # seeds meta-device materialization
 
     def __post_init__(self) -> None:
