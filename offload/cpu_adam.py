@@ -46,6 +46,7 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16)
 # step and the weight cast run back to back while the tile is still in L2/L3, and the per-tile Python
 # overhead (~30 us) stays small next to the tile's work.
 _TILE_NUMEL = 1 << 18
+_VEC_PAD = 64  # elements: a multiple of every vector width torch's kernel uses (see _torch_adam_step)
 _MASK64 = (1 << 64) - 1
 
 _lock = threading.Lock()
@@ -281,25 +282,42 @@ def _check_bounds(bounds, numel: int) -> list[int]:
 
 def _torch_adam_step(param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps, weight_decay,
                      adamw, grad_scale) -> None:
-    """The fallback: torch's fused CPU Adam over tiles, with the casts fused per tile."""
+    """The fallback: torch's fused CPU Adam over tiles, with the casts fused per tile.
+
+    [Note: a position-independent fallback]
+    torch's kernel runs whole vectors and then a scalar tail that rounds differently (no FMA), so an
+    element's result would depend on where its tensor ends: a parameter stepped alone would differ by an
+    ulp from the same parameter inside a unit's flat buffer. So the last numel % _VEC_PAD elements run as
+    one zero-padded full-vector tile, and every element takes the vector path wherever it sits."""
     fused = torch._fused_adamw_ if adamw else torch._fused_adam_
     step_t = torch.tensor(float(step))  # the fused op reads the step count from a tensor
     # grad_scale: the op divides grads by it in place, so scaled grads always go through our tile buffer.
     scale_t = None if grad_scale == 1.0 else torch.tensor(grad_scale, dtype=torch.float32)
     needs_copy = grad.dtype != torch.float32 or scale_t is not None
     numel = param.numel()
-    tile = torch.empty(min(numel, _TILE_NUMEL), dtype=torch.float32) if needs_copy else None
+    body = numel - numel % _VEC_PAD
+    tile = torch.empty(min(max(body, 1), _TILE_NUMEL), dtype=torch.float32) if needs_copy else None
+
+    def run(p, g, m, v) -> None:
+        fused([p], [g], [m], [v], [], [step_t], lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+              eps=eps, amsgrad=False, maximize=False, grad_scale=scale_t, found_inf=None)
+
     with torch.profiler.record_function("offload::cpu_adam_torch"):
-        for s in range(0, numel, _TILE_NUMEL):
-            e = min(numel, s + _TILE_NUMEL)
-            g = grad[s:e]
-            if needs_copy:
-                g = tile[: e - s].copy_(g)
-            fused([param[s:e]], [g], [exp_avg[s:e]], [exp_avg_sq[s:e]], [], [step_t], lr=lr, beta1=beta1,
-                  beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
-                  grad_scale=scale_t, found_inf=None)
+        for s in range(0, body, _TILE_NUMEL):
+            e = min(body, s + _TILE_NUMEL)
+            run(param[s:e], grad[s:e] if not needs_copy else tile[: e - s].copy_(grad[s:e]),
+                exp_avg[s:e], exp_avg_sq[s:e])
             if out is not None:
-                out[s:e].copy_(param[s:e])
+                out[s:e].copy_(param[s:e])  # while the tile is in cache
+        if body < numel:
+            pads = [torch.zeros(_VEC_PAD) for _ in range(4)]
+            for pad, t in zip(pads, (param, grad, exp_avg, exp_avg_sq)):
+                pad[: numel - body].copy_(t[body:])
+            run(*pads)
+            for pad, t in zip(pads[:1] + pads[2:], (param, exp_avg, exp_avg_sq)):
+                t[body:].copy_(pad[: numel - body])
+            if out is not None:
+                out[body:].copy_(param[body:])
 
 
 def grad_sq_sum(grad, *, backend: str = "auto") -> float:

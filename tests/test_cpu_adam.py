@@ -286,3 +286,23 @@ def test_step_digests_match_the_swap_store(backend, numel, block_bytes, tmp_path
         with pytest.raises(ValueError, match="digest_bounds"):
             adam_step(p, g, m, v, step=3, lr=LR, beta1=0.9, beta2=0.999, eps=EPS, weight_decay=0.0,
                       backend=backend, digest_bounds=[0, 5, numel + 1])
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("numel", [4, 7, 100, 4100])  # tails that are not whole vectors
+@pytest.mark.parametrize("adamw, wd, scale", [(True, 0.1, 3.0), (True, 0.0, 1.0), (False, 0.1, 1.0)])
+def test_torch_fallback_is_position_independent(grad_dtype, numel, adamw, wd, scale):
+    """[Note: a position-independent fallback]: a parameter stepped alone and the same values inside a
+    larger flat buffer (at a 2048-element offset, as units lay them out) give the same bits, so the
+    engine's exact parity holds on machines without a compiler too."""
+    gen = torch.Generator().manual_seed(5)
+    flat = [torch.randn(8192, generator=gen) for _ in range(3)]
+    flat[2] = flat[2].abs()
+    g = torch.randn(8192, generator=gen).to(grad_dtype)
+    alone = [t[2048:2048 + numel].clone() for t in flat]
+    hp = dict(step=3, lr=LR, beta1=0.9, beta2=0.999, eps=EPS, weight_decay=wd, adamw=adamw, grad_scale=scale,
+              backend="torch")
+    adam_step(alone[0], g[2048:2048 + numel].clone(), alone[1], alone[2], **hp)
+    adam_step(flat[0], g, flat[1], flat[2], **hp)
+    for a, f in zip(alone, flat):
+        assert torch.equal(a.view(torch.int32), f[2048:2048 + numel].view(torch.int32))

@@ -385,3 +385,18 @@ def test_parameters_without_gradients_in_every_step_path(tmp_path, param, optim,
         ref.flush()
         sd = eng.full_state_dict()
     assert max_state_err(sd, ref.state()) == 0.0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_exact_parity_with_the_torch_fallback(tmp_path, monkeypatch, precision):
+    """Machines without a compiler step with torch's fused Adam ([Note: a position-independent
+    fallback]): the engine's flat units and the reference's single parameters still agree bit for bit."""
+    from offload import cpu_adam
+
+    monkeypatch.setattr(cpu_adam, "_auto_backend", "torch")
+    torch.manual_seed(0)
+    out = train_delayed(MLP(), config(tmp_path, "nvme", "nvme", precision), mlp_batches(4), steps=4)
+    check(*out[:4])
+    torch.manual_seed(0)
+    out = train_both(MLP(), config(tmp_path / "b", "cpu", "nvme", precision), mlp_batches(4), steps=4)
+    check(*out[:4])
