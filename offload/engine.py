@@ -268,8 +268,8 @@ class Engine(nn.Module):
         read the first one's states (`kinds`) ahead. args: step_unit's lr and grad_scale."""
         self._step_args, self._step_kinds = args, kinds
         self._step_order = [u.index for u in reversed(self.units) if u.trainable_numel]
-        self._stepped: list[int] = []  # in stepping order; _stepped_set for membership
-        self._stepped_set: set[int] = set()
+        self._stepped: set[int] = set()
+        self._last_stepped: int | None = None  # its write-behind lands before the next unit's read-ahead
         first = self.states[self._step_order[0]]
         self._grad_jobs.append(self.d2h.submit(first.load, kinds))
 
@@ -277,11 +277,11 @@ class Engine(nn.Module):
         """On the d2h thread, once the unit's weights are no longer needed this backward: its optimizer
         step; then the previous unit's write-behind lands and the next unit's states are read ahead."""
         step_unit(self, unit, **self._step_args)
-        if self._stepped:  # bound the buffers: the previous unit's write-behind lands now
-            self._wait_stored(self._stepped[-1])
-        self._stepped.append(unit.index)
-        self._stepped_set.add(unit.index)
-        nxt = next((i for i in self._step_order if i not in self._stepped_set), None)
+        if self._last_stepped is not None:  # bound the buffers: the previous unit's write-behind lands now
+            self._wait_stored(self._last_stepped)
+        self._stepped.add(unit.index)
+        self._last_stepped = unit.index
+        nxt = next((i for i in self._step_order if i not in self._stepped), None)
         if nxt is not None:
             self.states[nxt].load(self._step_kinds)
 
@@ -290,8 +290,8 @@ class Engine(nn.Module):
         self.weights[index].wait_for_write()
 
     def _finish_pipelined_step(self) -> None:
-        if self._stepped:
-            self._wait_stored(self._stepped[-1])
+        if self._last_stepped is not None:
+            self._wait_stored(self._last_stepped)
         if self._delayed:
             self._pending = None
             return
@@ -477,43 +477,52 @@ def run_step(engine: Engine, lr: float, grad_scale: float) -> None:
 
 def step_unit(engine: Engine, unit: Unit, lr: float, grad_scale: float) -> None:
     """CPU Adam over one unit's states; the new weights go straight into the weight tier's buffer."""
-    o = engine.cfg.optimizer
     st, w = engine.states[unit.index], engine.weights[unit.index]
     st.wait_loaded()
     n = unit.trainable_numel
     home = w.home_buffer()
-    # States read unverified are checked after the step: until then its weights stay out of the live copy.
+    hashed = st.digest_bounds is not None  # nvme states with swap checksums, read unverified
+    # Until the states are checked the new weights stay out of the live copy (a dram or CPU hbm home).
     live = home is w.dram or home is w.hbm
-    hashed = st.digest_bounds is not None  # nvme states with swap checksums: the step hashes them
     out = engine.staging.acquire(n, home.dtype, f"{unit.name} new weights") if hashed and live else home[:n]
-    t = st.t
-    lowp = engine.dtype != torch.float32
-    step_fn = adam_step if t["master"].device.type == "cpu" else _device_adam_step
-    runs = st.runs()
-    whole = len(runs) == 1 and runs[0][:2] == (0, n)  # the common step: every slot, one step count
-    fused = hashed and whole
-    before = st.hash_states() if hashed and not fused else None  # [Note: parameters without a gradient]
     t0 = time.perf_counter()
     with record_function("offload::cpu_adam"):
-        if not whole:
-            out.copy_(t["master"])  # skipped slots keep their weights
-        for b, e, step in runs:
-            digests = step_fn(t["master"][b:e], t["grad"][b:e], t["exp_avg"][b:e], t["exp_avg_sq"][b:e],
-                              step=step, lr=lr, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps,
-                              weight_decay=o.weight_decay, adamw=o.type == "adamw", grad_scale=grad_scale,
-                              out=out[b:e] if lowp else None,
-                              **({"digest_bounds": st.digest_bounds} if fused else {}))
+        digests = _adam_runs(engine, st, out, lr, grad_scale)
     engine.telemetry.span("cpu_adam", f"adam {unit.name}", t0, time.perf_counter())
     if hashed:  # raises before anything computed from corrupted states is kept
-        st.check_digests(digests if fused else StepDigests(before, st.hash_states()))
+        st.check_digests(digests)
     st.count_steps()
-    if not lowp:
-        out.copy_(t["master"])
+    if engine.dtype == torch.float32:
+        out.copy_(st.t["master"])
     if hashed and live:
         home[:n].copy_(out)
         engine.staging.release(out)
     w.commit_home()
     st.store()
+
+
+def _adam_runs(engine: Engine, st: OptimState, out: torch.Tensor, lr: float, grad_scale: float) -> StepDigests | None:
+    """The update of the slots that had a gradient ([Note: parameters without a gradient]), bf16/fp16
+    weights into `out`; with swap checksums, the states' digests before and after: hashed by the step
+    itself in the common case of one run over every slot, beside it otherwise."""
+    o, t, bounds = engine.cfg.optimizer, st.t, st.digest_bounds
+    lowp = engine.dtype != torch.float32
+    step_fn = adam_step if t["master"].device.type == "cpu" else _device_adam_step
+
+    def adam(b: int, e: int, step: int, **digests):
+        return step_fn(t["master"][b:e], t["grad"][b:e], t["exp_avg"][b:e], t["exp_avg_sq"][b:e], step=step, lr=lr,
+                       beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
+                       adamw=o.type == "adamw", grad_scale=grad_scale, out=out[b:e] if lowp else None, **digests)
+
+    runs = st.runs()
+    if len(runs) == 1 and runs[0][:2] == (0, st.numel):
+        return adam(*runs[0], **({} if bounds is None else {"digest_bounds": bounds}))
+    before = None if bounds is None else st.hash_states()
+    if lowp:
+        out.copy_(t["master"])  # skipped slots keep their weights
+    for run in runs:
+        adam(*run)
+    return None if before is None else StepDigests(before, st.hash_states())
 
 
 def _device_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, adamw,
