@@ -121,21 +121,30 @@ double sq_range(const void* g, int64_t begin, int64_t end) {
   return acc;
 }
 
-// Swap digest of fp32 elements [begin, end) (begin even): sum and xor of the little-endian 64-bit words;
-// an odd last element counts as swap.store.block_digest counts a 4-byte tail (s += u, x ^= u << 1).
-inline void digest_range(const float* a, int64_t begin, int64_t end, uint64_t& s, uint64_t& x) {
-  const uint64_t* w = reinterpret_cast<const uint64_t*>(a + begin);
-  const int64_t n = (end - begin) / 2;
-  for (int64_t i = 0; i < n; ++i) {
-    s += w[i];
-    x ^= w[i];
+// The swap digest of fp32 elements [begin, end) (begin even): sum and xor of the little-endian 64-bit
+// words; an odd last element counts as swap.store.block_digest counts a 4-byte tail (s += u, x ^= u << 1).
+// Written once as a plain loop and defined in each ISA namespace below, where the compiler vectorizes it
+// to that region's width (sums and xors commute, so lane order does not matter). It reads what the step
+// has in cache (see [Note: swap digests in the step]).
+#define OFFLOAD_DEFINE_DIGEST_RANGE                                                                    \
+  inline void digest_range(const float* a, int64_t begin, int64_t end, uint64_t& s, uint64_t& x) {    \
+    const uint64_t* w = reinterpret_cast<const uint64_t*>(a + begin);                                 \
+    const int64_t n = (end - begin) / 2;                                                              \
+    uint64_t sum = s, acc = x;                                                                        \
+    for (int64_t i = 0; i < n; ++i) {                                                                 \
+      sum += w[i];                                                                                    \
+      acc ^= w[i];                                                                                    \
+    }                                                                                                 \
+    if ((end - begin) % 2) {                                                                          \
+      const uint64_t u = reinterpret_cast<const uint32_t*>(a)[end - 1];                               \
+      sum += u;                                                                                       \
+      acc ^= u << 1;                                                                                  \
+    }                                                                                                 \
+    s = sum;                                                                                          \
+    x = acc;                                                                                          \
   }
-  if ((end - begin) % 2) {
-    const uint64_t u = reinterpret_cast<const uint32_t*>(a)[end - 1];
-    s += u;
-    x ^= u << 1;
-  }
-}
+
+OFFLOAD_DEFINE_DIGEST_RANGE
 
 }  // namespace scalar
 
@@ -316,30 +325,7 @@ double sq_range(const void* g, int64_t begin, int64_t end) {
   return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
 }
 
-// The swap digest (see scalar::digest_range) with four 8-lane accumulators: sums and xors commute, so
-// lane order does not matter. Reads what the step has in cache (see [Note: swap digests in the step]).
-inline void digest_range(const float* a, int64_t begin, int64_t end, uint64_t& s, uint64_t& x) {
-  const uint64_t* w = reinterpret_cast<const uint64_t*>(a + begin);
-  const int64_t n = (end - begin) / 2;
-  __m512i s0 = _mm512_setzero_si512(), s1 = s0, x0 = s0, x1 = s0;
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512i a0 = _mm512_loadu_si512(w + i), a1 = _mm512_loadu_si512(w + i + 8);
-    s0 = _mm512_add_epi64(s0, a0);
-    s1 = _mm512_add_epi64(s1, a1);
-    x0 = _mm512_xor_si512(x0, a0);
-    x1 = _mm512_xor_si512(x1, a1);
-  }
-  alignas(64) uint64_t xs[8];
-  _mm512_store_si512(xs, _mm512_xor_si512(x0, x1));
-  s += static_cast<uint64_t>(_mm512_reduce_add_epi64(_mm512_add_epi64(s0, s1)));
-  for (int k = 0; k < 8; ++k) x ^= xs[k];
-  for (; i < n; ++i) {
-    s += w[i];
-    x ^= w[i];
-  }
-  if ((end - begin) % 2) scalar::digest_range(a, end - 1, end, s, x);
-}
+OFFLOAD_DEFINE_DIGEST_RANGE
 
 }  // namespace avx512
 #if defined(__clang__)
@@ -443,31 +429,7 @@ double sq_range(const void* g, int64_t begin, int64_t end) {
   return total + scalar::sq_range<G>(g, i, end);
 }
 
-inline void digest_range(const float* a, int64_t begin, int64_t end, uint64_t& s, uint64_t& x) {
-  const uint64_t* w = reinterpret_cast<const uint64_t*>(a + begin);
-  const int64_t n = (end - begin) / 2;
-  __m256i s0 = _mm256_setzero_si256(), s1 = s0, x0 = s0, x1 = s0;
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256i a0 = _mm256_loadu_si256((const __m256i*)(w + i)), a1 = _mm256_loadu_si256((const __m256i*)(w + i + 4));
-    s0 = _mm256_add_epi64(s0, a0);
-    s1 = _mm256_add_epi64(s1, a1);
-    x0 = _mm256_xor_si256(x0, a0);
-    x1 = _mm256_xor_si256(x1, a1);
-  }
-  alignas(32) uint64_t ss[4], xs[4];
-  _mm256_store_si256((__m256i*)ss, _mm256_add_epi64(s0, s1));
-  _mm256_store_si256((__m256i*)xs, _mm256_xor_si256(x0, x1));
-  for (int k = 0; k < 4; ++k) {
-    s += ss[k];
-    x ^= xs[k];
-  }
-  for (; i < n; ++i) {
-    s += w[i];
-    x ^= w[i];
-  }
-  if ((end - begin) % 2) scalar::digest_range(a, end - 1, end, s, x);
-}
+OFFLOAD_DEFINE_DIGEST_RANGE
 
 }  // namespace avx2
 #if defined(__clang__)
