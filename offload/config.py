@@ -147,7 +147,8 @@ class Config:
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     prefetch_units: int = 2        # units fetched ahead of use along the recorded trace (0: on demand)
-    reuse_distance: int = 1        # keep a unit in hbm when the trace uses it again within this many fetches (-1: never)
+    reuse_distance: int = 1        # keep a unit in hbm when the trace uses it again within this many fetches (-1: off)
+    reuse_bytes: int | None = None  # also keep units used again later in the step up to this many bytes (null: derived, README)
     overlap_step: bool = True      # step each unit as soon as its gradients are final, during backward (not with clipping or fp16)
     delayed_update: bool = False   # one-step delayed parameter update: step k's update lands during step k+1's backward (README)
     swap_checksum: bool = True     # per-block checksums of swap files, verified on read (nvme optimizer states: in the CPU Adam pass)
@@ -172,7 +173,11 @@ class Config:
         if self.prefetch_units < 0:
             _fail("prefetch_units", self.prefetch_units, "must be >= 0", "use 0 for on-demand fetches")
         if self.reuse_distance < -1:
-            _fail("reuse_distance", self.reuse_distance, "must be >= -1", "use -1 to release every unit after use")
+            _fail("reuse_distance", self.reuse_distance, "must be >= -1",
+                  "use -1 (and reuse_bytes 0) to release every unit after use")
+        if self.reuse_bytes is not None and (not isinstance(self.reuse_bytes, int) or self.reuse_bytes < 0):
+            _fail("reuse_bytes", self.reuse_bytes, "must be an integer >= 0 (bytes)",
+                  "use 0 to keep only what reuse_distance keeps, or leave it out for the derived default")
         if "nvme" in (self.offload_param.device, self.offload_optimizer.device) and not self.nvme_path:
             _fail("nvme_path", self.nvme_path, "required when a device is \"nvme\"",
                   "set nvme_path to a directory on a fast local drive (--nvme-path DIR)")

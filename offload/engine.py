@@ -103,6 +103,7 @@ class Engine(nn.Module):
         self._in_backward = False
         self._grad_jobs: list = []
         self._grad_sq: dict[int, float] = {}
+        self._kept: dict[int, int] = {}  # units kept in hbm for their next use in this step -> bytes
         self._flushed: set[int] = set()
         self._overlap = self._stepped_in_backward = self._delayed = False
         self._pending: dict | None = None  # delayed_update: the accepted update not applied yet (step_unit args)
@@ -154,6 +155,7 @@ class Engine(nn.Module):
                 self._prefetch(self.units[nxt])
             for w in self.weights:
                 w.advance()
+            self._kept.pop(unit.index, None)
             self.weights[unit.index].wait_for_fetch()
 
     def _prefetch(self, unit: Unit) -> None:
@@ -167,10 +169,18 @@ class Engine(nn.Module):
         if self._in_backward and not backward:
             return  # a recomputed forward (activation checkpointing): its backward comes right after
         distance = self.trace.next_use_distance(unit.index)
-        if distance is not None and distance <= self.cfg.reuse_distance:
-            return  # used again soon (the trace says): keep it rather than fetch it again
+        if distance is not None and (distance <= self.cfg.reuse_distance or self._keep(unit)):
+            return  # used again in this step (the trace says): keep it rather than fetch it again
         with record_function("offload::release"):
             self.weights[unit.index].release()
+
+    def _keep(self, unit: Unit) -> bool:
+        """Keeps the unit's weights in hbm until their next use while the kept bytes fit reuse_bytes."""
+        nbytes = self.weights[unit.index].nbytes
+        if sum(self._kept.values()) + nbytes > self.placement.reuse_bytes:
+            return False
+        self._kept[unit.index] = nbytes
+        return True
 
     # -- backward: gradients to their accumulators ----------------------------------------------------
     def _make_grad_hook(self, unit: Unit):
@@ -245,6 +255,7 @@ class Engine(nn.Module):
                         self._flush_grads(u)
                 for w in self.weights:
                     w.release()
+                self._kept.clear()
                 for job in self._grad_jobs:
                     job.wait()
                 if self._overlap or self._delayed:

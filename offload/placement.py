@@ -34,6 +34,7 @@ class Placement:
     dram_budget: int
     nvme_budget: int
     rows: list[tuple] = field(default_factory=list)
+    reuse_bytes: int = 0             # weights kept in hbm for their next use in the step (part of need["hbm"])
 
     @property
     def uses_nvme(self) -> bool:
@@ -46,6 +47,9 @@ class Placement:
         for tier in ("hbm", "dram", "nvme"):
             budget = getattr(self, f"{tier}_budget")
             lines.append(f"  {tier}: needs {self.need[tier] / 2**20:.1f} MiB of a {budget / 2**20:.1f} MiB budget")
+        if self.reuse_bytes:
+            lines.append(f"  hbm keeps up to {self.reuse_bytes / 2**20:.1f} MiB of weights between their uses in a "
+                         f"step (forward -> backward) instead of fetching them again (reuse_bytes)")
         return "\n".join(lines)
 
 
@@ -76,9 +80,26 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     default_hbm, default_dram = _default_budgets(device)
     p = Placement(weight_home, state_home, need, cfg.budgets.hbm_bytes or default_hbm,
                   cfg.budgets.dram_bytes or default_dram, _free_disk(cfg) if cfg.nvme_path else 0, rows)
+    p.reuse_bytes = reuse_allowance(units, cfg, p, device)
+    need["hbm"] += p.reuse_bytes
     if check:
         preflight(p, device)
     return p
+
+
+def reuse_allowance(units: list[Unit], cfg, p: Placement, device: torch.device) -> int:
+    """Bytes of fetched weights the engine may keep in hbm until their next use in the same step (a
+    forward's units until their backward) rather than release and fetch them again. `reuse_bytes` when
+    set (capped by the weights that are fetched at all); else half the hbm room the placement leaves
+    (the budget less its need; on the CPU backend, where hbm is host memory too, also less the dram
+    need), the other half left to activations, which no accountant sees."""
+    fetched = sum(u.numel for u in units if p.weight_home[u.index] != "hbm") * cfg.compute_dtype.itemsize
+    if cfg.reuse_bytes is not None:
+        return min(cfg.reuse_bytes, fetched)
+    room = p.hbm_budget - p.need["hbm"]
+    if device.type == "cpu":
+        room = min(room, int(psutil.virtual_memory().available * SAFETY) - p.need["hbm"] - p.need["dram"])
+    return max(0, min(fetched, room // 2))
 
 
 def staging_class_bytes(units: list[Unit], cfg) -> int:
@@ -130,8 +151,9 @@ def preflight(p: Placement, device: torch.device) -> None:
         budget = getattr(p, f"{tier}_budget")
         if p.need[tier] > budget:
             what = "free disk under nvme_path" if tier == "nvme" else f"budget (budgets.{tier}_bytes)"
-            problems.append(f"{tier} needs {p.need[tier]} bytes ({p.need[tier] / 2**30:.2f} GiB) but the {what} "
-                            f"is {budget} bytes ({budget / 2**30:.2f} GiB)")
+            kept = f", {p.reuse_bytes} of them reuse_bytes," if tier == "hbm" and p.reuse_bytes else ""
+            problems.append(f"{tier} needs {p.need[tier]} bytes ({p.need[tier] / 2**30:.2f} GiB){kept} but the "
+                            f"{what} is {budget} bytes ({budget / 2**30:.2f} GiB)")
     host = p.need["dram"] + (p.need["hbm"] if device.type == "cpu" else 0)
     avail = psutil.virtual_memory().available
     if host > avail:

@@ -21,8 +21,9 @@ TORCH_TOL = 1e-5
 
 
 def config(tmp_path, param, optim, precision, **extra):
+    """reuse_bytes 0 unless given: backward fetches every unit again (the path with the most transfers)."""
     return {"precision": precision, "offload_param": {"device": param}, "offload_optimizer": {"device": optim},
-            "nvme_path": str(tmp_path / "swap"), "units": {"min_numel": 512},
+            "nvme_path": str(tmp_path / "swap"), "units": {"min_numel": 512}, "reuse_bytes": 0,
             "optimizer": {"lr": 1e-2, **extra.pop("optimizer", {})}, **extra}
 
 
@@ -215,6 +216,50 @@ def test_reuse_distance_keeps_the_last_block_and_changes_no_number(tmp_path, par
     assert runs[0][0] == runs[1][0] and max_state_err(runs[0][2], runs[1][2]) == 0.0
     fetched = [r[4]["links"]["dram_to_hbm"]["bytes"] for r in runs]
     assert fetched[1] < fetched[0]  # the last block is not released between its forward and backward
+
+
+@pytest.mark.parametrize("param", ["cpu", "nvme"])
+def test_reuse_bytes_keeps_forward_weights_for_backward_and_changes_no_number(tmp_path, monkeypatch, param):
+    """reuse_bytes: units used again in the step stay in hbm while the kept bytes fit. Derived (None, all of
+    this model), bounded (one block's worth) and off (0) train to the reference's numbers exactly, fetch
+    less the more they keep, and a bounded run's hbm peak stays within the plan; with copy delays injected."""
+    monkeypatch.setenv("OFFLOAD_TEST_COPY_DELAY_S", "0.002")
+    model = LlamaLoss(llama(tied=True))
+    block = sum(p.numel() for p in model.lm.model.layers[0].parameters()) * 2
+    runs = {}
+    for reuse in (None, block, 0):
+        torch.manual_seed(0)
+        c = config(tmp_path / str(reuse), param, param, "bf16", reuse_bytes=reuse, units={"min_numel": 4096})
+        out = train_both(copy.deepcopy(model), c, llama_batches(4), steps=4)
+        check(*out[:4])
+        runs[reuse] = out
+    fetched = {r: out[4]["links"]["dram_to_hbm"]["bytes"] for r, out in runs.items()}
+    assert fetched[None] < fetched[block] < fetched[0], fetched
+    with offload.initialize(copy.deepcopy(model), config(tmp_path / "plan", param, param, "bf16", reuse_bytes=None,
+                                                         units={"min_numel": 4096})) as eng:
+        weights = sum(w.nbytes for u, w in zip(eng.units, eng.weights) if not u.persistent)
+        assert eng.placement.reuse_bytes == weights  # derived: this small model is kept whole
+    # After the first step (which records the trace, so keeps nothing) each unit is fetched once a step.
+    assert runs[None][4]["last_step"]["links"]["dram_to_hbm"]["bytes"] == weights
+    with offload.initialize(copy.deepcopy(model), config(tmp_path / "b", param, param, "bf16", reuse_bytes=block,
+                                                         units={"min_numel": 4096})) as eng:
+        ids = llama_batches(1)[0]
+        for _ in range(3):
+            eng.backward(eng(*ids))
+            eng.step()
+        assert eng.stats()["tiers"]["hbm"]["peak_bytes"] <= eng.placement.need["hbm"]
+
+
+def test_reuse_bytes_beyond_the_hbm_budget_fails_before_training(tmp_path):
+    from offload.placement import PlacementError
+
+    from offload.estimate import engine_plan
+
+    base = engine_plan(MLP(), config(tmp_path, "cpu", "cpu", "fp32"))["hbm_bytes"]  # reuse_bytes 0
+    cfg = config(tmp_path, "cpu", "cpu", "fp32", reuse_bytes=1 << 40, budgets={"hbm_bytes": base + 1})
+    with pytest.raises(PlacementError, match="reuse_bytes"):
+        offload.initialize(MLP(), cfg)
+    offload.initialize(MLP(), {**cfg, "reuse_bytes": None}).close()  # derived: fits what the budget leaves
 
 
 def test_per_step_stats(tmp_path):
