@@ -519,9 +519,10 @@ def _adam_runs(engine: Engine, st: OptimState, out: torch.Tensor, lr: float, gra
     o, t, bounds = engine.cfg.optimizer, st.t, st.digest_bounds
     lowp = engine.dtype != torch.float32
     step_fn = adam_step if t["master"].device.type == "cpu" else _device_adam_step
+    grad = st.grad()
 
     def adam(b: int, e: int, step: int, **digests):
-        return step_fn(t["master"][b:e], t["grad"][b:e], t["exp_avg"][b:e], t["exp_avg_sq"][b:e], step=step, lr=lr,
+        return step_fn(t["master"][b:e], grad[b:e], t["exp_avg"][b:e], t["exp_avg_sq"][b:e], step=step, lr=lr,
                        beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
                        adamw=o.type == "adamw", grad_scale=grad_scale, out=out[b:e] if lowp else None, **digests)
 

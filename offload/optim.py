@@ -33,6 +33,7 @@ class OptimState(_Handle):
         self._tickets: list = []
         self._t0 = 0.0
         self._grad: torch.Tensor | None = None  # nvme: a final gradient kept in dram for the step
+        self.grad_dtype = torch.float32          # what the accumulator holds: see accumulate()
         # [Note: swap digests in the step] (offload/csrc/cpu_adam.cpp): with swap checksums on, the step
         # hashes the states it reads and writes, so they are read unverified and checked after it.
         # [Note: parameters without a gradient]
@@ -92,6 +93,12 @@ class OptimState(_Handle):
                 self.t["grad"] = self.eng.staging.acquire(self.numel, torch.float32, f"{self.unit.name} grad")
                 self.eng.store.read(self.key("grad"), into=self.t["grad"]).wait()
         self._set(R.DRAM, R.NVME_TO_DRAM)
+
+    def grad(self) -> torch.Tensor:
+        """The window's gradient as the step reads it: the fp32 accumulator, or (one micro-step, low
+        precision) the backward's own gradient in the first half of its bytes."""
+        g = self.t["grad"]
+        return g if self.grad_dtype == torch.float32 else g.view(self.grad_dtype)[:self.numel]
 
     def runs(self) -> list[tuple[int, int, int]]:
         """(begin, end, step) element ranges of the trainable prefix to update now, each with the 1-based
@@ -155,13 +162,21 @@ class OptimState(_Handle):
                    keep: bool = False) -> float | None:
         """Adds this micro-step's gradients (offset, flat grad) into the fp32 accumulator; on the last
         micro-step returns its sum of squares (for the global norm and fp16 overflow detection).
-        keep: an nvme accumulator stays in dram for the step that follows at once (no round trip)."""
+        keep: an nvme accumulator stays in dram for the step that follows at once (no round trip).
+        A window of one micro-step in bf16/fp16 (the common case) keeps the gradient in its own dtype in
+        the accumulator's first bytes: the step casts it as it reads it (the same fp32 values), and two
+        of the three passes over an fp32 copy (write, sum of squares, the step's read) shrink by half."""
         if self.home == "nvme":
-            acc = self.eng.staging.acquire(self.numel, torch.float32, f"{self.unit.name} grad")
+            buf = self.eng.staging.acquire(self.numel, torch.float32, f"{self.unit.name} grad")
             if not first:
-                self.eng.store.read(self.key("grad"), into=acc).wait()
+                self.eng.store.read(self.key("grad"), into=buf).wait()
         else:
-            acc = self.t["grad"]
+            buf = self.t["grad"]
+        if first:
+            dtype = grads[0][1].dtype if grads else torch.float32
+            own = last and dtype != torch.float32 and buf.device.type == "cpu" and (self.home != "nvme" or keep)
+            self.grad_dtype = dtype if own else torch.float32
+        acc = buf if self.grad_dtype == torch.float32 else buf.view(self.grad_dtype)[:self.numel]
         if first:  # the first micro-step's gradients are copied in (a cast); only the gaps are zeroed
             self.got_grad = set()
             end = 0
@@ -177,12 +192,12 @@ class OptimState(_Handle):
         if last:
             sq = grad_sq_sum(acc) if acc.device.type == "cpu" else float(acc.double().square().sum())
         if self.home == "nvme" and keep:
-            self._grad = acc
+            self._grad = buf
         elif self.home == "nvme":
             t0 = time.perf_counter()
-            self.eng.store.write(self.key("grad"), acc).wait()
-            self.eng.telemetry.link("dram_to_nvme", acc.numel() * 4, time.perf_counter() - t0)
-            self.eng.staging.release(acc)
+            self.eng.store.write(self.key("grad"), buf).wait()
+            self.eng.telemetry.link("dram_to_nvme", buf.numel() * 4, time.perf_counter() - t0)
+            self.eng.staging.release(buf)
         return sq
 
     def close(self) -> None:

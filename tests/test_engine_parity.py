@@ -262,6 +262,20 @@ def test_reuse_bytes_beyond_the_hbm_budget_fails_before_training(tmp_path):
     offload.initialize(MLP(), {**cfg, "reuse_bytes": None}).close()  # derived: fits what the budget leaves
 
 
+@pytest.mark.parametrize("param,optim", [("cpu", "cpu"), ("nvme", "nvme")])
+def test_one_micro_step_keeps_the_gradient_in_its_own_dtype(tmp_path, param, optim):
+    """With one micro-step per window the step reads the bf16 gradient itself (the parity tests check the
+    numbers); with accumulation it sums into fp32."""
+    for gas, dtype in ((1, torch.bfloat16), (2, torch.float32)):
+        torch.manual_seed(0)
+        cfg = config(tmp_path / str(gas), param, optim, "bf16", gradient_accumulation_steps=gas)
+        with offload.initialize(MLP(), cfg) as eng:
+            for x, y in mlp_batches(2 * gas):
+                eng.backward(eng(x, y))
+                eng.step()
+            assert {st.grad_dtype for st in eng.states if st is not None} == {dtype}
+
+
 def test_per_step_stats(tmp_path):
     torch.manual_seed(0)
     with offload.initialize(MLP(), config(tmp_path, "nvme", "nvme", "fp32")) as eng:
