@@ -263,7 +263,8 @@ def format_table(result: dict) -> str:
 
 def engine_plan(model, config=None) -> dict:
     """What the Engine itself plans for `model` in one process: its placement's bytes per tier (its flat,
-    padded unit buffers plus staging buffers and hbm working set), computed without allocating anything.
+    padded unit buffers plus staging buffers, hbm working set and the reuse allowance, which is derived
+    from this machine's memory unless reuse_bytes is given), computed without allocating anything.
     `model` may live on the meta device. A measured run stays within this plan (tests/test_estimate_engine.py)."""
     import torch
 

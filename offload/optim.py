@@ -164,8 +164,8 @@ class OptimState(_Handle):
         micro-step returns its sum of squares (for the global norm and fp16 overflow detection).
         keep: an nvme accumulator stays in dram for the step that follows at once (no round trip).
         A window of one micro-step in bf16/fp16 (the common case) keeps the gradient in its own dtype in
-        the accumulator's first bytes: the step casts it as it reads it (the same fp32 values), and two
-        of the three passes over an fp32 copy (write, sum of squares, the step's read) shrink by half."""
+        the accumulator's first bytes: the step casts it as it reads it (the same fp32 values), and the
+        copy's writes, the sum of squares and the step's gradient reads each move half the bytes."""
         if self.home == "nvme":
             buf = self.eng.staging.acquire(self.numel, torch.float32, f"{self.unit.name} grad")
             if not first:

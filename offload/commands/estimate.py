@@ -62,7 +62,7 @@ def run(args) -> int:
     if "engine_plan" in result:
         plan = result["engine_plan"]
         table += ("\nthe engine's own plan for this model in one process (padded unit buffers, staging, working "
-                  "set): " + ", ".join(f"{t} {est.format_bytes(plan[f'{t}_bytes'])}" for t in est.TIERS))
+                  "set, weights kept for their backward (reuse_bytes) on this machine): " + ", ".join(f"{t} {est.format_bytes(plan[f'{t}_bytes'])}" for t in est.TIERS))
     print(json.dumps(result) if args.json else table)
     return 0
 
