@@ -250,6 +250,22 @@ def test_reuse_bytes_keeps_forward_weights_for_backward_and_changes_no_number(tm
         assert eng.stats()["tiers"]["hbm"]["peak_bytes"] <= eng.placement.need["hbm"]
 
 
+@pytest.mark.parametrize("path", ["accumulation+clipping", "checkpointing", "delayed"])
+def test_reuse_bytes_in_every_step_path(tmp_path, path):
+    """The derived reuse allowance (every weight kept for its backward) with accumulation and clipping,
+    activation checkpointing (the recompute is a use too) and the delayed update: the reference's numbers."""
+    torch.manual_seed(0)
+    c = config(tmp_path, "nvme", "nvme", "bf16", reuse_bytes=None)
+    if path == "accumulation+clipping":
+        out = train_both(MLP(), {**c, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05},
+                         mlp_batches(8), steps=4, gas=2, clip=0.05)
+    elif path == "checkpointing":
+        out = train_both(MLP(ckpt=True), c, mlp_batches(4), steps=4)
+    else:
+        out = train_delayed(MLP(), c, mlp_batches(4), steps=4)
+    check(*out[:4])
+
+
 def test_reuse_bytes_beyond_the_hbm_budget_fails_before_training(tmp_path):
     from offload.placement import PlacementError
 
