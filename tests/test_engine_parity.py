@@ -267,9 +267,8 @@ def test_reuse_bytes_in_every_step_path(tmp_path, path):
 
 
 def test_reuse_bytes_beyond_the_hbm_budget_fails_before_training(tmp_path):
-    from offload.placement import PlacementError
-
     from offload.estimate import engine_plan
+    from offload.placement import PlacementError
 
     base = engine_plan(MLP(), config(tmp_path, "cpu", "cpu", "fp32"))["hbm_bytes"]  # reuse_bytes 0
     cfg = config(tmp_path, "cpu", "cpu", "fp32", reuse_bytes=1 << 40, budgets={"hbm_bytes": base + 1})
