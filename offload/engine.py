@@ -174,6 +174,13 @@ class Engine(nn.Module):
         with record_function("offload::release"):
             self.weights[unit.index].release()
 
+    def _release_all(self) -> None:
+        """Drops every fetched copy, kept ones too: before homes are updated outside a backward (a step
+        after it, flush()), since a forward without backward (eval under no_grad) may have kept units."""
+        for w in self.weights:
+            w.release()
+        self._kept.clear()
+
     def _keep(self, unit: Unit) -> bool:
         """Keeps the unit's weights in hbm until their next use while the kept bytes fit reuse_bytes."""
         nbytes = self.weights[unit.index].nbytes
@@ -253,9 +260,7 @@ class Engine(nn.Module):
                 for u in self.units:  # units with unused parameters: flush what they have
                     if u.trainable_numel and u.index not in self._flushed:
                         self._flush_grads(u)
-                for w in self.weights:
-                    w.release()
-                self._kept.clear()
+                self._release_all()
                 for job in self._grad_jobs:
                     job.wait()
                 if self._overlap or self._delayed:
@@ -474,6 +479,7 @@ def lr_factor(sched, step: int) -> float:
 def run_step(engine: Engine, lr: float, grad_scale: float) -> None:
     """The step after backward: every trainable unit in turn, reading unit j+1's states ahead while
     unit j updates and writing unit j-1's behind (at most two units' states staged at once)."""
+    engine._release_all()  # no fetched copy may outlive the update of its home ([Note: updates beside residency])
     trainable = [u for u in engine.units if u.trainable_numel]
     for j, unit in enumerate(trainable):
         engine.states[unit.index].wait_loaded()

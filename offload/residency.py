@@ -163,7 +163,8 @@ class WeightHandle(_Handle):
     # [Note: updates beside residency]
     # The optimizer writes a unit's new weights to its home copy while the hbm copy may still be attached
     # (the unit's backward is over once its gradients are final, but units are released when backward()
-    # ends). So an update never changes the residency state: dram homes and the CPU backend's hbm are
+    # ends, and a step outside backward first releases every fetched copy, kept ones included: see
+    # Engine._release_all). So an update never changes the residency state: dram homes and the CPU backend's hbm are
     # written in place (the trainable prefix only; frozen weights are never written), an nvme home through
     # a staging buffer written behind, which the next fetch waits for before it reads.
     def home_buffer(self) -> torch.Tensor:

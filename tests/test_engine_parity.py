@@ -266,6 +266,34 @@ def test_reuse_bytes_in_every_step_path(tmp_path, path):
     check(*out[:4])
 
 
+@pytest.mark.parametrize("extra", [{"delayed_update": True}, {"gradient_clipping": 0.05}])
+def test_weights_kept_by_an_eval_forward_see_a_later_update(tmp_path, extra):
+    """A forward under no_grad keeps units for a backward that never comes; an update applied after it
+    (the delayed update's flush(), or a step after backward when an eval ran in between) must not leave
+    those copies stale."""
+    torch.manual_seed(0)
+    cfg = config(tmp_path, "nvme", "nvme", "bf16", reuse_bytes=None, **extra)
+    (x, y), (x2, y2) = mlp_batches(2)
+    with offload.initialize(MLP(), cfg) as eng:
+        for _ in range(3):
+            eng.backward(eng(x, y))
+            if not extra.get("delayed_update"):
+                with torch.no_grad():
+                    eng(x2, y2)  # between backward and the step: the step updates kept units' homes
+            eng.step()
+        with torch.no_grad():
+            before = eng(x2, y2).item()
+            eng.flush()
+            after = eng(x2, y2).item()
+            for w in eng.weights:  # everything fetched afresh from its home
+                w.release()
+            eng._kept.clear()
+            fresh = eng(x2, y2).item()
+    assert after == fresh
+    if extra.get("delayed_update"):
+        assert before != after  # the flush moved the weights
+
+
 def test_reuse_bytes_beyond_the_hbm_budget_fails_before_training(tmp_path):
     from offload.estimate import engine_plan
     from offload.placement import PlacementError
