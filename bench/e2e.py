@@ -10,7 +10,7 @@ model, batch and disk; the figures that matter are the ratios to the in-memory s
                DeepSpeed venv's python: --ds-python, else $OFFLOAD_DS_PYTHON, else /work/dsvenv/bin/python
                if it exists; skipped, and reported null, when there is none)
 
-python bench/e2e.py [--preset bench-200m] [--batch 4] [--seq 256] [--steps 3] [--dir DIR] [--json]
+python bench/e2e.py [--preset bench-200m] [--batch 4] [--seq 256] [--steps 3] [--rounds 1] [--dir DIR] [--json]
 """
 
 from __future__ import annotations
@@ -117,6 +117,9 @@ def main() -> None:
                     help="python of a venv with DeepSpeed, for the deepspeed_nvme mode")
     ap.add_argument("--engine-config", default="{}", metavar="JSON",
                     help='extra config keys for the offload modes, e.g. \'{"gradient_clipping": 1.0, "delayed_update": true}\'')
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every mode this many times, in turn (round-robin), and report each mode's median "
+                         "round: the host's drift then reaches every mode alike (default 1)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # internal: run one mode in this process
     args = ap.parse_args()
@@ -128,32 +131,49 @@ def main() -> None:
     if args.mode:
         print(json.dumps(run_mode(args)))
         return
+    if args.rounds < 1:
+        ap.error(f"--rounds={args.rounds}: must be >= 1")
     base = args.dir or tempfile.mkdtemp(prefix="e2e-", dir=".")
     modes = args.modes.split(",") if args.modes else list(MODES) + ([DS_MODE] if args.ds_python else [])
     if DS_MODE in modes and not args.ds_python:
         sys.exit(f"--modes={args.modes}: {DS_MODE} needs a DeepSpeed venv; pass --ds-python PATH")
-    results, errors = {}, {}
-    gflops = [matmul_gflops()]
-    for mode in modes:
-        common = ["--preset", args.preset, "--batch", str(args.batch), "--seq", str(args.seq),
-                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--dir", base]
-        cmd = ([args.ds_python, os.path.join(REPO, "bench", "ds_e2e.py")] + common if mode == DS_MODE
-               else [sys.executable, __file__, "--mode", mode, "--engine-config", args.engine_config] + common)
-        proc = subprocess.run(cmd, capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": REPO, "DS_ACCELERATOR": "cpu"})
-        if proc.returncode:  # keep the other modes' figures; say what failed and exit non-zero at the end
-            errors[mode] = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
-            print(f"{mode} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-            continue
-        results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    errors, gflops = {}, [matmul_gflops()]
+    runs: list[dict] = []  # one {mode: result} per round, the modes in turn within each round
+    for _ in range(args.rounds):
+        runs.append({})
+        for mode in [m for m in modes if m not in errors]:
+            common = ["--preset", args.preset, "--batch", str(args.batch), "--seq", str(args.seq),
+                      "--steps", str(args.steps), "--warmup", str(args.warmup), "--dir", base]
+            cmd = ([args.ds_python, os.path.join(REPO, "bench", "ds_e2e.py")] + common if mode == DS_MODE
+                   else [sys.executable, __file__, "--mode", mode, "--engine-config", args.engine_config] + common)
+            proc = subprocess.run(cmd, capture_output=True, text=True,
+                                  env={**os.environ, "PYTHONPATH": REPO, "DS_ACCELERATOR": "cpu"})
+            if proc.returncode:  # keep the other modes' figures; say what failed and exit non-zero at the end
+                errors[mode] = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+                print(f"{mode} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+                continue
+            runs[-1][mode] = json.loads(proc.stdout.strip().splitlines()[-1])
     gflops.append(matmul_gflops())
+    results = _median_of_rounds(runs)
     report = _report(args, results, errors)
     report["bf16_matmul_gflops"] = gflops
+    report["rounds"] = [{m: r["step_s"] for m, r in rnd.items()} for rnd in runs]
     _print_table(report, results)
     if args.json:
         print(json.dumps(report))
     if errors:
         sys.exit(1)
+
+
+def _median_of_rounds(runs: list[dict]) -> dict:
+    """Per mode: the round with the median step time (the faster middle one of an even count; its losses,
+    stall and step) and the largest peak RSS over the rounds.
+    With one round, that round."""
+    out = {}
+    for mode in dict.fromkeys(m for rnd in runs for m in rnd):
+        mine = sorted((rnd[mode] for rnd in runs if mode in rnd), key=lambda r: r["step_s"])
+        out[mode] = {**mine[(len(mine) - 1) // 2], "peak_rss_bytes": max(r["peak_rss_bytes"] for r in mine)}
+    return out
 
 
 def matmul_gflops(m: int = 1024, k: int = 1024, n: int = 2752, reps: int = 3, rounds: int = 7) -> float:
@@ -204,6 +224,10 @@ def _print_table(report: dict, results: dict) -> None:
         stall = r.get("stall_seconds")
         print(f"{m:14s} {r['step_s']:8.2f} {ratio if ratio else float('nan'):9.2f} "
               f"{r['peak_rss_bytes'] / 1e9:12.2f} {stall if stall is not None else float('nan'):12.2f}")
+    if len(report["rounds"]) > 1:
+        print("step s per round (the table shows each mode's median round):")
+        for i, rnd in enumerate(report["rounds"], 1):
+            print(f"  round {i}: " + ", ".join(f"{m} {t:.2f}" for m, t in rnd.items()))
 
 
 if __name__ == "__main__":
