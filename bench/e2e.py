@@ -142,17 +142,12 @@ def main() -> None:
     for _ in range(args.rounds):
         runs.append({})
         for mode in [m for m in modes if m not in errors]:
-            common = ["--preset", args.preset, "--batch", str(args.batch), "--seq", str(args.seq),
-                      "--steps", str(args.steps), "--warmup", str(args.warmup), "--dir", base]
-            cmd = ([args.ds_python, os.path.join(REPO, "bench", "ds_e2e.py")] + common if mode == DS_MODE
-                   else [sys.executable, __file__, "--mode", mode, "--engine-config", args.engine_config] + common)
-            proc = subprocess.run(cmd, capture_output=True, text=True,
-                                  env={**os.environ, "PYTHONPATH": REPO, "DS_ACCELERATOR": "cpu"})
+            proc = _run_in_subprocess(args, mode, base)
             if proc.returncode:  # keep the other modes' figures; say what failed and exit non-zero at the end
                 errors[mode] = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
                 print(f"{mode} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-                continue
-            runs[-1][mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+            else:
+                runs[-1][mode] = json.loads(proc.stdout.strip().splitlines()[-1])
     gflops.append(matmul_gflops())
     results = _median_of_rounds(runs)
     report = _report(args, results, errors)
@@ -163,6 +158,17 @@ def main() -> None:
         print(json.dumps(report))
     if errors:
         sys.exit(1)
+
+
+def _run_in_subprocess(args, mode: str, base: str) -> subprocess.CompletedProcess:
+    """One mode in its own process (its peak RSS its own): ours through this file, DeepSpeed's through
+    bench/ds_e2e.py in the DeepSpeed venv; the result is the last stdout line, as JSON."""
+    common = ["--preset", args.preset, "--batch", str(args.batch), "--seq", str(args.seq),
+              "--steps", str(args.steps), "--warmup", str(args.warmup), "--dir", base]
+    cmd = ([args.ds_python, os.path.join(REPO, "bench", "ds_e2e.py")] + common if mode == DS_MODE
+           else [sys.executable, __file__, "--mode", mode, "--engine-config", args.engine_config] + common)
+    return subprocess.run(cmd, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": REPO, "DS_ACCELERATOR": "cpu"})
 
 
 def _median_of_rounds(runs: list[dict]) -> dict:

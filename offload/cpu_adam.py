@@ -24,7 +24,6 @@ import shutil
 import sys
 import threading
 from pathlib import Path
-
 from typing import NamedTuple
 
 import torch

@@ -97,8 +97,11 @@ class OptimState(_Handle):
     def grad(self) -> torch.Tensor:
         """The window's gradient as the step reads it: the fp32 accumulator, or (one micro-step, low
         precision) the backward's own gradient in the first half of its bytes."""
-        g = self.t["grad"]
-        return g if self.grad_dtype == torch.float32 else g.view(self.grad_dtype)[:self.numel]
+        return self._as_grad(self.t["grad"])
+
+    def _as_grad(self, buf: torch.Tensor) -> torch.Tensor:
+        """The fp32 accumulator buffer `buf` as the window's gradient dtype (see accumulate())."""
+        return buf if self.grad_dtype == torch.float32 else buf.view(self.grad_dtype)[:self.numel]
 
     def runs(self) -> list[tuple[int, int, int]]:
         """(begin, end, step) element ranges of the trainable prefix to update now, each with the 1-based
@@ -176,7 +179,7 @@ class OptimState(_Handle):
             dtype = grads[0][1].dtype if grads else torch.float32
             own = last and dtype != torch.float32 and buf.device.type == "cpu" and (self.home != "nvme" or keep)
             self.grad_dtype = dtype if own else torch.float32
-        acc = buf if self.grad_dtype == torch.float32 else buf.view(self.grad_dtype)[:self.numel]
+        acc = self._as_grad(buf)
         if first:  # the first micro-step's gradients are copied in (a cast); only the gaps are zeroed
             self.got_grad = set()
             end = 0
