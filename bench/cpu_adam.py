@@ -86,14 +86,12 @@ def ours_job(b: dict, digest_bounds=None):
     return run
 
 
-def digest_bounds(numel: int, block_bytes: int = 8 << 20) -> list:
+def digest_bounds(numel: int) -> list:
     """The engine's swap blocks over a numel-element fp32 state (its default aio.block_bytes)."""
-    import tempfile
+    from offload.config import AioConfig
+    from swap.store import digest_bounds as bounds
 
-    from swap import SwapStore
-
-    with tempfile.TemporaryDirectory() as d, SwapStore(d, engine="threads", block_bytes=block_bytes) as store:
-        return store.digest_bounds(numel, 4)
+    return bounds(numel, 4, AioConfig().block_bytes)
 
 
 def separate_hashes_job(b: dict, bounds: list):

@@ -83,6 +83,26 @@ def tensor_digests(t: torch.Tensor, bounds) -> tuple[int, ...]:
     return tuple(block_digest(base + b * size, (e - b) * size) for b, e in zip(bounds, bounds[1:]))
 
 
+def io_spans(nbytes: int, block_bytes: int) -> list[tuple[int, int]]:
+    """(start, bytes) of the I/O blocks over the 4 KiB-multiple body (a partial last page moves apart)."""
+    body = nbytes - nbytes % ALIGN_BYTES
+    return [(s, min(block_bytes, body - s)) for s in range(0, body, block_bytes)]
+
+
+def digest_spans(nbytes: int, block_bytes: int) -> list[tuple[int, int]]:
+    """(start, bytes) of what each recorded digest covers: the blocks, then the partial last page."""
+    body = nbytes - nbytes % ALIGN_BYTES
+    return io_spans(nbytes, block_bytes) + ([(body, nbytes - body)] if nbytes > body else [])
+
+
+def digest_bounds(numel: int, itemsize: int, block_bytes: int) -> list[int]:
+    """SwapStore.digest_bounds for a store of `block_bytes` blocks, without one."""
+    starts = [s for s, _ in digest_spans(numel * itemsize, block_bytes)]
+    if any(b % itemsize for b in starts):
+        raise ValueError(f"itemsize={itemsize}: blocks of {block_bytes} bytes do not split into items")
+    return [b // itemsize for b in starts] + [numel]
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     offset: int
@@ -254,10 +274,7 @@ class SwapStore:
     def digest_bounds(self, numel: int, itemsize: int) -> list[int]:
         """Element offsets where the checksummed blocks of a `numel`-element tensor start, then numel:
         the spans a caller hashes for `write(digests=)` and `check_digests` (see `block_digest`)."""
-        starts = [s for s, _ in self._digest_spans(numel * itemsize)]
-        if any(b % itemsize for b in starts):
-            raise ValueError(f"itemsize={itemsize}: blocks of {self.block_bytes} bytes do not split into items")
-        return [b // itemsize for b in starts] + [numel]
+        return digest_bounds(numel, itemsize, self.block_bytes)
 
     def check_digests(self, key: str, digests) -> None:
         """Raises SwapCorruptionError naming the first block whose digest (hashed by the caller from what
@@ -422,14 +439,10 @@ class SwapStore:
         return aligned_empty(nbytes), True
 
     def _spans(self, nbytes: int) -> list[tuple[int, int]]:
-        """(start, bytes) of the I/O blocks over the 4 KiB-multiple body (a partial last page moves apart)."""
-        body = nbytes - nbytes % ALIGN_BYTES
-        return [(s, min(self.block_bytes, body - s)) for s in range(0, body, self.block_bytes)]
+        return io_spans(nbytes, self.block_bytes)
 
     def _digest_spans(self, nbytes: int) -> list[tuple[int, int]]:
-        """(start, bytes) of what each recorded digest covers: the blocks, then the partial last page."""
-        body = nbytes - nbytes % ALIGN_BYTES
-        return self._spans(nbytes) + ([(body, nbytes - body)] if nbytes > body else [])
+        return digest_spans(nbytes, self.block_bytes)
 
     def _start(self, key, write, offset, nbytes, buf, crcs, finish) -> Ticket:
         body = nbytes - nbytes % ALIGN_BYTES
