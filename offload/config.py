@@ -22,6 +22,9 @@ def _fail(path: str, value: Any, why: str, fix: str) -> typing.NoReturn:
     raise ValueError(f"{path}={value!r}: {why}; {fix}")
 
 
+CHUNK_ALIGN_BYTES = 8192  # units.ALIGN_NUMEL fp32 elements
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     type: str = "adamw"
@@ -151,6 +154,7 @@ class Config:
     reuse_bytes: int | None = None  # also keep units used again later in the step up to this many bytes (null: derived, README)
     overlap_step: bool = True      # step each unit as soon as its gradients are final, during backward (not with clipping or fp16)
     delayed_update: bool = False   # one-step delayed parameter update: step k's update lands during step k+1's backward (README)
+    chunk_bytes: int = 32 << 20    # the grain of nvme <-> dram movement and of the CPU Adam pipeline (README "Chunks")
     swap_checksum: bool = True     # per-block checksums of swap files, verified on read (nvme optimizer states: in the CPU Adam pass)
     seed: int = 0                  # seeds meta-device materialization
 
@@ -178,6 +182,9 @@ class Config:
         if self.reuse_bytes is not None and (not isinstance(self.reuse_bytes, int) or self.reuse_bytes < 0):
             _fail("reuse_bytes", self.reuse_bytes, "must be an integer >= 0 (bytes)",
                   "use 0 to keep only what reuse_distance keeps, or leave it out for the derived default")
+        if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < CHUNK_ALIGN_BYTES or self.chunk_bytes % CHUNK_ALIGN_BYTES:
+            _fail("chunk_bytes", self.chunk_bytes, f"must be a positive multiple of {CHUNK_ALIGN_BYTES} bytes "
+                  "(2048 fp32 elements: chunks start where parameters may start)", "for example 33554432 (32 MiB)")
         if "nvme" in (self.offload_param.device, self.offload_optimizer.device) and not self.nvme_path:
             _fail("nvme_path", self.nvme_path, "required when a device is \"nvme\"",
                   "set nvme_path to a directory on a fast local drive (--nvme-path DIR)")

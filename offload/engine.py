@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
 import time
 
 import torch
@@ -21,55 +20,20 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload import hooks
 from offload.config import Config, LossScaleConfig, load_config
-from offload.cpu_adam import StepDigests, adam_step
+from offload.chunks import ChunkPool
 from offload.materialize import materialize, unit_values
 from offload.optim import KINDS, STATES, OptimState
-from offload.placement import Placement, plan_placement, staging_class_bytes
+from offload.placement import Placement, plan_placement
 from offload.residency import WeightHandle
+from offload.step import WindowPipeline, run_step
 from offload.tiers import Tiers
 from offload.units import Unit, partition
-from scheduler.streams import CopyStream
+from scheduler.streams import CopyStream, Worker
 from scheduler.telemetry import Telemetry, overlap_fraction
 from scheduler.trace import ExecutionTrace
 from swap import SwapStore
 
 log = logging.getLogger("offload")
-
-
-class Staging:
-    """Dram staging buffers for nvme transfers, all of one size (placement.staging_class_bytes), reused:
-    pages stay faulted in (re-faulting fresh pages stalls I/O far more than the engine choice does), and
-    charged to the dram accountant. `acquire` hands out a typed view of the first `numel` elements."""
-
-    def __init__(self, tiers: Tiers, class_bytes: int):
-        self.tiers, self.class_bytes = tiers, class_bytes
-        self._free: list[torch.Tensor] = []
-        self._lent: dict[int, torch.Tensor] = {}  # data pointer of a handed-out view -> its buffer
-        self._lock = threading.Lock()  # the d2h thread stages gradients while the main thread fetches
-
-    def acquire(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
-        nbytes = numel * dtype.itemsize
-        if nbytes > self.class_bytes:
-            raise ValueError(f"staging for {what}: {nbytes} bytes exceed the staging buffer size {self.class_bytes}")
-        with self._lock:
-            base = self._free.pop() if self._free else None
-        if base is None:
-            base = self.tiers.empty("dram", self.class_bytes, torch.uint8, f"staging for {what}")
-        view = base.view(dtype)[:numel]
-        with self._lock:
-            self._lent[view.data_ptr()] = base
-        return view
-
-    def release(self, t: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(self._lent.pop(t.data_ptr()))
-
-    def trim(self) -> None:
-        """Frees the idle buffers (the ones lent out stay)."""
-        with self._lock:
-            for t in self._free:
-                self.tiers.free("dram", t)
-            self._free.clear()
 
 
 class Engine(nn.Module):
@@ -90,23 +54,28 @@ class Engine(nn.Module):
         self.tiers = Tiers(self.device, self.placement.hbm_budget, self.placement.dram_budget,
                            self.placement.nvme_budget, pin=self.device.type == "cuda")
         self.telemetry = Telemetry()
-        self.staging = Staging(self.tiers, staging_class_bytes(self.units, cfg))
+        self.chunk_numel = cfg.chunk_bytes // 4  # elements per chunk of every flat buffer (offload.chunks)
+        self.staging = ChunkPool(self.tiers, cfg.chunk_bytes, self.placement.pool_chunks)
         self.store = self._open_store() if self.placement.uses_nvme else None
         delay = float(os.environ.get("OFFLOAD_TEST_COPY_DELAY_S", "0"))
         self.h2d = CopyStream("h2d", self.device, delay)   # fetches: dram -> hbm
         self.d2h = CopyStream("d2h", self.device, delay)   # gradients: hbm -> dram accumulators
-        self.trace = ExecutionTrace(cfg.prefetch_units)
+        self.reader = Worker("nvme-read", delay)           # fetches from nvme, chunk by chunk
+        self.trace = ExecutionTrace(self.placement.knobs.prefetch_units)
         self.step_count = self.micro_step = 0
         self.loss_scale = cfg.loss_scale.initial if cfg.precision == "fp16" else 1.0
         self._good_steps = 0
         self.skipped_steps = 0
         self._in_backward = False
         self._grad_jobs: list = []
+        self._grad_job_bytes: list[int] = []  # hbm bytes of each job's gradients
         self._grad_sq: dict[int, float] = {}
         self._kept: dict[int, int] = {}  # units kept in hbm for their next use in this step -> bytes
         self._flushed: set[int] = set()
         self._overlap = self._stepped_in_backward = self._delayed = False
-        self._pending: dict | None = None  # delayed_update: the accepted update not applied yet (step_unit args)
+        self._pending: dict | None = None  # delayed_update: the accepted update not applied yet (step_window args)
+        self._pipe: WindowPipeline | None = None
+        self._grad_reserve = sum(p["bytes"] for p in self.placement.parts if p["name"] == "gradients in flight")
         self._step_mark, self._last_step = self.telemetry.snapshot(), None
         self._closed = False
         self.weights: list[WeightHandle] = []
@@ -122,6 +91,8 @@ class Engine(nn.Module):
         self._grad_hooks = [s.param.register_post_accumulate_grad_hook(self._make_grad_hook(u))
                             for u in self.units for s in u.slots if s.trainable]
         log.info("%s", self.placement.describe())
+        for note in self.placement.notes:
+            log.warning("offload: %s", note)
 
     def _open_store(self) -> SwapStore:
         a = self.cfg.aio
@@ -156,20 +127,23 @@ class Engine(nn.Module):
             for w in self.weights:
                 w.advance()
             self._kept.pop(unit.index, None)
-            self.weights[unit.index].wait_for_fetch()
+            w = self.weights[unit.index]
+            hbm = self.tiers.acct["hbm"]
+            while w.state.value in ("nvme", "dram") and not hbm.fits(w.nbytes) and self._grad_jobs:
+                self._grad_jobs.pop(0).wait()  # on demand: earlier gradients leave hbm first
+            w.wait_for_fetch()
 
     def _prefetch(self, unit: Unit) -> None:
         w = self.weights[unit.index]
-        acct = self.tiers.acct
-        if not acct["hbm"].fits(w.nbytes) or (w.home == "nvme" and not acct["dram"].fits(self.staging.class_bytes)):
-            return  # no room: it will be fetched on demand
+        if not self.tiers.acct["hbm"].fits(w.nbytes + self._grad_reserve):
+            return  # no room (the gradients in flight keep theirs): it will be fetched on demand
         w.fetch()
 
     def release_after_use(self, unit: Unit, backward: bool) -> None:
         if self._in_backward and not backward:
             return  # a recomputed forward (activation checkpointing): its backward comes right after
         distance = self.trace.next_use_distance(unit.index)
-        if distance is not None and (distance <= self.cfg.reuse_distance or self._keep(unit)):
+        if distance is not None and (distance <= self.placement.knobs.reuse_distance or self._keep(unit)):
             return  # used again in this step (the trace says): keep it rather than fetch it again
         with record_function("offload::release"):
             self.weights[unit.index].release()
@@ -214,32 +188,35 @@ class Engine(nn.Module):
         first, last = self.micro_step % gas == 0, self.micro_step % gas == gas - 1
         nbytes = sum(g.numel() * g.element_size() for _, g in grads)
         hbm = self.tiers.acct["hbm"]
-        while not hbm.fits(nbytes) and self._grad_jobs:
-            self._grad_jobs.pop(0).wait()  # back-pressure: let earlier gradients leave hbm first
+        # back-pressure: earlier gradients leave hbm first, within the budget and the planned reserve
+        while self._grad_jobs and (not hbm.fits(nbytes) or sum(self._grad_job_bytes) + nbytes > self._grad_reserve):
+            self._grad_job_bytes.pop(0)
+            self._grad_jobs.pop(0).wait()
         hbm.charge(nbytes, f"{unit.name} gradients")  # they exist in hbm until the d2h job consumed them
         state = self.states[unit.index]
 
         overlap, delayed = self._overlap, self._delayed
 
         def job():
-            if delayed:  # the previous step's update, before the accumulator takes this step's gradient
-                self._pipelined_step(unit)
-            t0 = time.perf_counter()
             try:
+                if delayed:  # the previous step's update, before the accumulator takes this step's gradient
+                    self._pipe.step_unit(unit)
+                t0 = time.perf_counter()
                 sq = state.accumulate(grads, first, last, keep=overlap)
                 self.telemetry.link("hbm_to_dram", nbytes, time.perf_counter() - t0)
                 if sq is not None:
                     self._grad_sq[unit.index] = sq
+                if overlap:
+                    if not math.isfinite(sq):
+                        raise FloatingPointError(f"{unit.name}: gradients are not finite ({self.cfg.precision}); "
+                                                 "lower the learning rate or enable gradient_clipping")
+                    self._pipe.step_unit(unit)  # nvme states read the gradient from `grads` window by window
             finally:
                 grads.clear()
                 hbm.refund(nbytes)
-            if overlap:
-                if not math.isfinite(sq):
-                    raise FloatingPointError(f"{unit.name}: gradients are not finite ({self.cfg.precision}); lower "
-                                             "the learning rate or enable gradient_clipping")
-                self._pipelined_step(unit)
 
         self._grad_jobs.append(self.d2h.submit(job))
+        self._grad_job_bytes.append(nbytes)
 
     def backward(self, loss: torch.Tensor) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
@@ -267,7 +244,7 @@ class Engine(nn.Module):
                     self._finish_pipelined_step()
         finally:
             self._in_backward = self._delayed = False
-            self._grad_jobs = []
+            self._grad_jobs, self._grad_job_bytes = [], []
             self.trace.end_step()
             self.telemetry.span("compute", "backward", t_start, time.perf_counter())
         self.micro_step += 1
@@ -276,38 +253,17 @@ class Engine(nn.Module):
     def _can_overlap(self) -> bool:
         c = self.cfg
         last = self.micro_step % c.gradient_accumulation_steps == c.gradient_accumulation_steps - 1
-        return (c.overlap_step and not c.delayed_update and last and c.gradient_clipping == 0
-                and c.precision != "fp16")
+        return last and c.overlap_step and not c.delayed_update and c.gradient_clipping == 0 and c.precision != "fp16"
 
     def _begin_pipelined_step(self, args: dict, kinds) -> None:
         """Units are stepped on the d2h thread as their gradients become final, in reverse unit order:
-        read the first one's states (`kinds`) ahead. args: step_unit's lr and grad_scale."""
-        self._step_args, self._step_kinds = args, kinds
-        self._step_order = [u.index for u in reversed(self.units) if u.trainable_numel]
-        self._stepped: set[int] = set()
-        self._last_stepped: int | None = None  # its write-behind lands before the next unit's read-ahead
-        first = self.states[self._step_order[0]]
-        self._grad_jobs.append(self.d2h.submit(first.load, kinds))
-
-    def _pipelined_step(self, unit: Unit) -> None:
-        """On the d2h thread, once the unit's weights are no longer needed this backward: its optimizer
-        step; then the previous unit's write-behind lands and the next unit's states are read ahead."""
-        step_unit(self, unit, **self._step_args)
-        if self._last_stepped is not None:  # bound the buffers: the previous unit's write-behind lands now
-            self._wait_stored(self._last_stepped)
-        self._stepped.add(unit.index)
-        self._last_stepped = unit.index
-        nxt = next((i for i in self._step_order if i not in self._stepped), None)
-        if nxt is not None:
-            self.states[nxt].load(self._step_kinds)
-
-    def _wait_stored(self, index: int) -> None:
-        self.states[index].wait_stored()
-        self.weights[index].wait_for_write()
+        the first one's states (`kinds`) are read ahead. args: step_window's lr and grad_scale."""
+        order = [u.index for u in reversed(self.units) if u.trainable_numel]
+        self._pipe = WindowPipeline(self, order, args, kinds, read_ahead=self.placement.read_ahead)
 
     def _finish_pipelined_step(self) -> None:
-        if self._last_stepped is not None:
-            self._wait_stored(self._last_stepped)
+        self._pipe.finish()
+        self._pipe = None
         if self._delayed:
             self._pending = None
             return
@@ -429,14 +385,14 @@ class Engine(nn.Module):
         self._closed = True
         for h in getattr(self, "_handles", []) + getattr(self, "_grad_hooks", []):
             h.remove()
-        for s in (getattr(self, "h2d", None), getattr(self, "d2h", None)):
+        for s in (getattr(self, "h2d", None), getattr(self, "d2h", None), getattr(self, "reader", None)):
             if s is not None:
                 s.close()
         for handle in self.weights + self.states:
             if handle is not None:  # None: initialization stopped before this unit
                 handle.close()
         if getattr(self, "staging", None) is not None:
-            self.staging.trim()
+            self.staging.close()
         if self.store is not None:
             self.store.close()
 
@@ -474,83 +430,3 @@ def lr_factor(sched, step: int) -> float:
     progress = min(1.0, (step - sched.warmup_steps) / max(1, sched.total_steps - sched.warmup_steps))
     shape = 1 - progress if sched.type == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
     return sched.min_ratio + (1 - sched.min_ratio) * shape
-
-
-def run_step(engine: Engine, lr: float, grad_scale: float) -> None:
-    """The step after backward: every trainable unit in turn, reading unit j+1's states ahead while
-    unit j updates and writing unit j-1's behind (at most two units' states staged at once)."""
-    engine._release_all()  # no fetched copy may outlive the update of its home ([Note: updates beside residency])
-    trainable = [u for u in engine.units if u.trainable_numel]
-    for j, unit in enumerate(trainable):
-        engine.states[unit.index].wait_loaded()
-        if j > 0:  # unit j-1's write-behind lands before unit j+1's read-ahead takes its buffers
-            engine._wait_stored(trainable[j - 1].index)
-        if j + 1 < len(trainable):
-            engine.states[trainable[j + 1].index].load()
-        step_unit(engine, unit, lr, grad_scale)
-    if trainable:
-        engine._wait_stored(trainable[-1].index)
-
-
-def step_unit(engine: Engine, unit: Unit, lr: float, grad_scale: float) -> None:
-    """CPU Adam over one unit's states; the new weights go straight into the weight tier's buffer."""
-    st, w = engine.states[unit.index], engine.weights[unit.index]
-    st.wait_loaded()
-    n = unit.trainable_numel
-    home = w.home_buffer()
-    hashed = st.digest_bounds is not None  # nvme states with swap checksums, read unverified
-    # Until the states are checked the new weights stay out of the live copy (a dram or CPU hbm home).
-    live = home is w.dram or home is w.hbm
-    out = engine.staging.acquire(n, home.dtype, f"{unit.name} new weights") if hashed and live else home[:n]
-    t0 = time.perf_counter()
-    with record_function("offload::cpu_adam"):
-        digests = _adam_runs(engine, st, out, lr, grad_scale)
-    engine.telemetry.span("cpu_adam", f"adam {unit.name}", t0, time.perf_counter())
-    if hashed:  # raises before anything computed from corrupted states is kept
-        st.check_digests(digests)
-    st.count_steps()
-    if engine.dtype == torch.float32:
-        out.copy_(st.t["master"])
-    if hashed and live:
-        home[:n].copy_(out)
-        engine.staging.release(out)
-    w.commit_home()
-    st.store()
-
-
-def _adam_runs(engine: Engine, st: OptimState, out: torch.Tensor, lr: float, grad_scale: float) -> StepDigests | None:
-    """The update of the slots that had a gradient ([Note: parameters without a gradient]), bf16/fp16
-    weights into `out`; with swap checksums, the states' digests before and after: hashed by the step
-    itself in the common case of one run over every slot, beside it otherwise."""
-    o, t, bounds = engine.cfg.optimizer, st.t, st.digest_bounds
-    lowp = engine.dtype != torch.float32
-    step_fn = adam_step if t["master"].device.type == "cpu" else _device_adam_step
-    grad = st.grad()
-
-    def adam(b: int, e: int, step: int, **digests):
-        return step_fn(t["master"][b:e], grad[b:e], t["exp_avg"][b:e], t["exp_avg_sq"][b:e], step=step, lr=lr,
-                       beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
-                       adamw=o.type == "adamw", grad_scale=grad_scale, out=out[b:e] if lowp else None, **digests)
-
-    runs = st.runs()
-    if len(runs) == 1 and runs[0][:2] == (0, st.numel):
-        return adam(*runs[0], **({} if bounds is None else {"digest_bounds": bounds}))
-    before = None if bounds is None else st.hash_states()
-    if lowp:
-        out.copy_(t["master"])  # skipped slots keep their weights
-    for run in runs:
-        adam(*run)
-    return None if before is None else StepDigests(before, st.hash_states())
-
-
-def _device_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, adamw,
-                      grad_scale, out) -> None:
-    """Optimizer states kept in accelerator memory (offload_optimizer none on CUDA): torch's fused op."""
-    fused = torch._fused_adamw_ if adamw else torch._fused_adam_
-    if grad_scale != 1.0:
-        grad = grad / grad_scale
-    fused([param], [grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step), device=param.device)],
-          lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
-          grad_scale=None, found_inf=None)
-    if out is not None:
-        out.copy_(param)

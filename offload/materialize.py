@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from offload.chunks import chunk_key, gather
 from offload.optim import OptimState
 from offload.residency import WeightHandle
 from offload.units import Unit
@@ -32,7 +33,6 @@ def materialize(engine) -> None:
                 raise ValueError(f"buffer {type(module).__name__}.{name}: still on the meta device after "
                                  "reset_parameters(); initialize buffers in reset_parameters() too")
             module._buffers[name] = b.to(engine.device)
-    engine.staging.trim()
 
 
 def _from_meta(engine, model: nn.Module, init: bool) -> None:
@@ -75,31 +75,38 @@ def _from_meta(engine, model: nn.Module, init: bool) -> None:
 @torch.no_grad()
 def place(engine, unit: Unit) -> None:
     """Copies the unit's initial values into its weight and optimizer-state homes. Resident homes are
-    filled in place; nvme homes through one staging buffer at a time."""
+    filled in place; nvme homes chunk by chunk through the pool."""
     p = engine.placement
     values = {s.name: _initial_value(engine, s) for s in unit.slots}  # keeps the values past _detach()
     w = WeightHandle(unit, p.weight_home[unit.index], engine.dtype, engine)
-    _fill(engine, w.key if w.home == "nvme" else None, {"hbm": w.hbm, "dram": w.dram}.get(w.home),
-          unit.numel, engine.dtype, [(s.offset, values[s.name]) for s in unit.slots])
-    if w.home == "hbm":
-        w._attach()
+    pieces = [(s.offset, values[s.name]) for s in unit.slots]
+    if w.home == "nvme":
+        _fill_chunks(engine, w.key, w.chunks, engine.dtype, pieces)
+    else:
+        gather(pieces, 0, unit.numel, w.hbm if w.home == "hbm" else w.dram)
+        if w.home == "hbm":
+            w._attach()
     engine.weights[unit.index] = w
     if unit.trainable_numel:
         st = OptimState(unit, p.state_home[unit.index], engine)
-        _fill(engine, st.key("master") if st.home == "nvme" else None, st.t.get("master"),
-              unit.trainable_numel, torch.float32, [(s.offset, values[s.name]) for s in unit.slots if s.trainable])
+        pieces = [(s.offset, values[s.name]) for s in unit.slots if s.trainable]
+        if st.home == "nvme":
+            _fill_chunks(engine, unit.key("master", engine.rank), st.windows, torch.float32, pieces)
+        else:
+            gather(pieces, 0, unit.trainable_numel, st.t["master"])
         engine.states[unit.index] = st
 
 
-def _fill(engine, key: str | None, home: torch.Tensor | None, numel: int, dtype, pieces) -> None:
-    """Writes (offset, flat value) pieces, zero padding between them, into `home`, or into swap `key`."""
-    buf = home if key is None else engine.staging.acquire(numel, dtype, f"initial {key}")
-    buf.zero_()
-    for offset, value in pieces:
-        buf[offset:offset + value.numel()].copy_(value)
-    if key is not None:
-        engine.store.write(key, buf).wait()
-        engine.staging.release(buf)
+def _fill_chunks(engine, key: str, chunks, dtype, pieces) -> None:
+    """Writes (offset, flat value) pieces, zero elsewhere, to the swap chunks of `key`, one pool chunk at
+    a time."""
+    for i, (b, e) in enumerate(chunks):
+        buf = engine.staging.acquire(e - b, dtype, f"initial {key}")
+        try:
+            gather(pieces, b, e, buf)
+            engine.store.write(chunk_key(key, i), buf).wait()
+        finally:
+            engine.staging.release(buf)
 
 
 def _initial_value(engine, s) -> torch.Tensor:
@@ -121,17 +128,24 @@ def unit_values(engine, unit: Unit):
     master = weights = None
     if st is not None:
         if st.home == "nvme":
-            master = torch.empty(unit.trainable_numel, dtype=torch.float32)
-            engine.store.read(st.key("master"), into=master).wait()
+            master = _read_chunks(engine, unit.key("master", engine.rank), st.windows, torch.float32)
         else:
             master = st.t["master"]
     if any(not s.trainable for s in unit.slots):
         if w.home == "nvme":
             w.wait_for_write()
-            weights = torch.empty(unit.numel, dtype=w.dtype)
-            engine.store.read(w.key, into=weights).wait()
+            weights = _read_chunks(engine, w.key, w.chunks, w.dtype)
         else:
             weights = w.hbm if w.home == "hbm" else w.dram
     for s in unit.slots:
         src = master if s.trainable else weights
         yield s, src[s.offset:s.offset + s.numel].to("cpu", torch.float32, copy=True).view(s.shape)
+
+
+def _read_chunks(engine, key: str, chunks, dtype) -> torch.Tensor:
+    """A buffer stored in swap chunks, read whole into a new tensor (its values are returned whole)."""
+    out = torch.empty(chunks[-1][1] if chunks else 0, dtype=dtype)
+    tickets = [engine.store.read(chunk_key(key, i), into=out[b:e]) for i, (b, e) in enumerate(chunks)]
+    for t in tickets:
+        t.wait()
+    return out

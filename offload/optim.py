@@ -1,10 +1,10 @@
-"""Optimizer states per unit and the step over them.
+"""Optimizer states per unit, in windows of one chunk each.
 
 Each trainable unit has four fp32 flats over its trainable prefix: master, exp_avg, exp_avg_sq and the
-gradient accumulator. Their home is hbm, dram or nvme. On nvme they are staged through dram buffers:
-the step reads unit j+1's states while CPU Adam updates unit j and unit j-1's are written back
-(read-ahead / write-behind), and CPU Adam writes the new weights in the compute dtype straight into
-the buffer that goes to the weight tier.
+gradient accumulator. Their home is hbm, dram or nvme. The step runs over windows of chunk_numel
+elements (offload.chunks): resident states are viewed in place; nvme states are staged window by window
+through pool chunks (one swap key per kind and chunk), the step reading window j+1 ahead while CPU Adam
+updates window j and window j-1 is written back, so the optimizer's dram is a few chunks at any model size.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from offload.chunks import chunk_key, gather, windows
 from offload.cpu_adam import grad_sq_sum
 from offload.residency import HOME_STATE, R, _Handle
 from offload.units import Unit
@@ -22,17 +23,29 @@ KINDS = ("master", "exp_avg", "exp_avg_sq", "grad")
 STATES = KINDS[:3]  # what a read-ahead loads: the gradient may not be final yet
 
 
+class StagedWindow(_Handle):
+    """One chunk of an nvme unit's states in dram: its pool chunks per kind and the I/O in flight."""
+
+    def __init__(self, name: str):
+        super().__init__(name, "nvme")
+        self.t: dict[str, torch.Tensor] = {}
+        self.tickets: list = []
+        self.t0 = 0.0
+        self.unverified: set[str] = set()       # kinds read without the store's check, until the step's
+        self.digests: dict[str, tuple] = {}     # kind -> block digests of the updated state, for store()
+
+
 class OptimState(_Handle):
-    """One unit's fp32 states. Resident (hbm/dram) states are allocated once; nvme ones are staged."""
+    """One unit's fp32 states. Resident (hbm/dram) states are allocated once; nvme ones are staged by window."""
 
     def __init__(self, unit: Unit, home: str, engine):
         super().__init__(f"{unit.name}/optim", home)
         self.unit, self.eng = unit, engine
         self.numel = unit.trainable_numel
-        self.t: dict[str, torch.Tensor] = {}
-        self._tickets: list = []
-        self._t0 = 0.0
-        self._grad: torch.Tensor | None = None  # nvme: a final gradient kept in dram for the step
+        self.windows = windows(self.numel, engine.chunk_numel)
+        self.t: dict[str, torch.Tensor] = {}    # resident homes: the four full flats
+        self._win = [StagedWindow(f"{unit.name}/optim#{i}") for i in range(len(self.windows))] if home == "nvme" else []
+        self._grads: list | None = None           # nvme, overlapped step: this backward's gradients, read by window
         self.grad_dtype = torch.float32          # what the accumulator holds: see accumulate()
         # [Note: swap digests in the step] (offload/csrc/cpu_adam.cpp): with swap checksums on, the step
         # hashes the states it reads and writes, so they are read unverified and checked after it.
@@ -40,182 +53,245 @@ class OptimState(_Handle):
         # torch's optimizers skip a parameter whose .grad is None: no decay, no moment update, and its own
         # step count (bias correction) does not advance. So each trainable slot counts its steps, the
         # accumulator notes which slots received a gradient in the accumulation window, and the step
-        # updates only those (see engine.step_unit); in the common case that is one run over all.
+        # updates only those (see offload.step); in the common case that is one run over all.
         self.slots = sorted((s for s in unit.slots if s.trainable), key=lambda s: s.offset)
         self.slot_steps = [0] * len(self.slots)
         self._slot_at = {s.offset: i for i, s in enumerate(self.slots)}
         self.got_grad: set[int] = set()           # slot indices with a gradient in this window
-        self.digest_bounds = None
-        if home == "nvme" and engine.store.checksum:
-            self.digest_bounds = engine.store.digest_bounds(self.numel, 4)
-        self._unverified: set[str] = set()       # kinds read without the store's check, until the step's
-        self._digests: dict[str, tuple] = {}     # kind -> block digests of the updated state, for store()
+        self.hashed = home == "nvme" and engine.store.checksum
+        self._bounds: dict[int, list[int]] = {}
         if home != "nvme":
             for kind in KINDS:
                 self.t[kind] = engine.tiers.empty(home, self.numel, torch.float32, f"{unit.name} {kind}").zero_()
 
-    def key(self, kind: str) -> str:
-        return self.unit.key(kind, self.eng.rank)
+    def key(self, kind: str, i: int) -> str:
+        return chunk_key(self.unit.key(kind, self.eng.rank), i)
 
-    # -- nvme staging -------------------------------------------------------------------------------
-    def load(self, kinds=KINDS) -> None:
-        """Starts reading `kinds` into dram staging buffers (missing keys read as zeros)."""
-        if self.home != "nvme" or self.state is not R.NVME:
-            return
-        for kind in kinds:
-            if kind == "grad" and self._grad is not None:
-                continue
-            buf = self.eng.staging.acquire(self.numel, torch.float32, f"{self.unit.name} {kind}")
-            self.t[kind] = buf
-            if self.key(kind) in self.eng.store:  # exp_avg/exp_avg_sq start as zeros, unwritten
-                verify = self.digest_bounds is None or kind not in STATES
-                self._tickets.append(self.eng.store.read(self.key(kind), into=buf, verify=verify))
-                if not verify:
-                    self._unverified.add(kind)
-            else:
-                buf.zero_()
-        self._t0 = time.perf_counter()
-        self._set(R.NVME_TO_DRAM, R.NVME)
+    def digest_bounds(self, i: int) -> list[int] | None:
+        """Element bounds of window i's swap digests (None without swap checksums)."""
+        if not self.hashed:
+            return None
+        b, e = self.windows[i]
+        if e - b not in self._bounds:
+            self._bounds[e - b] = self.eng.store.digest_bounds(e - b, 4)
+        return self._bounds[e - b]
 
-    def wait_loaded(self) -> None:
-        if self.home != "nvme" or self.state is R.DRAM:
-            return
-        if self.state is R.NVME:
-            self.load()
-        for t in self._tickets:
-            t.wait()
-        self.eng.telemetry.link("nvme_to_dram", 4 * self.numel * len(self._tickets), time.perf_counter() - self._t0)
-        self._tickets = []
-        if "grad" not in self.t:
-            if self._grad is not None:
-                self.t["grad"], self._grad = self._grad, None
-            else:
-                self.t["grad"] = self.eng.staging.acquire(self.numel, torch.float32, f"{self.unit.name} grad")
-                self.eng.store.read(self.key("grad"), into=self.t["grad"]).wait()
-        self._set(R.DRAM, R.NVME_TO_DRAM)
+    # -- windows ------------------------------------------------------------------------------------
+    def loaded(self, i: int) -> bool:
+        return self.home != "nvme" or self._win[i].state is not R.NVME
 
-    def grad(self) -> torch.Tensor:
-        """The window's gradient as the step reads it: the fp32 accumulator, or (one micro-step, low
-        precision) the backward's own gradient in the first half of its bytes."""
-        return self._as_grad(self.t["grad"])
+    def view(self, i: int) -> dict[str, torch.Tensor]:
+        """Window i's master/exp_avg/exp_avg_sq (after wait_loaded(i))."""
+        if self.home != "nvme":
+            b, e = self.windows[i]
+            return {k: self.t[k][b:e] for k in STATES}
+        return self._win[i].t
+
+    def grad(self, i: int) -> torch.Tensor:
+        """Window i's gradient as the step reads it: the fp32 accumulator, or (one micro-step, low
+        precision) the backward's own gradient dtype; for nvme states with an overlapped step, gathered
+        from this backward's gradients into a pool chunk that store(i) returns."""
+        b, e = self.windows[i]
+        if self.home != "nvme":
+            return self._as_grad(self.t["grad"])[b:e]
+        w = self._win[i]
+        if "grad" not in w.t:
+            w.t["grad"] = self.eng.staging.acquire(e - b, self.grad_dtype, f"{self.unit.name} grad")
+            gather(self._grads, b, e, w.t["grad"])
+        return w.t["grad"]
 
     def _as_grad(self, buf: torch.Tensor) -> torch.Tensor:
         """The fp32 accumulator buffer `buf` as the window's gradient dtype (see accumulate())."""
-        return buf if self.grad_dtype == torch.float32 else buf.view(self.grad_dtype)[:self.numel]
+        return buf if self.grad_dtype == torch.float32 else buf.view(self.grad_dtype)[:buf.numel()]
 
-    def runs(self) -> list[tuple[int, int, int]]:
-        """(begin, end, step) element ranges of the trainable prefix to update now, each with the 1-based
-        step count of its slots; a slot's range runs to the next slot (its padding included)."""
+    def runs(self, i: int) -> list[tuple[int, int, int]]:
+        """(begin, end, step) element ranges of window i (relative to it) to update now, each with the
+        1-based step count of its slots; a slot's range runs to the next slot (its padding included)."""
+        wb, we = self.windows[i]
         ends = [s.offset for s in self.slots[1:]] + [self.numel]
         out: list[list[int]] = []
-        for i, (slot, end) in enumerate(zip(self.slots, ends)):
-            if i not in self.got_grad:
+        for k, (slot, end) in enumerate(zip(self.slots, ends)):
+            b, e = max(slot.offset, wb), min(end, we)
+            if k not in self.got_grad or b >= e:
                 continue
-            step = self.slot_steps[i] + 1
-            if out and out[-1][1] == slot.offset and out[-1][2] == step:
-                out[-1][1] = end
+            step = self.slot_steps[k] + 1
+            if out and out[-1][1] == b - wb and out[-1][2] == step:
+                out[-1][1] = e - wb
             else:
-                out.append([slot.offset, end, step])
+                out.append([b - wb, e - wb, step])
         return [tuple(r) for r in out]
 
-    def hash_states(self) -> tuple[tuple[int, ...], ...]:
-        """Swap digests of the staged master/exp_avg/exp_avg_sq (when the step cannot hash them itself)."""
-        return tuple(tensor_digests(self.t[k], self.digest_bounds) for k in STATES)
+    def hash_states(self, i: int) -> tuple[tuple[int, ...], ...]:
+        """Swap digests of window i's staged master/exp_avg/exp_avg_sq (when the step cannot hash them)."""
+        return tuple(tensor_digests(self._win[i].t[k], self.digest_bounds(i)) for k in STATES)
 
     def count_steps(self) -> None:
-        """After the update: the slots that had a gradient advanced one step."""
-        for i in self.got_grad:
-            self.slot_steps[i] += 1
+        """After the update of every window: the slots that had a gradient advanced one step."""
+        for k in self.got_grad:
+            self.slot_steps[k] += 1
+        self._grads = None
 
-    def check_digests(self, digests) -> None:
-        """After the step hashed the states (cpu_adam.StepDigests): raises SwapCorruptionError if what was
-        read differs from what was written; keeps the new states' digests for store()."""
+    def check_digests(self, i: int, digests) -> None:
+        """After the step hashed window i's states (cpu_adam.StepDigests): raises SwapCorruptionError if
+        what was read differs from what was written; keeps the new states' digests for store()."""
+        w = self._win[i]
         for kind, before, after in zip(STATES, digests.before, digests.after):
-            if kind in self._unverified:
-                self.eng.store.check_digests(self.key(kind), before)
-            self._digests[kind] = after
-        self._unverified.clear()
+            if kind in w.unverified:
+                self.eng.store.check_digests(self.key(kind, i), before)
+            w.digests[kind] = after
+        w.unverified.clear()
 
-    def store(self, kinds=STATES) -> None:
-        """Starts writing `kinds` back (write-behind); the other staged kinds are dropped."""
+    # -- nvme staging -------------------------------------------------------------------------------
+    def load(self, i: int, kinds=KINDS) -> None:
+        """Starts reading window i's `kinds` into pool chunks (missing keys read as zeros)."""
+        if self.home != "nvme" or self._win[i].state is not R.NVME:
+            return
+        w, (b, e) = self._win[i], self.windows[i]
+        try:
+            for kind in kinds:
+                buf = w.t[kind] = self.eng.staging.acquire(e - b, torch.float32, f"{self.unit.name} {kind}")
+                key = self.key(kind, i)
+                if key in self.eng.store:  # exp_avg/exp_avg_sq start as zeros, unwritten
+                    verify = not self.hashed or kind not in STATES
+                    w.tickets.append(self.eng.store.read(key, into=buf, verify=verify))
+                    if not verify:
+                        w.unverified.add(kind)
+                else:
+                    buf.zero_()
+        except BaseException:
+            self._drop(w)
+            raise
+        w.t0 = time.perf_counter()
+        w._set(R.NVME_TO_DRAM, R.NVME)
+
+    def wait_loaded(self, i: int) -> None:
+        if self.home != "nvme" or self._win[i].state is R.DRAM:
+            return
+        if self._win[i].state is R.NVME:
+            self.load(i, STATES if self._grads is not None else KINDS)
+        w = self._win[i]
+        try:
+            for t in w.tickets:
+                t.wait()
+        except BaseException:
+            self._drop(w)
+            raise
+        self.eng.telemetry.link("nvme_to_dram", 4 * (self.windows[i][1] - self.windows[i][0]) * len(w.tickets),
+                                time.perf_counter() - w.t0)
+        w.tickets = []
+        w._set(R.DRAM, R.NVME_TO_DRAM)
+
+    def store(self, i: int, kinds=STATES) -> None:
+        """Starts writing window i's `kinds` back (write-behind); its other chunks return to the pool."""
         if self.home != "nvme":
             return
-        if self._unverified:  # an invariant, not user input: unchecked bytes must never be written back
-            raise RuntimeError(f"{self.name}: {sorted(self._unverified)} read unverified and not checked by a step")
-        for kind in [k for k in self.t if k not in kinds]:
-            self.eng.staging.release(self.t.pop(kind))
-        self._tickets = [self.eng.store.write(self.key(kind), self.t[kind], digests=self._digests.pop(kind, None))
-                         for kind in kinds]
-        self._t0 = time.perf_counter()
-        self._set(R.DRAM_TO_NVME, R.DRAM)
+        w = self._win[i]
+        if w.unverified:  # an invariant, not user input: unchecked bytes must never be written back
+            raise RuntimeError(f"{w.name}: {sorted(w.unverified)} read unverified and not checked by a step")
+        for kind in [k for k in w.t if k not in kinds]:
+            self.eng.staging.release(w.t.pop(kind))
+        w.tickets = [self.eng.store.write(self.key(kind, i), w.t[kind], digests=w.digests.pop(kind, None))
+                     for kind in kinds]
+        w.t0 = time.perf_counter()
+        w._set(R.DRAM_TO_NVME, R.DRAM)
 
-    def wait_stored(self) -> None:
-        if self.home != "nvme" or self.state is not R.DRAM_TO_NVME:
+    def wait_stored(self, i: int) -> None:
+        if self.home != "nvme" or self._win[i].state is not R.DRAM_TO_NVME:
             return
-        for t in self._tickets:
-            t.wait()
-        self.eng.telemetry.link("dram_to_nvme", 4 * self.numel * len(self._tickets), time.perf_counter() - self._t0)
-        self._tickets = []
-        for kind in list(self.t):
-            self.eng.staging.release(self.t.pop(kind))
-        self._set(R.NVME, R.DRAM_TO_NVME)
+        w = self._win[i]
+        try:
+            for t in w.tickets:
+                t.wait()
+            self.eng.telemetry.link("dram_to_nvme", 4 * (self.windows[i][1] - self.windows[i][0]) * len(w.tickets),
+                                    time.perf_counter() - w.t0)
+        finally:
+            self._drop(w)
+
+    def discard(self, i: int) -> None:
+        """Window i's staged chunks go back to the pool unwritten (after a failed step)."""
+        if self.home == "nvme":
+            self._drop(self._win[i])
+
+    def _drop(self, w: StagedWindow) -> None:
+        """Settles the window's I/O and returns its chunks; the window is at home (nvme) again."""
+        for t in w.tickets:
+            try:
+                t.wait()
+            except BaseException:  # reported by whoever waited first
+                pass
+        w.tickets = []
+        for kind in list(w.t):
+            self.eng.staging.release(w.t.pop(kind))
+        w.unverified.clear()
+        w.digests.clear()
+        w.state = R.NVME
 
     # -- the gradient accumulator (runs on the d2h copy thread) --------------------------------------
     def accumulate(self, grads: list[tuple[int, torch.Tensor]], first: bool, last: bool,
                    keep: bool = False) -> float | None:
         """Adds this micro-step's gradients (offset, flat grad) into the fp32 accumulator; on the last
         micro-step returns its sum of squares (for the global norm and fp16 overflow detection).
-        keep: an nvme accumulator stays in dram for the step that follows at once (no round trip).
-        A window of one micro-step in bf16/fp16 (the common case) keeps the gradient in its own dtype in
-        the accumulator's first bytes: the step casts it as it reads it (the same fp32 values), and the
-        copy's writes, the sum of squares and the step's gradient reads each move half the bytes."""
-        if self.home == "nvme":
-            buf = self.eng.staging.acquire(self.numel, torch.float32, f"{self.unit.name} grad")
-            if not first:
-                self.eng.store.read(self.key("grad"), into=buf).wait()
-        else:
-            buf = self.t["grad"]
+        keep: the step follows at once (one micro-step, overlapped): nvme states then read the gradient
+        window by window straight from `grads`, which the caller keeps alive until the step is done.
+        A window of one micro-step in bf16/fp16 (the common case) keeps the gradient in its own dtype
+        (in a resident accumulator's first bytes): the step casts it as it reads it (the same fp32 values),
+        and the copy's writes, the sum of squares and the step's gradient reads each move half the bytes."""
         if first:
-            dtype = grads[0][1].dtype if grads else torch.float32
-            own = last and dtype != torch.float32 and buf.device.type == "cpu" and (self.home != "nvme" or keep)
-            self.grad_dtype = dtype if own else torch.float32
-        acc = self._as_grad(buf)
-        if first:  # the first micro-step's gradients are copied in (a cast); only the gaps are zeroed
             self.got_grad = set()
-            end = 0
-            for offset, g in sorted(grads, key=lambda og: og[0]):
-                acc[end:offset].zero_()
-                end = offset + g.numel()
-            acc[end:].zero_()
+            dtype = grads[0][1].dtype if grads else torch.float32
+            resident_cpu = self.home != "nvme" and self.t["grad"].device.type == "cpu"
+            own = last and dtype != torch.float32 and (resident_cpu or keep)
+            self.grad_dtype = dtype if own else torch.float32
         self.got_grad.update(self._slot_at[offset] for offset, _ in grads)
-        for offset, g in grads:
-            dst = acc[offset:offset + g.numel()]
-            dst.copy_(g) if first else dst.add_(g.to(acc.device))  # blocking: the add reads it next
-        sq = None
-        if last:
-            sq = grad_sq_sum(acc) if acc.device.type == "cpu" else float(acc.double().square().sum())
         if self.home == "nvme" and keep:
-            self._grad = buf
-        elif self.home == "nvme":
-            t0 = time.perf_counter()
-            self.eng.store.write(self.key("grad"), buf).wait()
-            self.eng.telemetry.link("dram_to_nvme", buf.numel() * 4, time.perf_counter() - t0)
-            self.eng.staging.release(buf)
-        return sq
+            self._grads = list(grads)
+            return sum(grad_sq_sum(g) if g.device.type == "cpu" else float(g.double().square().sum())
+                       for _, g in grads)
+        if self.home == "nvme":
+            return self._accumulate_chunks(grads, first, last)
+        acc = self._as_grad(self.t["grad"])
+        _add_window(acc, grads, 0, self.numel, first)
+        return _sq(acc) if last else None
+
+    def _accumulate_chunks(self, grads, first: bool, last: bool) -> float | None:
+        """An nvme accumulator, window by window: read (after the first micro-step), add, write back."""
+        sq = 0.0
+        for i, (b, e) in enumerate(self.windows):
+            buf = self.eng.staging.acquire(e - b, torch.float32, f"{self.unit.name} grad")
+            try:
+                if not first:
+                    self.eng.store.read(self.key("grad", i), into=buf).wait()
+                _add_window(buf, grads, b, e, first)
+                if last:
+                    sq += _sq(buf)
+                t0 = time.perf_counter()
+                self.eng.store.write(self.key("grad", i), buf).wait()
+                self.eng.telemetry.link("dram_to_nvme", buf.numel() * 4, time.perf_counter() - t0)
+            finally:
+                self.eng.staging.release(buf)
+        return sq if last else None
 
     def close(self) -> None:
-        for t in self._tickets:
-            t.wait()
-        self._tickets = []
-        self._unverified.clear()
-        self._digests.clear()
-        if self.home == "nvme":
-            for kind in list(self.t):
-                self.eng.staging.release(self.t.pop(kind))
-            if self._grad is not None:
-                self.eng.staging.release(self._grad)
-                self._grad = None
-        else:
+        for w in self._win:
+            self._drop(w)
+        self._grads = None
+        if self.home != "nvme":
             for kind in list(self.t):
                 self.eng.tiers.free(self.home, self.t.pop(kind))
         self.state = HOME_STATE[self.home]
+
+
+def _add_window(acc: torch.Tensor, grads, begin: int, end: int, first: bool) -> None:
+    """acc (elements [begin, end) of the accumulator) = the gradients (first micro-step: a copy, gaps
+    zeroed) or += them."""
+    if first:
+        gather(grads, begin, end, acc)
+        return
+    for offset, g in grads:
+        b, e = max(offset, begin), min(offset + g.numel(), end)
+        if b < e:
+            acc[b - begin:e - begin].add_(g[b - offset:e - offset].to(acc.device))  # blocking: read next
+
+
+def _sq(acc: torch.Tensor) -> float:
+    return grad_sq_sum(acc) if acc.device.type == "cpu" else float(acc.double().square().sum())

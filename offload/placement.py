@@ -7,14 +7,17 @@ with the numbers. Budgets left unset are derived with a safety margin (SAFETY) f
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
-from dataclasses import dataclass, field
+import tempfile
+from dataclasses import dataclass, field, replace
 
 import psutil
 import torch
 
 from offload.estimate import OFFLOAD_TIER as HOME  # offload device -> tier
+from offload.memory import MINIMUM, Knobs, pool_chunks, runtime_parts, totals
 from offload.units import Unit
 
 SAFETY = 0.85  # of the memory available at start, when a budget is not given
@@ -29,28 +32,44 @@ class PlacementError(ValueError):
 class Placement:
     weight_home: dict[int, str]
     state_home: dict[int, str]
-    need: dict[str, int]             # bytes each tier will hold (model states + the runtime's buffers)
+    need: dict[str, int]             # bytes each tier will hold (model states + the runtime's parts)
     hbm_budget: int
     dram_budget: int
     nvme_budget: int
     rows: list[tuple] = field(default_factory=list)
-    reuse_bytes: int = 0             # weights kept in hbm for their next use in the step (part of need["hbm"])
+    knobs: Knobs = field(default_factory=Knobs)   # the working set's optional parts, shrunk to the budgets
+    parts: list[dict] = field(default_factory=list)  # offload.memory.runtime_parts
+    notes: list[str] = field(default_factory=list)   # what was shrunk to fit, said once
+    pool_chunks: int = 0
 
     @property
     def uses_nvme(self) -> bool:
         return "nvme" in self.weight_home.values() or "nvme" in self.state_home.values()
 
+    @property
+    def reuse_bytes(self) -> int:
+        return self.knobs.reuse_bytes
+
+    @property
+    def read_ahead(self) -> bool:
+        return self.knobs.read_ahead
+
     def describe(self) -> str:
         lines = ["offload placement:", f"  {'unit':40s} {'numel':>12s} {'weights':>8s} {'optimizer':>9s}"]
         for name, numel, w, s in self.rows:
             lines.append(f"  {name[:40]:40s} {numel:12d} {w:>8s} {s:>9s}")
+        lines.append(self.summary())
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """Per tier: need of budget, and the runtime's parts with their formulas."""
+        lines = []
         for tier in ("hbm", "dram", "nvme"):
             budget = getattr(self, f"{tier}_budget")
             lines.append(f"  {tier}: needs {self.need[tier] / 2**20:.1f} MiB of a {budget / 2**20:.1f} MiB budget")
-        if self.reuse_bytes:
-            lines.append(f"  hbm keeps up to {self.reuse_bytes / 2**20:.1f} MiB of weights between their uses in a "
-                         f"step (forward -> backward) instead of fetching them again (reuse_bytes)")
-        return "\n".join(lines)
+        for p in self.parts:
+            lines.append(f"    {p['tier']} {p['name']}: {p['bytes'] / 2**20:.1f} MiB = {p['formula']}")
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
 def _default_budgets(device: torch.device) -> tuple[int, int]:
@@ -67,75 +86,73 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     w_home, s_home = HOME[cfg.offload_param.device], HOME[cfg.offload_optimizer.device]
     weight_home = {u.index: "hbm" if u.persistent else w_home for u in units}
     state_home = {u.index: s_home for u in units if u.trainable_numel}
-    need = {"hbm": 0, "dram": 0, "nvme": 0}
+    states = {"hbm": 0, "dram": 0, "nvme": 0}
     rows = []
+    # An nvme gradient accumulator exists only when the step does not follow each gradient at once.
+    kinds = STATE_KINDS - (s_home == "nvme" and overlapped(cfg))
     for u in units:
-        need[weight_home[u.index]] += u.numel * itemsize
+        states[weight_home[u.index]] += u.numel * itemsize
         if u.trainable_numel:
-            need[state_home[u.index]] += STATE_KINDS * 4 * u.trainable_numel
+            states[state_home[u.index]] += kinds * 4 * u.trainable_numel
         rows.append((u.name, u.numel, weight_home[u.index], state_home.get(u.index, "-")))
-    runtime = runtime_bytes(units, cfg, w_home, s_home, device.type)
-    for tier in ("hbm", "dram"):
-        need[tier] += runtime[tier]
     default_hbm, default_dram = _default_budgets(device)
-    p = Placement(weight_home, state_home, need, cfg.budgets.hbm_bytes or default_hbm,
+    p = Placement(weight_home, state_home, dict(states), cfg.budgets.hbm_bytes or default_hbm,
                   cfg.budgets.dram_bytes or default_dram, _free_disk(cfg) if cfg.nvme_path else 0, rows)
-    p.reuse_bytes = reuse_allowance(units, cfg, p, device)
-    need["hbm"] += p.reuse_bytes
+    fetched = [u.numel for u in units if weight_home[u.index] != "hbm"]
+    trainable = [u.trainable_numel for u in units if u.trainable_numel]
+
+    def plan(knobs: Knobs) -> tuple[list[dict], dict[str, int]]:
+        parts = runtime_parts(fetched, trainable, itemsize, w_home, s_home, device.type, cfg.chunk_bytes, knobs)
+        need = totals(parts)
+        return parts, {t: states[t] + need[t] for t in states}
+
+    p.knobs, p.notes = _fit(plan, p, cfg)
+    p.parts, p.need = plan(p.knobs)
+    p.pool_chunks = pool_chunks(w_home, s_home, device.type, p.knobs.read_ahead)[0]
+    if cfg.reuse_bytes is None:  # derived from the room the rest leaves
+        p.knobs = replace(p.knobs, reuse_bytes=reuse_allowance(fetched, itemsize, p, device))
+        p.parts, p.need = plan(p.knobs)
     if check:
-        preflight(p, device)
+        preflight(p, device, cfg, plan(MINIMUM)[1])
     return p
 
 
-def reuse_allowance(units: list[Unit], cfg, p: Placement, device: torch.device) -> int:
+def overlapped(cfg) -> bool:
+    """Whether every step runs unit by unit during the backward that produced its gradients (the engine's
+    overlap_step path), so no gradient accumulator outlives a backward."""
+    return (cfg.overlap_step and not cfg.delayed_update and cfg.gradient_accumulation_steps == 1
+            and cfg.gradient_clipping == 0 and cfg.precision != "fp16")
+
+
+def _fit(plan, p: Placement, cfg) -> tuple[Knobs, list[str]]:
+    """The default knobs, or the optional parts given up one by one ([Note: shrinking to a budget] in
+    offload.memory) until hbm and dram fit their budgets; the minimum if nothing fits (preflight refuses)."""
+    knobs = Knobs(prefetch_units=cfg.prefetch_units, reuse_distance=cfg.reuse_distance, reuse_bytes=cfg.reuse_bytes or 0)
+    steps = [replace(knobs, prefetch_units=n) for n in range(knobs.prefetch_units - 1, -1, -1)]
+    steps = [knobs] + steps
+    steps += [replace(steps[-1], read_ahead=False),
+              replace(steps[-1], read_ahead=False, grad_units=1, reuse_distance=min(0, knobs.reuse_distance))]
+    for k in steps:
+        _, need = plan(k)
+        if need["hbm"] <= p.hbm_budget and need["dram"] <= p.dram_budget:
+            break
+    if k == knobs:
+        return k, []
+    changes = [f"{name} {getattr(knobs, name)} -> {getattr(k, name)}" for name in ("prefetch_units", "read_ahead",
+               "grad_units", "reuse_distance") if getattr(knobs, name) != getattr(k, name)]
+    return k, [f"the budgets (hbm {p.hbm_budget} B, dram {p.dram_budget} B) are below the default working set: "
+               f"{', '.join(changes)} (slower, not different: every number trained is the same)"]
+
+
+def reuse_allowance(fetched: list[int], itemsize: int, p: Placement, device: torch.device) -> int:
     """Bytes of fetched weights the engine may keep in hbm until their next use in the same step (a
-    forward's units until their backward) rather than release and fetch them again. `reuse_bytes` when
-    set (capped by the weights that are fetched at all); else half the hbm room the placement leaves
-    (the budget less its need; on the CPU backend, where hbm is host memory too, also less the dram
-    need), the other half left to activations, which no accountant sees."""
-    fetched = sum(u.numel for u in units if p.weight_home[u.index] != "hbm") * cfg.compute_dtype.itemsize
-    if cfg.reuse_bytes is not None:
-        return min(cfg.reuse_bytes, fetched)
+    forward's units until their backward) rather than release and fetch them again: half the hbm room
+    the placement leaves (the budget less its need; on the CPU backend, where hbm is host memory too,
+    also less the dram need), the other half left to activations, which no accountant sees."""
     room = p.hbm_budget - p.need["hbm"]
     if device.type == "cpu":
         room = min(room, int(psutil.virtual_memory().available * SAFETY) - p.need["hbm"] - p.need["dram"])
-    return max(0, min(fetched, room // 2))
-
-
-def staging_class_bytes(units: list[Unit], cfg) -> int:
-    """Every dram staging buffer has this one size (the largest a unit needs: its weights in the compute
-    dtype, or one fp32 state over its trainable prefix), so any idle buffer serves any request and the
-    staging peak is a count of buffers, never a sum over fragmented size classes."""
-    itemsize = cfg.compute_dtype.itemsize
-    return max((max(u.numel * itemsize, u.trainable_numel * 4) for u in units), default=0)
-
-
-def staging_buffers(cfg, w_home: str, s_home: str, device_type: str = "cpu") -> int:
-    """How many staging buffers are in use at most: fetches of nvme weights in flight (the unit in use
-    plus `prefetch_units` ahead); for nvme optimizer states two units' four fp32 states (the unit being
-    updated and the one read ahead or written behind); and two new-weight buffers (one being filled, one
-    written behind) where new weights cannot be written in place (nvme weights, or hbm on a GPU)."""
-    in_flight = 1 + cfg.prefetch_units
-    n = in_flight if w_home == "nvme" else 0
-    if s_home == "nvme":
-        n += 2 * STATE_KINDS
-    if w_home == "nvme" or (w_home == "hbm" and device_type != "cpu"):
-        n += 2
-    return n
-
-
-def runtime_bytes(units: list[Unit], cfg, w_home: str, s_home: str, device_type: str = "cpu") -> dict[str, int]:
-    """The runtime's own buffers on top of the ledger: in hbm the working set of fetched units (the one
-    in use plus `prefetch_units` ahead) and two units' gradients on their way to dram; in dram the
-    staging buffers (staging_buffers x staging_class_bytes)."""
-    largest = max((u.numel for u in units if not u.persistent), default=0)
-    largest_trainable = max((u.trainable_numel for u in units), default=0)
-    itemsize = cfg.compute_dtype.itemsize
-    hbm = 2 * largest_trainable * itemsize
-    if w_home != "hbm":
-        hbm += (1 + cfg.prefetch_units) * largest * itemsize
-    dram = staging_buffers(cfg, w_home, s_home, device_type) * staging_class_bytes(units, cfg)
-    return {"hbm": hbm, "dram": dram}
+    return max(0, min(sum(fetched) * itemsize, room // 2))
 
 
 def _free_disk(cfg) -> int:
@@ -145,15 +162,36 @@ def _free_disk(cfg) -> int:
     return shutil.disk_usage(path).free
 
 
-def preflight(p: Placement, device: torch.device) -> None:
+def check_nvme_path(path: str) -> None:
+    """Raises an OSError that names `path` and what is wrong with it as a swap directory: it must be, or be
+    creatable as, a directory in which this process can create files. Tried for real (root passes every
+    permission check that access() makes, and a read-only or pseudo filesystem only shows when writing)."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(errno.ENOTDIR, f"nvme_path={path}: exists and is not a directory; pass a "
+                                 "directory on a local drive (--nvme-path DIR)")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise type(e)(e.errno, f"nvme_path={path}: cannot create swap files there ({e.strerror or e}); pass a "
+                      "writable directory on a local drive (--nvme-path DIR)") from e
+
+
+def preflight(p: Placement, device: torch.device, cfg, minimum: dict[str, int]) -> None:
+    if p.uses_nvme:
+        check_nvme_path(cfg.nvme_path)
     problems = []
     for tier in ("hbm", "dram", "nvme"):
         budget = getattr(p, f"{tier}_budget")
         if p.need[tier] > budget:
             what = "free disk under nvme_path" if tier == "nvme" else f"budget (budgets.{tier}_bytes)"
             kept = f", {p.reuse_bytes} of them reuse_bytes," if tier == "hbm" and p.reuse_bytes else ""
+            least = "" if tier == "nvme" else f"; the least it can train with is {minimum[tier]} bytes " \
+                f"({minimum[tier] / 2**30:.2f} GiB: the largest unit's weights and gradient, one optimizer window)"
             problems.append(f"{tier} needs {p.need[tier]} bytes ({p.need[tier] / 2**30:.2f} GiB){kept} but the "
-                            f"{what} is {budget} bytes ({budget / 2**30:.2f} GiB)")
+                            f"{what} is {budget} bytes ({budget / 2**30:.2f} GiB){least}")
     host = p.need["dram"] + (p.need["hbm"] if device.type == "cpu" else 0)
     avail = psutil.virtual_memory().available
     if host > avail:
@@ -162,4 +200,4 @@ def preflight(p: Placement, device: torch.device) -> None:
     if problems:
         raise PlacementError("the model does not fit: " + "; ".join(problems) +
                              "; offload more (offload_param / offload_optimizer = nvme), raise the budgets, "
-                             "or use smaller units (units.min_numel)")
+                             "or use smaller units (units.min_numel) or chunks (chunk_bytes)")

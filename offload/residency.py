@@ -8,12 +8,14 @@ be freed while a transfer still uses it.
 
 from __future__ import annotations
 
+import collections
 import enum
 import threading
 import time
 
 import torch
 
+from offload.chunks import chunk_key, windows
 from offload.tiers import Tiers
 from offload.units import Unit
 
@@ -21,6 +23,7 @@ from offload.units import Unit
 class Residency(enum.Enum):
     NVME = "nvme"
     NVME_TO_DRAM = "nvme->dram"
+    NVME_TO_HBM = "nvme->hbm"    # chunk by chunk through the dram pool (weights)
     DRAM = "dram"
     DRAM_TO_HBM = "dram->hbm"
     HBM = "hbm"
@@ -30,6 +33,7 @@ class Residency(enum.Enum):
 R = Residency
 TRANSITIONS = {
     (R.NVME, R.NVME_TO_DRAM), (R.NVME_TO_DRAM, R.DRAM),
+    (R.NVME, R.NVME_TO_HBM), (R.NVME_TO_HBM, R.HBM),
     (R.DRAM, R.DRAM_TO_HBM), (R.DRAM_TO_HBM, R.HBM),
     (R.HBM, R.DRAM), (R.HBM, R.NVME),          # release: drop the hbm copy, the home copy stays
     (R.DRAM, R.DRAM_TO_NVME), (R.DRAM_TO_NVME, R.NVME),
@@ -53,7 +57,8 @@ class _Handle:
 
 
 class WeightHandle(_Handle):
-    """A unit's weights in the compute dtype. Home is hbm (persistent), dram, or nvme.
+    """A unit's weights in the compute dtype. Home is hbm (persistent), dram, or nvme (one swap key per
+    chunk: offload.chunks).
 
     The hbm buffer is one flat tensor whose storage is resized to zero when released and back when
     fetched: autograd saves views of that storage in forward, and sees the refilled bytes in backward.
@@ -65,6 +70,7 @@ class WeightHandle(_Handle):
         super().__init__(f"{unit.name}/weight", home)
         self.unit, self.dtype, self.eng = unit, dtype, engine
         self.key = unit.key(f"weight.{str(dtype).removeprefix('torch.')}")
+        self.chunks = windows(unit.numel, engine.chunk_numel)
         tiers: Tiers = engine.tiers
         self.nbytes = unit.numel * dtype.itemsize
         self.hbm = tiers.empty("hbm", unit.numel, dtype, f"{unit.name} weights")
@@ -73,8 +79,7 @@ class WeightHandle(_Handle):
         self._t0 = 0.0
         self._placeholder = torch.empty(0, dtype=dtype, device=self.hbm.device)
         self._write_lock = threading.Lock()
-        self._update = None        # staging buffer the optimizer is filling
-        self._write = None         # (ticket, buffer, t0) of the update written behind
+        self._writes: list = []    # (ticket, chunk buffer, t0) of new weights written behind to nvme
         if home != "hbm":
             self._free_hbm()
             self._detach()
@@ -100,14 +105,49 @@ class WeightHandle(_Handle):
     def fetch(self) -> None:
         """Starts moving the weights towards hbm; idempotent (fetch_if_needed)."""
         if self.state is R.NVME:
-            self._to_nvme_to_dram()
+            self._alloc_hbm()
+            self._pending, self._t0 = self.eng.reader.submit(self._read_chunks), time.perf_counter()
+            self._set(R.NVME_TO_HBM, R.NVME)
         elif self.state is R.DRAM:
-            self._to_dram_to_hbm()
+            self._alloc_hbm()
+            self._pending, self._t0 = self.eng.h2d.copy(self.hbm, self.dram), time.perf_counter()
+            self._set(R.DRAM_TO_HBM, R.DRAM)
+
+    def _read_chunks(self) -> None:
+        """On the reader thread: nvme -> pool chunk -> hbm, chunk by chunk, the next chunk's read in flight
+        while the previous one is copied up (READ_AHEAD chunks of the pool at most)."""
+        self.wait_for_write()  # new weights written behind land before they are read back
+        pool, store, tel = self.eng.staging, self.eng.store, self.eng.telemetry
+        flight: collections.deque = collections.deque()
+
+        def drain() -> None:
+            (b, e), buf, ticket, t0 = flight.popleft()
+            try:
+                ticket.wait()
+                tel.link("nvme_to_dram", buf.numel() * buf.element_size(), time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                self.eng.h2d.copy(self.hbm[b:e], buf).wait()
+                tel.link("dram_to_hbm", buf.numel() * buf.element_size(), time.perf_counter() - t1)
+            finally:
+                pool.release(buf)
+
+        try:
+            for i, (b, e) in enumerate(self.chunks):
+                if len(flight) == READ_AHEAD:
+                    drain()
+                buf = pool.acquire(e - b, self.dtype, f"{self.unit.name} weights")
+                flight.append(((b, e), buf, _read(store, chunk_key(self.key, i), buf, pool), time.perf_counter()))
+            while flight:
+                drain()
+        finally:
+            for _, buf, ticket, _ in flight:  # after a failure: no read may still write into a lent chunk
+                _settle(ticket)
+                pool.release(buf)
 
     def advance(self) -> None:
         """Moves an in-flight fetch one step on if its transfer finished (never blocks)."""
-        if self.state in (R.NVME_TO_DRAM, R.DRAM_TO_HBM) and self._pending.done():
-            self._finish_step()
+        if self.state in (R.NVME_TO_HBM, R.DRAM_TO_HBM) and self._pending.done():
+            self._finish_fetch()
 
     def wait_for_fetch(self) -> None:
         """Blocks until the weights are in hbm and the parameters point at them."""
@@ -115,99 +155,108 @@ class WeightHandle(_Handle):
             return
         self.fetch()
         t0 = time.perf_counter()
-        while self.state is not R.HBM:
-            self._pending.wait()
-            self._finish_step()
+        self._finish_fetch()
         self.eng.telemetry.stall(time.perf_counter() - t0, self.unit.name)
 
-    def _to_nvme_to_dram(self) -> None:
-        self.wait_for_write()  # an update written behind lands before it is read back
-        self.dram = self.eng.staging.acquire(self.unit.numel, self.dtype, f"{self.unit.name} weights")
-        self._pending, self._t0 = self.eng.store.read(self.key, into=self.dram), time.perf_counter()
-        self._set(R.NVME_TO_DRAM, R.NVME)
-
-    def _to_dram_to_hbm(self) -> None:
-        self._alloc_hbm()
-        self._pending, self._t0 = self.eng.h2d.copy(self.hbm, self.dram), time.perf_counter()
-        self._set(R.DRAM_TO_HBM, R.DRAM)
-
-    def _finish_step(self) -> None:
+    def _finish_fetch(self) -> None:
         self._pending.wait()
         self._pending = None
-        if self.state is R.NVME_TO_DRAM:
-            self.eng.telemetry.link("nvme_to_dram", self.nbytes, time.perf_counter() - self._t0)
-            self._set(R.DRAM, R.NVME_TO_DRAM)
-            self._to_dram_to_hbm()
-        else:
+        if self.state is R.DRAM_TO_HBM:
             self.eng.telemetry.link("dram_to_hbm", self.nbytes, time.perf_counter() - self._t0)
-            if self.home == "nvme":
-                self.eng.staging.release(self.dram)
-                self.dram = None
-            self._attach()
-            self._set(R.HBM, R.DRAM_TO_HBM)
+        self._attach()
+        self._set(R.HBM, self.state)
 
     # -- release: hbm -> home -------------------------------------------------------------------------
     def release(self) -> None:
         """Drops the hbm copy (the home copy is current); a no-op for hbm-resident weights."""
         if self.home == "hbm":
             return
-        if self.state in (R.NVME_TO_DRAM, R.DRAM_TO_HBM):
+        if self.state in (R.NVME_TO_HBM, R.DRAM_TO_HBM):
             self.wait_for_fetch()
         if self.state is R.HBM:
             self._detach()
             self._free_hbm()
             self._set(HOME_STATE[self.home], R.HBM)
 
-    # -- new weights from the optimizer ----------------------------------------------------------------
     # -- new weights from the optimizer (on the d2h thread when the step overlaps backward) ------------
     # [Note: updates beside residency]
     # The optimizer writes a unit's new weights to its home copy while the hbm copy may still be attached
     # (the unit's backward is over once its gradients are final, but units are released when backward()
     # ends, and a step outside backward first releases every fetched copy, kept ones included: see
-    # Engine._release_all). So an update never changes the residency state: dram homes and the CPU backend's hbm are
-    # written in place (the trainable prefix only; frozen weights are never written), an nvme home through
-    # a staging buffer written behind, which the next fetch waits for before it reads.
-    def home_buffer(self) -> torch.Tensor:
-        """The flat host buffer the optimizer writes new weights into; then call `commit_home()`."""
+    # Engine._release_all). So an update never changes the residency state: dram homes and the CPU
+    # backend's hbm are written in place (the trainable prefix only; frozen weights are never written),
+    # an nvme home chunk by chunk through pool chunks written behind, which the next fetch waits for.
+    def new_weights(self, i: int, begin: int, end: int) -> torch.Tensor:
+        """The buffer the optimizer writes the new weights of elements [begin, end) (state window i) into,
+        at its start; then call `commit(i, begin, end, buf)`."""
         if self.home == "dram":
-            return self.dram
+            return self.dram[begin:end]
         if self.home == "hbm" and self.hbm.device.type == "cpu":
-            return self.hbm
-        with self._write_lock:
-            self._wait_write_locked()
-            buf = self.eng.staging.acquire(self.unit.numel, self.dtype, f"{self.unit.name} new weights")
-            if self.home == "nvme" and self.unit.trainable_numel < self.unit.numel:
-                self.eng.store.read(self.key, into=buf).wait()  # the frozen tail is written back unchanged
-            self._update = buf
-            return buf
+            return self.hbm[begin:end]
+        cb, ce = self.chunks[i]
+        buf = self.eng.staging.acquire(ce - cb, self.dtype, f"{self.unit.name} new weights")
+        if self.home == "nvme" and end < ce:  # frozen weights share this chunk: written back unchanged
+            try:
+                self.eng.store.read(chunk_key(self.key, i), into=buf).wait()
+            except BaseException:
+                self.eng.staging.release(buf)
+                raise
+        return buf
 
-    def commit_home(self) -> None:
-        """After the optimizer filled `home_buffer()`: nvme weights are written behind; accelerator-resident
-        ones are copied up (the trainable prefix)."""
-        with self._write_lock:
-            buf, self._update = self._update, None
-            if buf is None:
-                return
-            if self.home == "nvme":
-                self._write = (self.eng.store.write(self.key, buf), buf, time.perf_counter())
-                return
-            n = self.unit.trainable_numel
-            self.eng.h2d.copy(self.hbm[:n], buf[:n]).wait()
+    def commit(self, i: int, begin: int, end: int, buf: torch.Tensor) -> None:
+        """After the optimizer filled `new_weights(i, ...)`: nvme chunks are written behind;
+        accelerator-resident weights are copied up (the window only)."""
+        if self.home == "dram" or (self.home == "hbm" and self.hbm.device.type == "cpu"):
+            return
+        if self.home == "nvme":
+            with self._write_lock:
+                self._writes.append((self.eng.store.write(chunk_key(self.key, i), buf), buf, time.perf_counter()))
+            return
+        try:
+            self.eng.h2d.copy(self.hbm[begin:end], buf[:end - begin]).wait()
+        finally:
+            self.eng.staging.release(buf)
+
+    def discard(self, buf: torch.Tensor) -> None:
+        """A `new_weights` buffer that will not be committed (the step failed) goes back unwritten."""
+        if not (self.home == "dram" or (self.home == "hbm" and self.hbm.device.type == "cpu")):
             self.eng.staging.release(buf)
 
     def wait_for_write(self) -> None:
         with self._write_lock:
-            self._wait_write_locked()
-
-    def _wait_write_locked(self) -> None:
-        if self._write is not None:
-            ticket, buf, t0 = self._write
-            ticket.wait()
-            self.eng.telemetry.link("dram_to_nvme", self.nbytes, time.perf_counter() - t0)
+            writes, self._writes = self._writes, []
+        error = None
+        for ticket, buf, t0 in writes:
+            try:
+                ticket.wait()
+                self.eng.telemetry.link("dram_to_nvme", buf.numel() * buf.element_size(), time.perf_counter() - t0)
+            except BaseException as e:  # every chunk is settled and returned before the first error is raised
+                error = error or e
+                _settle(ticket)
             self.eng.staging.release(buf)
-            self._write = None
+        if error is not None:
+            raise error
 
     def close(self) -> None:
-        if self.state in (R.NVME_TO_DRAM, R.DRAM_TO_HBM):
-            self._pending.wait()
+        if self.state in (R.NVME_TO_HBM, R.DRAM_TO_HBM):
+            _settle(self._pending)
         self.wait_for_write()
+
+
+READ_AHEAD = 2  # chunks of one fetch in flight: one being read while the previous is copied up
+
+
+def _read(store, key: str, buf: torch.Tensor, pool):
+    try:
+        return store.read(key, into=buf)
+    except BaseException:
+        pool.release(buf)
+        raise
+
+
+def _settle(completion) -> None:
+    """Waits for a transfer whose result no longer matters (its error was or will be reported elsewhere)."""
+    try:
+        completion.wait()
+    except BaseException:
+        pass

@@ -46,6 +46,27 @@ class Completion:
 DONE = Completion()
 
 
+class Worker:
+    """One host thread running jobs in order, on every backend (the nvme reads of chunked fetches: a job
+    waits on I/O tickets and copies, which must not block the compute thread). Test delays as CopyStream."""
+
+    def __init__(self, name: str, delay_s: float = 0.0):
+        self.delay_s = delay_s
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"offload-{name}")
+
+    def submit(self, fn: Callable, *args) -> Completion:
+        return Completion(future=self._pool.submit(_delayed, self.delay_s, fn, args))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _delayed(delay_s: float, fn: Callable, args) -> None:
+    if delay_s:
+        time.sleep(random.uniform(0, delay_s))
+    fn(*args)
+
+
 class CopyStream:
     """Runs copies in order, beside compute: a CUDA stream, or one worker thread on the CPU backend."""
 
@@ -77,12 +98,7 @@ class CopyStream:
         if self._pool is None:
             fn(*args)
             return DONE
-        return Completion(future=self._pool.submit(self._run, fn, args))
-
-    def _run(self, fn: Callable, args) -> None:
-        if self.delay_s:
-            time.sleep(random.uniform(0, self.delay_s))
-        fn(*args)
+        return Completion(future=self._pool.submit(_delayed, self.delay_s, fn, args))
 
     def close(self) -> None:
         if self._pool is not None:

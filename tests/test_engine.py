@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import offload
-from offload.placement import PlacementError, runtime_bytes
+from offload.placement import PlacementError
 from offload.residency import R
 from tests.engine_util import MLP, Reference, max_state_err, mlp_batches
 
@@ -44,10 +44,11 @@ def test_hbm_budget_of_two_units_holds(tmp_path, monkeypatch, delayed):
     st = eng.stats()
     assert most_fetched <= 2
     assert st["tiers"]["hbm"]["peak_bytes"] <= budget
-    # dram holds only the staging buffers the placement planned (runtime_bytes), never the model
-    planned = runtime_bytes(eng.units, eng.cfg, "nvme", "nvme")["dram"]
-    assert planned == 12 * max(u.trainable_numel * 4 for u in eng.units)  # 2 fetches + 8 states + 2 updates
-    assert st["tiers"]["dram"]["peak_bytes"] <= planned
+    # dram holds only the chunk pool the placement planned, never the model: 2 chunks per fetch + 2
+    # optimizer windows x (4 fp32 states + 1 chunk of new weights)
+    planned = eng.placement.need["dram"]
+    assert planned == eng.placement.pool_chunks * eng.cfg.chunk_bytes == 12 * eng.cfg.chunk_bytes
+    assert st["tiers"]["dram"]["peak_bytes"] == planned
     eng.close()
 
 
@@ -61,7 +62,8 @@ def test_meta_model_larger_than_dram_budget(tmp_path):
     ref = Reference(cpu_model, "fp32", lr=1e-3)
     with torch.device("meta"):
         meta_model = MLP(d=d, n_blocks=n_blocks)
-    c = cfg(tmp_path, seed=7, prefetch_units=1, optimizer={"lr": 1e-3}, budgets={"dram_bytes": budget})
+    c = cfg(tmp_path, seed=7, prefetch_units=1, optimizer={"lr": 1e-3}, budgets={"dram_bytes": budget},
+            chunk_bytes=256 << 10)  # the pool: 12 chunks of 256 KiB
     with offload.initialize(meta_model, c) as eng:
         assert not any(p.is_meta for p in meta_model.parameters())
         losses, ref_losses = [], []
@@ -302,8 +304,8 @@ def test_corrupted_optimizer_state_raises_and_keeps_what_was_written(tmp_path, p
     eng.step()
     unit = next(u for u in eng.units if u.name == "blocks.1")
     st, w = eng.states[unit.index], eng.weights[unit.index]
-    assert len(st.digest_bounds) > 3  # several 8 KiB blocks: the step's per-block digests are exercised
-    key = st.key("exp_avg_sq")
+    assert len(st.digest_bounds(0)) > 3  # several 8 KiB blocks: the step's per-block digests are exercised
+    key = st.key("exp_avg_sq", 0)
     entry = eng.store._index[key]
     with open(eng.store.path, "r+b") as f:  # flip one byte in the middle of its third block
         f.seek(entry.offset + 2 * 8192 + 100)

@@ -295,11 +295,16 @@ def test_weights_kept_by_an_eval_forward_see_a_later_update(tmp_path, extra):
 
 
 def test_reuse_bytes_beyond_the_hbm_budget_fails_before_training(tmp_path):
-    from offload.estimate import engine_plan
-    from offload.placement import PlacementError
+    """An explicit reuse_bytes is honoured, not shrunk: when even the minimum working set plus the kept
+    weights exceed the hbm budget, initialize refuses and names reuse_bytes."""
+    from offload.placement import PlacementError, plan_placement
+    from offload.units import partition
+    from offload.config import load_config
 
-    base = engine_plan(MLP(), config(tmp_path, "cpu", "cpu", "fp32"))["hbm_bytes"]  # reuse_bytes 0
-    cfg = config(tmp_path, "cpu", "cpu", "fp32", reuse_bytes=1 << 40, budgets={"hbm_bytes": base + 1})
+    cfg = config(tmp_path, "cpu", "cpu", "fp32", budgets={"hbm_bytes": 1})
+    c = load_config(cfg)
+    least = plan_placement(partition(MLP(), 512, ()), c, torch.device("cpu"), check=False).need["hbm"]
+    cfg = config(tmp_path, "cpu", "cpu", "fp32", reuse_bytes=1 << 40, budgets={"hbm_bytes": least})
     with pytest.raises(PlacementError, match="reuse_bytes"):
         offload.initialize(MLP(), cfg)
     offload.initialize(MLP(), {**cfg, "reuse_bytes": None}).close()  # derived: fits what the budget leaves

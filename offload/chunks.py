@@ -1,0 +1,90 @@
+"""Chunks: the grain of movement. A unit is the grain of compute (its weights enter hbm whole); a chunk
+is a fixed-size slice of a unit's flat buffers (`chunk_bytes` of fp32, i.e. chunk_numel elements of
+every buffer), and everything that moves between dram and nvme, and everything CPU Adam streams, moves
+one chunk at a time through one bounded pool. So the runtime's dram is a count of chunks, independent of
+the model and of its largest layer (DESIGN.md "Chunks").
+
+Element i of a unit lies in chunk i // chunk_numel of each of its buffers (weights in the compute dtype,
+fp32 master, exp_avg, exp_avg_sq, gradient), so the optimizer's window over chunk k of the states
+writes exactly chunk k of the new weights.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from offload.tiers import Tiers
+from swap import BufferPool, PoolExhaustedError
+
+POOL_TIMEOUT_S = 300.0  # a wait this long means a leaked chunk, not a slow drive: fail with the numbers
+
+
+def windows(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
+    """[begin, end) element ranges of the chunks of a buffer of `numel` elements."""
+    return [(b, min(b + chunk_numel, numel)) for b in range(0, numel, chunk_numel)]
+
+
+def chunk_key(key: str, i: int) -> str:
+    """The swap key of chunk i of the buffer stored under `key`."""
+    return f"{key}#{i}"
+
+
+def gather(grads: list[tuple[int, torch.Tensor]], begin: int, end: int, out: torch.Tensor) -> None:
+    """Writes elements [begin, end) of a unit's flat gradient into `out` from (offset, flat grad) pieces;
+    elements no piece covers (padding, parameters without a gradient) are zero."""
+    pos = begin
+    for offset, g in sorted(grads, key=lambda og: og[0]):
+        b, e = max(offset, begin), min(offset + g.numel(), end)
+        if b >= e:
+            continue
+        out[pos - begin:b - begin].zero_()
+        out[b - begin:e - begin].copy_(g[b - offset:e - offset])
+        pos = e
+    out[pos - begin:end - begin].zero_()
+
+
+class ChunkPool:
+    """The one dram staging pool: `count` equal chunks of `chunk_bytes`, allocated (pre-faulted; pinned
+    with CUDA) at start and charged to the dram accountant once, so its bytes are the bytes the process
+    holds. `acquire` hands out a typed view of a chunk and blocks while all are lent (back-pressure)."""
+
+    def __init__(self, tiers: Tiers, chunk_bytes: int, count: int):
+        self.tiers, self.chunk_bytes, self.count = tiers, chunk_bytes, count
+        self.capacity_bytes = chunk_bytes * count
+        self._pool = None
+        if count:
+            tiers.acct["dram"].charge(self.capacity_bytes, f"chunk pool ({count} x {chunk_bytes} bytes)")
+            self._pool = BufferPool(self.capacity_bytes, pin=tiers.pin, timeout_s=POOL_TIMEOUT_S)
+            warm = [self._pool.acquire(chunk_bytes) for _ in range(count)]  # pages faulted in once, reused
+            for t in warm:
+                self._pool.release(t)
+        self._lock = threading.Lock()
+        self.lent = 0
+
+    def acquire(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        if self._pool is None or nbytes > self.chunk_bytes:
+            raise PoolExhaustedError(f"chunk pool: {what} needs {nbytes} bytes, the pool has {self.count} chunks of "
+                                     f"{self.chunk_bytes} bytes (an engine bug: every transfer is chunked)",
+                                     capacity_bytes=self.capacity_bytes, requested_bytes=nbytes, used_bytes=0)
+        raw = self._pool.acquire(self.chunk_bytes)
+        with self._lock:
+            self.lent += 1
+        return raw.view(dtype)[:numel]
+
+    def release(self, t: torch.Tensor) -> None:
+        self._pool.release(t)
+        with self._lock:
+            self.lent -= 1
+
+    @property
+    def peak_bytes(self) -> int:
+        return 0 if self._pool is None else self._pool.peak_bytes
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.clear()
+            self._pool = None
+            self.tiers.acct["dram"].refund(self.capacity_bytes)

@@ -1,0 +1,93 @@
+"""One memory model: the bytes the runtime itself holds per tier, on top of the model states.
+
+The placement's preflight, its printout and `offload estimate` all call `runtime_parts`, so the plan a
+user reads is the plan the engine checks; measured peaks stay at or below it (tests/test_memory_model.py).
+
+[Note: the working set]
+hbm (weights not resident): the fetched units (the one in use, `prefetch_units` ahead and up to
+`reuse_distance` kept for a use that comes next: the sum of the largest that many units), weights kept for their next use in the step (`reuse_bytes`,
+never more than all fetched weights), and the gradients on their way to dram (the largest
+`grad_units` trainable units in the compute dtype). dram: one pool of equal chunks (offload.chunks):
+a fetch from nvme streams through READ_AHEAD chunks; the optimizer pipeline holds two windows (one
+stepped, one read ahead or written behind) of four fp32 chunks (master, exp_avg, exp_avg_sq, gradient)
+for nvme states plus one chunk of new weights where they cannot be written in place (nvme weights,
+hbm on a GPU, or a dram copy not to be touched before nvme states are checked). Activations are not included: they depend on batch and sequence length.
+
+[Note: shrinking to a budget]
+Prefetch depth, kept weights, the optimizer's read-ahead and the second gradient in flight only make
+training faster. Under a budget below the default working set they are given up in that order, and
+only a budget below the minimum (the largest unit's weights and gradient, one window of the pipeline,
+one chunk per fetch) is refused, with that minimum in bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+STATE_CHUNKS = 4   # fp32 master, exp_avg, exp_avg_sq, gradient of one window
+READ_AHEAD = 2     # chunks of one nvme fetch in flight (offload.residency)
+
+
+@dataclasses.dataclass(frozen=True)
+class Knobs:
+    """What the working set depends on besides the model; the optional parts shrink to fit budgets."""
+    prefetch_units: int = 2     # units fetched ahead of use
+    reuse_distance: int = 1     # units kept because the trace uses them again within this many fetches
+    reuse_bytes: int = 0        # weights kept in hbm until their next use in the step
+    read_ahead: bool = True     # optimizer: a window read ahead / written behind; fetch: a chunk in flight
+    grad_units: int = 2         # units' gradients in hbm on their way to dram
+
+
+MINIMUM = Knobs(prefetch_units=0, reuse_distance=0, reuse_bytes=0, read_ahead=False, grad_units=1)
+
+
+def pool_chunks(w_home: str, s_home: str, device_type: str, read_ahead: bool) -> tuple[int, str]:
+    """Chunks in the dram pool, and the formula."""
+    fetch = (READ_AHEAD if read_ahead else 1) if w_home == "nvme" else 0
+    # New weights go through a chunk where they cannot be written in place, and where nvme states are
+    # checked after the step that read them (they stay out of a live dram copy until then).
+    new_w = 1 if s_home == "nvme" or w_home == "nvme" or (w_home == "hbm" and device_type != "cpu") else 0
+    per_window = (STATE_CHUNKS if s_home == "nvme" else 0) + new_w
+    windows = 2 if read_ahead else 1
+    terms = [f"{fetch} per nvme fetch"] if fetch else []
+    if per_window:
+        terms.append(f"{windows} optimizer windows x {per_window}")
+    return fetch + windows * per_window, " + ".join(terms)
+
+
+def _largest(numels: list[int], k: int) -> int:
+    return sum(sorted(numels, reverse=True)[:k])
+
+
+def runtime_parts(fetched_numels: list[int], trainable_numels: list[int], itemsize: int, w_home: str,
+                  s_home: str, device_type: str, chunk_bytes: int, knobs: Knobs) -> list[dict]:
+    """The runtime's parts per tier: [{"name", "tier", "bytes", "formula"}].
+    fetched_numels: the numel of every unit whose weights are fetched into hbm (none when w_home is hbm);
+    trainable_numels: every unit's trainable numel."""
+    parts = []
+
+    def add(name, tier, nbytes, formula):
+        if nbytes:
+            parts.append({"name": name, "tier": tier, "bytes": int(nbytes), "formula": formula})
+
+    if w_home != "hbm":
+        near = max(0, knobs.reuse_distance)
+        k = 1 + knobs.prefetch_units + near
+        window = _largest(fetched_numels, k) * itemsize
+        add("fetched weights", "hbm", window, f"the largest {k} units x {itemsize} B (1 in use + "
+            f"{knobs.prefetch_units} prefetched + {near} kept by reuse_distance)")
+        kept = min(knobs.reuse_bytes, sum(fetched_numels) * itemsize - window)
+        add("weights kept for reuse", "hbm", max(0, kept), "reuse_bytes, at most the other fetched weights")
+    add("gradients in flight", "hbm", _largest(trainable_numels, knobs.grad_units) * itemsize,
+        f"the largest {knobs.grad_units} trainable units x {itemsize} B")
+    count, formula = pool_chunks(w_home, s_home, device_type, knobs.read_ahead)
+    add("chunk pool", "dram", count * chunk_bytes, f"({formula}) chunks x chunk_bytes {chunk_bytes}")
+    return parts
+
+
+def totals(parts: list[dict]) -> dict[str, int]:
+    return {t: sum(p["bytes"] for p in parts if p["tier"] == t) for t in ("hbm", "dram", "nvme")}
+
+
+def describe(parts: list[dict]) -> str:
+    return "; ".join(f"{p['tier']} {p['name']} {p['bytes'] / 2**20:.1f} MiB = {p['formula']}" for p in parts)

@@ -1,0 +1,176 @@
+"""The optimizer step over windows (one chunk of a unit's states each), pipelined.
+
+A WindowPipeline steps windows in the order the caller gives units (all of them after backward, or one
+unit at a time during backward as its gradient becomes final) with at most one window read ahead and
+one written behind: the pool's optimizer share is two windows' chunks at any model size
+(offload.memory). CPU Adam writes each window's new weights straight into the weight tier's buffer.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.profiler import record_function
+
+from offload.cpu_adam import StepDigests, adam_step
+from offload.optim import KINDS, OptimState
+from offload.units import Unit
+
+
+class WindowPipeline:
+    """Steps units' windows with a one-window read-ahead (if `read_ahead`) and write-behind.
+
+    order: the unit indices in the order they are expected; a unit stepped out of that order is loaded
+    when its turn comes (the read-ahead slot stays with the window it holds, so the pool bound holds).
+    kinds: what a window's read loads (STATES when the gradient comes from the backward itself)."""
+
+    def __init__(self, engine, order: list[int], args: dict, kinds=KINDS, read_ahead: bool = True):
+        self.eng, self.order, self.args, self.kinds, self.read_ahead = engine, order, args, kinds, read_ahead
+        self.done: set[int] = set()
+        self.failed = False
+        self.ahead: tuple[int, int] | None = None   # (unit index, window) read ahead
+        self.last: tuple[int, int] | None = None    # the window written behind
+        if read_ahead and order:
+            self._load((order[0], 0))
+
+    def step_unit(self, unit: Unit) -> None:
+        if self.failed:
+            raise RuntimeError(f"{unit.name}: not stepped, an earlier window's step failed in this step")
+        try:
+            self._step_unit(unit)
+        except BaseException:
+            self._abort(unit.index)
+            raise
+
+    def _abort(self, index: int) -> None:
+        """After a failed window: every chunk it, the read-ahead and the write-behind hold goes back to the
+        pool (the failed window's homes were not written: see step_window), and no later unit is stepped."""
+        self.failed = True
+        for item in (self.ahead, *((index, i) for i in range(len(self.eng.states[index].windows)))):
+            if item is not None:
+                self.eng.states[item[0]].discard(item[1])
+        self.ahead = None
+        try:
+            self._land_last()
+        except BaseException:  # the first error is the one reported
+            pass
+
+    def _step_unit(self, unit: Unit) -> None:
+        st = self.eng.states[unit.index]
+        for i in range(len(st.windows)):
+            item = (unit.index, i)
+            if self.ahead == item:
+                self.ahead = None
+            if not st.loaded(i):
+                self._land_last()       # its chunks return before this window takes new ones
+                st.load(i, self.kinds)
+            st.wait_loaded(i)
+            self._land_last()
+            nxt = self._next(unit.index, i)
+            if self.read_ahead and self.ahead is None and nxt is not None:
+                self._load(nxt)
+            step_window(self.eng, unit, i, **self.args)
+            self.last = item
+        st.count_steps()
+        self.done.add(unit.index)
+
+    def finish(self) -> None:
+        self._land_last()
+
+    def _next(self, index: int, i: int) -> tuple[int, int] | None:
+        if i + 1 < len(self.eng.states[index].windows):
+            return index, i + 1
+        nxt = next((u for u in self.order if u not in self.done and u != index), None)
+        return None if nxt is None else (nxt, 0)
+
+    def _load(self, item: tuple[int, int]) -> None:
+        self.ahead = item
+        self.eng.states[item[0]].load(item[1], self.kinds)
+
+    def _land_last(self) -> None:
+        if self.last is not None:
+            index, i = self.last
+            self.last = None
+            self.eng.states[index].wait_stored(i)
+            self.eng.weights[index].wait_for_write()
+
+
+def run_step(engine, lr: float, grad_scale: float) -> None:
+    """The step after backward: every trainable unit's windows in turn, reading window j+1's states ahead
+    while window j updates and writing window j-1's behind."""
+    engine._release_all()  # no fetched copy may outlive the update of its home ([Note: updates beside residency])
+    trainable = [u for u in engine.units if u.trainable_numel]
+    pipe = WindowPipeline(engine, [u.index for u in trainable], {"lr": lr, "grad_scale": grad_scale},
+                          read_ahead=engine.placement.read_ahead)
+    for unit in trainable:
+        pipe.step_unit(unit)
+    pipe.finish()
+
+
+def step_window(engine, unit: Unit, i: int, lr: float, grad_scale: float) -> None:
+    """CPU Adam over window i of one unit's states; the new weights go straight into the weight tier."""
+    st, w = engine.states[unit.index], engine.weights[unit.index]
+    b, e = st.windows[i]
+    hashed = st.digest_bounds(i) is not None  # nvme states with swap checksums, read unverified
+    # Until the states are checked the new weights stay out of the live copy (a dram or CPU hbm home).
+    home = w.new_weights(i, b, e)
+    live = w.home == "dram" or (w.home == "hbm" and w.hbm.device.type == "cpu")
+    out = engine.staging.acquire(e - b, home.dtype, f"{unit.name} new weights") if hashed and live else home[:e - b]
+    try:
+        t0 = time.perf_counter()
+        with record_function("offload::cpu_adam"):
+            digests = _adam_runs(engine, st, i, out, lr, grad_scale)
+        engine.telemetry.span("cpu_adam", f"adam {unit.name}#{i}", t0, time.perf_counter())
+        if hashed:  # raises before anything computed from corrupted states is kept
+            st.check_digests(i, digests)
+        if engine.dtype == torch.float32:
+            out.copy_(st.view(i)["master"])
+        if hashed and live:
+            home[:e - b].copy_(out)
+    except BaseException:
+        w.discard(home)
+        raise
+    finally:
+        if hashed and live:
+            engine.staging.release(out)
+    w.commit(i, b, e, home)
+    st.store(i)
+
+
+def _adam_runs(engine, st: OptimState, i: int, out: torch.Tensor, lr: float, grad_scale: float) -> StepDigests | None:
+    """The update of window i's slots that had a gradient ([Note: parameters without a gradient]),
+    bf16/fp16 weights into `out`; with swap checksums, the states' digests before and after: hashed by
+    the step itself in the common case of one run over the window, beside it otherwise."""
+    o, t, bounds = engine.cfg.optimizer, st.view(i), st.digest_bounds(i)
+    lowp = engine.dtype != torch.float32
+    step_fn = adam_step if t["master"].device.type == "cpu" else _device_adam_step
+    grad = st.grad(i)
+
+    def adam(b: int, e: int, step: int, **digests):
+        return step_fn(t["master"][b:e], grad[b:e], t["exp_avg"][b:e], t["exp_avg_sq"][b:e], step=step, lr=lr,
+                       beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
+                       adamw=o.type == "adamw", grad_scale=grad_scale, out=out[b:e] if lowp else None, **digests)
+
+    runs, n = st.runs(i), t["master"].numel()
+    if len(runs) == 1 and runs[0][:2] == (0, n):
+        return adam(*runs[0], **({} if bounds is None else {"digest_bounds": bounds}))
+    before = None if bounds is None else st.hash_states(i)
+    if lowp:
+        out.copy_(t["master"])  # skipped slots keep their weights
+    for run in runs:
+        adam(*run)
+    return None if before is None else StepDigests(before, st.hash_states(i))
+
+
+def _device_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, adamw,
+                      grad_scale, out) -> None:
+    """Optimizer states kept in accelerator memory (offload_optimizer none on CUDA): torch's fused op."""
+    fused = torch._fused_adamw_ if adamw else torch._fused_adam_
+    if grad_scale != 1.0:
+        grad = grad / grad_scale
+    fused([param], [grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step), device=param.device)],
+          lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+          grad_scale=None, found_inf=None)
+    if out is not None:
+        out.copy_(param)

@@ -1,0 +1,87 @@
+"""One memory model: the plan the preflight checks is what the run measures.
+
+For each tier the measured peak (accountant peaks for hbm and dram, swap-file bytes for nvme) is at most
+the plan; dram and nvme at least 90% of it, hbm at least 80%: copy delays are injected so that the
+moments the plan is sized for (prefetches in flight, gradients on their way to dram) happen in a short
+run, but its worst case (the full fetch window while two gradients are in flight) does not always.
+"""
+
+import json
+
+import pytest
+import torch
+
+import offload
+from offload.estimate import engine_plan
+from offload.models import build_model
+
+
+def _measure(model, cfg, vocab: int):
+    ids = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+    with offload.initialize(model, cfg) as eng:
+        for _ in range(2):
+            out = eng(ids, ids)
+            eng.backward(out if isinstance(out, torch.Tensor) else out.loss)
+            eng.step()
+        st = eng.stats()["tiers"]
+        return {t: st[t]["peak_bytes"] for t in ("hbm", "dram", "nvme")}, eng.placement
+
+
+@pytest.mark.parametrize("param,optim", [("cpu", "cpu"), ("nvme", "nvme"), ("none", "cpu"), ("nvme", "cpu")])
+def test_measured_peaks_lie_within_10_percent_below_the_plan(tmp_path, monkeypatch, param, optim):
+    monkeypatch.setenv("OFFLOAD_TEST_COPY_DELAY_S", "0.02")
+    cfg = {"precision": "bf16", "offload_param": {"device": param}, "offload_optimizer": {"device": optim},
+           "nvme_path": str(tmp_path), "units": {"min_numel": 4096}, "reuse_bytes": 0, "chunk_bytes": 64 << 10,
+           "budgets": {"hbm_bytes": 1 << 30, "dram_bytes": 1 << 30}}
+    plan = engine_plan(build_model("tiny", device="meta"), cfg)
+    measured, placement = _measure(build_model("tiny", seed=0), cfg, 257)
+    for tier, m in measured.items():
+        p = plan[f"{tier}_bytes"]
+        assert p == placement.need[tier]
+        assert m <= p, (tier, m, p, placement.summary())
+        assert m >= (0.8 if tier == "hbm" else 0.9) * p, (tier, m, p, placement.summary())
+
+
+def test_hf_model_directory_within_the_plan(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("OFFLOAD_TEST_COPY_DELAY_S", "0.02")
+    conf = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    d = tmp_path / "llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(conf.to_dict()))
+    cfg = {"precision": "bf16", "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"},
+           "nvme_path": str(tmp_path / "swap"), "reuse_bytes": 0, "chunk_bytes": 64 << 10, "units": {"min_numel": 4096},
+           "budgets": {"hbm_bytes": 1 << 30, "dram_bytes": 1 << 30}}
+    plan = engine_plan(build_model(str(d), device="meta"), cfg)
+    measured, placement = _measure(build_model(str(d), device="meta"), cfg, 512)
+    for tier, m in measured.items():
+        p = plan[f"{tier}_bytes"]
+        assert (0.8 if tier == "hbm" else 0.9) * p <= m <= p, (tier, m, p, placement.summary())
+
+
+def test_a_budget_below_the_default_shrinks_the_optional_parts_and_still_holds(tmp_path, capsys):
+    cfg = {"precision": "bf16", "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"},
+           "nvme_path": str(tmp_path), "units": {"min_numel": 4096}, "chunk_bytes": 64 << 10}
+    full = engine_plan(build_model("tiny", device="meta"), cfg)
+    tight = {**cfg, "budgets": {"hbm_bytes": full["hbm_bytes"] - 1, "dram_bytes": full["dram_bytes"] - 1}}
+    measured, placement = _measure(build_model("tiny", seed=0), tight, 257)
+    assert placement.notes and "prefetch_units" in placement.notes[0]
+    assert measured["hbm"] <= full["hbm_bytes"] - 1 and measured["dram"] <= full["dram_bytes"] - 1
+
+
+def test_a_budget_below_the_minimum_is_refused_with_the_minimum(tmp_path):
+    from offload.placement import PlacementError
+
+    cfg = {"precision": "bf16", "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"},
+           "nvme_path": str(tmp_path), "units": {"min_numel": 4096}, "budgets": {"hbm_bytes": 4096}}
+    with pytest.raises(PlacementError, match=r"the least it can train with is \d+ bytes"):
+        offload.initialize(build_model("tiny", device="meta"), cfg)
+
+
+@pytest.mark.parametrize("path,why", [("/proc/offload-swap", "cannot create swap files"),
+                                      (__file__, "exists and is not a directory")])
+def test_an_unusable_nvme_path_is_named(tmp_path, path, why):
+    cfg = {"offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}, "nvme_path": path}
+    with pytest.raises(OSError, match=f"nvme_path={path}: {why}"):
+        offload.initialize(build_model("tiny", device="meta"), cfg)
