@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 
 import torch
 from torch import nn
@@ -39,6 +40,10 @@ from torch import nn
 from offload.optim import OptimState
 from offload.residency import WeightHandle
 from offload.units import Unit
+
+PROGRESS_FIRST_S = 2.0   # small models initialize in well under this, so tests stay quiet
+PROGRESS_EVERY_S = 5.0
+
 
 def materialize(engine) -> None:
     model = engine.module
@@ -82,6 +87,7 @@ def _from_meta(engine, model: nn.Module, init: bool) -> None:
                 with _scratch(module, tracker.specs[module], keep=fresh):  # a tied weight keeps its values
                     _run_init(kind, module, owner, fresh, replay.pop(module, None), paths[module])
             tracker.initialized(module)
+    tracker.progress.done()
 
 
 def _run_init(kind: str, module: nn.Module, owner, fresh: set[str], replay_state, path: str) -> None:
@@ -225,6 +231,7 @@ class _UnitTracker:
         self.specs = {m: {n: (t.shape, t.dtype) for n, t in [*m._parameters.items(), *m._buffers.items()]
                           if t is not None} for m in model.modules()}  # before anything is placed
         self.allocated: dict = {}  # module -> [(old meta parameter, new one)] until it is initialized
+        self.progress = _Progress(len(engine.units))
 
     def allocate(self, module: nn.Module) -> set[str]:
         """New CPU tensors for the module's meta ones; returns their names."""
@@ -252,6 +259,33 @@ class _UnitTracker:
             self.pending[u.index] -= 1
             if self.pending[u.index] == 0:
                 place(self.engine, u)
+                self.progress.update(u.numel * self.engine.dtype.itemsize + u.trainable_numel * 4)
+
+
+class _Progress:
+    """"offload: initializing: 12/30 units placed, 10.2 GB written" on stderr every few seconds, once the
+    initialization has taken PROGRESS_FIRST_S (the 3b preset writes 30 GB in minutes; tests stay quiet)."""
+
+    def __init__(self, total_units: int):
+        self.total_units, self.units, self.nbytes = total_units, 0, 0
+        self.t0 = time.monotonic()
+        self.next_s, self.shown = PROGRESS_FIRST_S, False
+
+    def update(self, nbytes: int) -> None:
+        self.units += 1
+        self.nbytes += nbytes
+        if time.monotonic() - self.t0 >= self.next_s:
+            self._show()
+            self.next_s = time.monotonic() - self.t0 + PROGRESS_EVERY_S
+
+    def done(self) -> None:
+        if self.shown:  # the last line says it finished
+            self._show()
+
+    def _show(self) -> None:
+        self.shown = True
+        print(f"offload: initializing: {self.units}/{self.total_units} units placed, {self.nbytes / 1e9:.1f} GB "
+              f"written, {time.monotonic() - self.t0:.0f} s", file=sys.stderr, flush=True)
 
 
 @torch.no_grad()

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import offload
+from offload import materialize
 from tests.engine_util import LlamaLoss, llama_batches
 
 SEED = 3
@@ -156,3 +157,17 @@ def test_module_without_any_init_is_refused_by_name(tmp_path):
                                          r"_reset_parameters\(\).*build the model on the CPU.*weights="):
         offload.initialize(model, cfg(tmp_path))
 
+
+def test_progress_shows_only_when_initialization_is_slow(tmp_path, capsys, monkeypatch):
+    with torch.device("meta"):
+        model = TorchTransformer()
+    offload.initialize(model, cfg(tmp_path / "quiet")).close()
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(materialize, "PROGRESS_FIRST_S", 0.0)
+    with torch.device("meta"):
+        model = TorchTransformer()
+    with offload.initialize(model, cfg(tmp_path / "slow")) as eng:
+        n = len(eng.units)
+    err = capsys.readouterr().err
+    assert f"offload: initializing: 1/{n} units placed" in err
+    assert f"offload: initializing: {n}/{n} units placed" in err
