@@ -1,13 +1,38 @@
 """Materialization: each unit's initial values go straight into their home tiers, one unit at a time.
 
 A model built on the meta device (`with torch.device("meta"): model = Net()`) is materialized module by
-module in `model.modules()` order by each module's own `reset_parameters()` after `torch.manual_seed(
-cfg.seed)`, so it equals the same model built on the CPU with that seed when the model's constructor
-initializes in that order (the torch convention). Only one unit's fp32 values exist at a time, so a
-model whose training state is many times the RAM never exists whole in memory.
+module, after `torch.manual_seed(cfg.seed)`, by the init calls a CPU build of it makes, in the same
+order, so it equals the same model built on the CPU with that seed when the model's constructor
+initializes in that order. Only one unit's fp32 values exist at a time (plus one module's scratch), so
+a model whose training state is many times the RAM never exists whole in memory.
+
+[Note: the CPU build's init order]
+- A torch module draws its values in its constructor: `reset_parameters()` for most (nn.Linear,
+  nn.Embedding, our own modules: in `model.modules()` order, the seeding contract of offload.models);
+  `_reset_parameters()` for nn.MultiheadAttention, which runs at the end of its __init__, after its
+  child out_proj was built and initialized (then it zeroes out_proj.bias): after its children here too.
+- A Hugging Face model (transformers' PreTrainedModel) is first built like that, with each module's own
+  default init, and then `post_init()`, at the end of its __init__, re-initializes every module with
+  the model's `_init_weights`, children before parents (transformers' smart_apply); a nested model (the
+  LlamaModel in LlamaForCausalLM) ran its own post_init at the end of its own construction, so the outer
+  one skips its modules. A module's default values are thus drawn long before the `_init_weights` values
+  that overwrite them (all of LlamaModel's defaults come before its first `_init_weights` draw). To keep
+  both the RNG stream and one-unit-at-a-time memory, a default init that is overwritten later is drawn
+  into scratch at its turn, only its RNG state kept; when the module is allocated, at its last init call,
+  that state is replayed to give the same default values, and `_init_weights` then runs on the live RNG.
+  The cost: those default values are drawn twice.
+- A module already materialized when its turn comes (the tied lm_head of an embedding) draws into
+  scratch, so the RNG advances as in the CPU build, where it drew into its own tensor before tying.
+- Not in construction order, so not equal to their CPU build: nn.Transformer (its _reset_parameters
+  redraws its whole subtree at the end) and nn.TransformerEncoder/Decoder (deep copies of one layer).
+  Each of their submodules is initialized by its own default init here.
 """
 
 from __future__ import annotations
+
+import contextlib
+import sys
+import time
 
 import torch
 from torch import nn
@@ -16,6 +41,9 @@ from offload.chunks import chunk_key, gather
 from offload.optim import OptimState
 from offload.residency import WeightHandle
 from offload.units import Unit
+
+PROGRESS_FIRST_S = 2.0   # small models initialize in well under this, so tests stay quiet
+PROGRESS_EVERY_S = 5.0
 
 
 def materialize(engine) -> None:
@@ -36,40 +64,228 @@ def materialize(engine) -> None:
 
 
 def _from_meta(engine, model: nn.Module, init: bool) -> None:
-    """Allocates modules one by one in `model.modules()` order, initializing them with their own
-    reset_parameters() when `init` (else the weights source gives the values), and places each unit
-    as soon as all its parameters exist."""
-    slot_of = {s.param: (u, s) for u in engine.units for s in u.slots}
-    holders: dict = {}  # parameter -> every (module, name) holding it (tied weights: several)
-    for m in model.modules():
-        for n, p in m._parameters.items():
-            if p is not None:
-                holders.setdefault(p, []).append((m, n))
-    pending = {u.index: len(u.slots) for u in engine.units}
+    """Allocates modules one by one and places each unit as soon as all its parameters exist. With `init`,
+    modules are allocated and initialized by the CPU build's init calls in its order (module note); else
+    in `model.modules()` order, uninitialized (the weights source gives the values)."""
+    paths = {m: name or "<root>" for name, m in model.named_modules()}
+    events = _init_events(model) if init else [(None, m, None) for m in model.modules() if _owns_tensors(m)]
+    if init:
+        _check_initializable(events, paths)
+    last = {m: i for i, (_, m, _) in enumerate(events)}
+    tracker = _UnitTracker(engine, model)
+    replay: dict = {}  # module -> RNG state before its default init, drawn into scratch earlier
     torch.manual_seed(engine.cfg.seed)
-    for module in model.modules():
-        direct = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
-        if not any(t.is_meta for t in direct):
-            continue  # nothing of its own, or tied parameters already placed
-        if init and not hasattr(module, "reset_parameters"):
-            raise ValueError(f"module {type(module).__name__}: owns parameters but has no reset_parameters(); "
-                             "define it, or build the model on the CPU")
-        old = dict(module._parameters)
-        module.to_empty(device="cpu", recurse=False)  # new Parameter objects: rebind every holder and slot
-        if init:
-            with torch.no_grad():
-                module.reset_parameters()
-        for name, p_old in old.items():
-            if p_old is None or p_old not in slot_of:
+    with torch.no_grad():
+        for i, (kind, module, owner) in enumerate(events):
+            if i < last[module]:  # a default init _init_weights overwrites later: advance the RNG only
+                replay[module] = torch.get_rng_state()
+                with _scratch(module, tracker.specs[module], keep=()):
+                    _default_init(module)
                 continue
-            p_new = module._parameters[name]
-            for m, n in holders[p_old]:
-                m._parameters[n] = p_new
-            u, slot = slot_of.pop(p_old)
-            slot.param = p_new
-            pending[u.index] -= 1
-            if pending[u.index] == 0:
-                place(engine, u)
+            fresh = tracker.allocate(module)
+            if kind is not None:
+                with _scratch(module, tracker.specs[module], keep=fresh):  # a tied weight keeps its values
+                    _run_init(kind, module, owner, fresh, replay.pop(module, None), paths[module])
+            tracker.initialized(module)
+    tracker.progress.done()
+
+
+def _run_init(kind: str, module: nn.Module, owner, fresh: set[str], replay_state, path: str) -> None:
+    """Runs the module's last init call on its new tensors, replaying first a default init that was drawn
+    into scratch earlier (module note)."""
+    if replay_state is not None:
+        live = torch.get_rng_state()
+        torch.set_rng_state(replay_state)
+        _default_init(module)
+        torch.set_rng_state(live)
+    if kind == "hf":
+        _init_weights_checked(owner, module, fresh, path)
+    else:
+        _default_init(module)
+
+
+def _owns_tensors(module: nn.Module) -> bool:
+    return any(t is not None for t in (*module._parameters.values(), *module._buffers.values()))
+
+
+def _has_default_init(module: nn.Module) -> bool:
+    return hasattr(module, "reset_parameters") or hasattr(module, "_reset_parameters")
+
+
+def _default_init(module: nn.Module) -> None:
+    """The init the module's constructor ran; none known (its values come from _init_weights) if neither."""
+    init = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+    if init is not None:
+        init()
+
+
+def _pretrained_model_class():
+    """transformers' PreTrainedModel if transformers is imported (else no model can be one)."""
+    return getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+
+
+def _init_events(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module | None]]:
+    """(kind, module, owner) for every init call a CPU build of `model` makes, in its order (module
+    note): ("default", m, None) is m's own default init, ("hf", m, owner) is owner._init_weights(m)."""
+    pretrained = _pretrained_model_class()
+    events: list = []
+    seen: set = set()
+
+    def construct(m: nn.Module) -> None:
+        if m in seen:
+            return
+        seen.add(m)
+        # torch calls _reset_parameters() at the end of __init__, after the children were built
+        after_children = not hasattr(m, "reset_parameters") and hasattr(m, "_reset_parameters")
+        if _owns_tensors(m) and not after_children:
+            events.append(("default", m, None))
+        for child in m.children():
+            construct(child)
+        if _owns_tensors(m) and after_children:
+            events.append(("default", m, None))
+        if pretrained is not None and isinstance(m, pretrained):
+            events.extend(("hf", x, m) for x in _post_init_order(m, pretrained))
+
+    construct(model)
+    return events
+
+
+def _post_init_order(model: nn.Module, pretrained: type) -> list[nn.Module]:
+    """The modules `model.post_init()` passes to model._init_weights: its subtree children first
+    (transformers' smart_apply), without nested models, which ran their own post_init already."""
+    order: list = []
+    seen: set = set()
+
+    def visit(m: nn.Module) -> None:
+        seen.add(m)
+        for child in m.children():
+            if child not in seen and not isinstance(child, pretrained):
+                visit(child)
+        if _owns_tensors(m):
+            order.append(m)
+
+    visit(model)
+    return order
+
+
+def _check_initializable(events: list, paths: dict) -> None:
+    """Refuses, before anything is allocated, a meta module nothing would initialize."""
+    by_init_weights = {m for kind, m, _ in events if kind == "hf"}
+    for _, m, _ in events:
+        owns_meta = any(t is not None and t.is_meta for t in (*m._parameters.values(), *m._buffers.values()))
+        if owns_meta and m not in by_init_weights and not _has_default_init(m):
+            raise ValueError(
+                f"module {type(m).__name__} ({paths[m]}): on the meta device but has neither reset_parameters() "
+                f"nor _reset_parameters(), so offload cannot initialize it; define reset_parameters(), build the "
+                f"model on the CPU, or pass weights= (a callable name -> tensor) to offload.initialize")
+
+
+def _init_weights_checked(owner: nn.Module, module: nn.Module, fresh: set[str], path: str) -> None:
+    """owner._init_weights(module). A module without a default init of its own (LlamaRMSNorm) gets its
+    values only from there: NaN before, so a tensor _init_weights does not write is caught, not trained."""
+    unset = [] if _has_default_init(module) else [n for n in fresh if getattr(module, n).is_floating_point()]
+    for n in unset:
+        getattr(module, n).fill_(float("nan"))
+    owner._init_weights(module)
+    for n in unset:
+        if getattr(module, n).isnan().any():
+            raise ValueError(
+                f"module {type(module).__name__} ({path}): {type(owner).__name__}._init_weights() leaves {n} "
+                f"uninitialized and the module has no reset_parameters(); define reset_parameters(), build "
+                f"the model on the CPU, or pass weights= (a callable name -> tensor) to offload.initialize")
+
+
+@contextlib.contextmanager
+def _scratch(module: nn.Module, specs: dict, keep):
+    """Gives the module's own tensors not named in `keep` throwaway CPU storage while an init runs: the
+    init draws from the RNG as in the CPU build but changes no tensor other than those in `keep`. The
+    scratch has the meta tensor's shape and dtype (`specs`): a placed parameter holds an empty
+    placeholder or a compute-dtype view, and the draws depend on both."""
+    saved = {}
+    for table in (module._parameters, module._buffers):
+        for n, t in table.items():
+            if t is not None and n not in keep:
+                saved[n] = (table, t)
+                fake = torch.empty(specs[n][0], dtype=specs[n][1])
+                table[n] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
+    try:
+        yield
+    finally:
+        for n, (table, t) in saved.items():
+            table[n] = t
+
+
+class _UnitTracker:
+    """Allocates modules' meta tensors on the CPU, rebinding every holder and slot of a parameter (tied
+    weights: several), and places a unit once the last of its parameters is initialized."""
+
+    def __init__(self, engine, model: nn.Module):
+        self.engine = engine
+        self.slot_of = {s.param: (u, s) for u in engine.units for s in u.slots}
+        self.holders: dict = {}  # parameter -> every (module, name) holding it
+        for m in model.modules():
+            for n, p in m._parameters.items():
+                if p is not None:
+                    self.holders.setdefault(p, []).append((m, n))
+        self.pending = {u.index: len(u.slots) for u in engine.units}
+        self.specs = {m: {n: (t.shape, t.dtype) for n, t in [*m._parameters.items(), *m._buffers.items()]
+                          if t is not None} for m in model.modules()}  # before anything is placed
+        self.allocated: dict = {}  # module -> [(old meta parameter, new one)] until it is initialized
+        self.progress = _Progress(len(engine.units))
+
+    def allocate(self, module: nn.Module) -> set[str]:
+        """New CPU tensors for the module's meta ones; returns their names."""
+        fresh, pairs = set(), []
+        for n, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                new = nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
+                for m, hn in self.holders[p]:
+                    m._parameters[hn] = new
+                pairs.append((p, new))
+                fresh.add(n)
+        for n, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                module._buffers[n] = torch.empty_like(b, device="cpu")
+                fresh.add(n)
+        self.allocated[module] = pairs
+        return fresh
+
+    def initialized(self, module: nn.Module) -> None:
+        for old, new in self.allocated.pop(module):
+            if old not in self.slot_of:
+                continue
+            u, slot = self.slot_of.pop(old)
+            slot.param = new
+            self.pending[u.index] -= 1
+            if self.pending[u.index] == 0:
+                place(self.engine, u)
+                self.progress.update(u.numel * self.engine.dtype.itemsize + u.trainable_numel * 4)
+
+
+class _Progress:
+    """"offload: initializing: 12/30 units placed, 10.2 GB written" on stderr every few seconds, once the
+    initialization has taken PROGRESS_FIRST_S (the 3b preset writes 30 GB in minutes; tests stay quiet)."""
+
+    def __init__(self, total_units: int):
+        self.total_units, self.units, self.nbytes = total_units, 0, 0
+        self.t0 = time.monotonic()
+        self.next_s, self.shown = PROGRESS_FIRST_S, False
+
+    def update(self, nbytes: int) -> None:
+        self.units += 1
+        self.nbytes += nbytes
+        if time.monotonic() - self.t0 >= self.next_s:
+            self._show()
+            self.next_s = time.monotonic() - self.t0 + PROGRESS_EVERY_S
+
+    def done(self) -> None:
+        if self.shown:  # the last line says it finished
+            self._show()
+
+    def _show(self) -> None:
+        self.shown = True
+        print(f"offload: initializing: {self.units}/{self.total_units} units placed, {self.nbytes / 1e9:.1f} GB "
+              f"written, {time.monotonic() - self.t0:.0f} s", file=sys.stderr, flush=True)
 
 
 @torch.no_grad()
