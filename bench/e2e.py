@@ -123,10 +123,9 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="swap directory on the drive to test (default: a temp dir in .)")
     ap.add_argument("--modes", default=None, help=f"comma-separated, of {', '.join(MODES + (DS_MODE,))} "
                     "(default: all; deepspeed_nvme only where a DeepSpeed python is found)")
-    ap.add_argument("--ds-python", default=os.environ.get("OFFLOAD_DS_PYTHON") or _default_ds_python(),
+    ap.add_argument("--ds-python", default=default_ds_python(),
                     help="python of a venv with DeepSpeed, for the deepspeed_nvme mode")
-    ap.add_argument("--engine-config", default="{}", metavar="JSON",
-                    help='extra config keys for the offload modes, e.g. \'{"gradient_clipping": 1.0, "delayed_update": true}\'')
+    add_engine_config_argument(ap)
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every mode this many times, in turn (round-robin), and report each mode's median "
                          "round: the host's drift then reaches every mode alike (default 1)")
@@ -134,11 +133,6 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # internal: run one mode in this process
     args = ap.parse_args()
-    try:
-        if not isinstance(json.loads(args.engine_config), dict):
-            raise ValueError("not an object")
-    except ValueError as e:
-        ap.error(f"--engine-config {args.engine_config!r}: {e}; pass a JSON object of config keys")
     if args.mode:
         print(json.dumps(run_mode(args)))
         return
@@ -181,8 +175,28 @@ def _run_in_subprocess(args, mode: str, base: str) -> subprocess.CompletedProces
               "--steps", str(args.steps), "--warmup", str(args.warmup), "--dir", base]
     cmd = ([args.ds_python, os.path.join(REPO, "bench", "ds_e2e.py")] + common if mode == DS_MODE
            else [sys.executable, __file__, "--mode", mode, "--engine-config", args.engine_config] + common)
-    return subprocess.run(cmd, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": REPO, "DS_ACCELERATOR": "cpu"})
+    return subprocess.run(cmd, capture_output=True, text=True, env=worker_env())
+
+
+def worker_env() -> dict:
+    """The environment of a benchmark's subprocess: this checkout's packages, DeepSpeed on its CPU accelerator."""
+    return {**os.environ, "PYTHONPATH": REPO, "DS_ACCELERATOR": "cpu"}
+
+
+def add_engine_config_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--engine-config", default="{}", type=_json_object, metavar="JSON",
+                    help='extra config keys for our engine, e.g. \'{"gradient_clipping": 1.0, "delayed_update": true}\'')
+
+
+def _json_object(text: str) -> str:
+    """argparse type: the text itself (it is passed on to subprocesses), once it parses as a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}; pass a JSON object of config keys") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: not an object; pass a JSON object of config keys")
+    return text
 
 
 def _median_of_rounds(runs: list[dict]) -> dict:
@@ -212,9 +226,10 @@ def matmul_gflops(m: int = 1024, k: int = 1024, n: int = 2752, reps: int = 3, ro
     return 2 * m * k * n * reps / sorted(times[1:])[rounds // 2] / 1e9
 
 
-def _default_ds_python() -> str | None:
+def default_ds_python() -> str | None:
+    """A DeepSpeed venv's python: $OFFLOAD_DS_PYTHON, else /work/dsvenv/bin/python if it exists, else None."""
     path = "/work/dsvenv/bin/python"
-    return path if os.path.exists(path) else None
+    return os.environ.get("OFFLOAD_DS_PYTHON") or (path if os.path.exists(path) else None)
 
 
 def _report(args, results: dict, errors: dict) -> dict:
