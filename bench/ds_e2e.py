@@ -4,8 +4,15 @@ Runs INSIDE a DeepSpeed venv (never ours: DeepSpeed is not a dependency), with o
 PYTHONPATH=<repo root>. It trains the model and batches e2e.py's other modes train (build_model(preset,
 seed=0), BatchSampler(load_tokens(), batch, seq, seed=0).batch(i)) in a single-process gloo group on
 DeepSpeed's CPU accelerator, and prints one JSON line: {"params", "step_s", "losses", "peak_rss_bytes"}.
+Before it, as they happen (so a crash leaves them behind): {"params", "init_s"} once DeepSpeed is
+initialized, then {"step", "step_s", "loss"} per step (bench/scale.py reads these).
 
   DS_ACCELERATOR=cpu PYTHONPATH=. /work/dsvenv/bin/python bench/ds_e2e.py --preset tiny --dir DIR
+
+With --zero-init the model is built inside deepspeed.zero.Init, DeepSpeed's way for a model larger than
+memory: each module's parameters go to NVMe as it is constructed, and their values are DeepSpeed's draw,
+not ours (bench/scale.py; e2e.py builds it whole, see [Note: same weights]). init_s then counts the
+construction, as it is DeepSpeed's initialization; without it, deepspeed.initialize alone.
 
 [Note: same weights] The model is built (and initialized by our seeding contract) before
 deepspeed.initialize, and zero.Init is not used: DeepSpeed then converts the existing parameters into
@@ -71,7 +78,8 @@ def _single_process_group() -> None:
                        "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
 
 
-def run(args) -> dict:
+def run(args, emit) -> dict:
+    """Trains warmup + steps, emit()ting the init and each step as it happens; returns the summary."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     _single_process_group()
     import deepspeed
@@ -81,26 +89,29 @@ def run(args) -> dict:
     from offload.models import build_model, loss_of
 
     deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(0)
-    model = build_model(args.preset, seed=0)           # our weights, before DeepSpeed sees the model
+    shapes = build_model(args.preset, device="meta")   # sizes only: the buffers must fit the largest parameter
+    params = sum(p.numel() for p in shapes.parameters())
+    largest = max(p.numel() for p in shapes.parameters())
     sampler = BatchSampler(load_tokens(), args.batch, args.seq, seed=0)
-    params = sum(p.numel() for p in model.parameters())
-    largest = max(p.numel() for p in model.parameters())
     nvme_dir = os.path.join(args.dir, f"deepspeed-{os.getpid()}")
     os.makedirs(nvme_dir)
     try:
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=ds_config(args.batch, nvme_dir, largest, args.sub_group_size))
+        config = ds_config(args.batch, nvme_dir, largest, args.sub_group_size)
+        t0 = time.perf_counter()
+        model = _build(args, config, deepspeed, build_model)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         if getattr(model, "lm_head", 1) is None:        # tied head: embed.weight is used outside embed
             deepspeed.zero.register_external_parameter(model, model.embed.weight)
+        emit({"params": params, "init_s": time.perf_counter() - t0})
         times, losses = [], []
         for i in range(args.warmup + args.steps):
             ids, labels = sampler.batch(i)
             t0 = time.perf_counter()
-            loss = loss_of(engine(ids, labels))
+            loss = loss_of(engine(ids, labels=labels))  # by name: a HF model's second argument is the mask
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+            emit({"step": i, "step_s": time.perf_counter() - t0, "loss": losses[-1]})
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
         engine.destroy()
@@ -113,6 +124,17 @@ def run(args) -> dict:
             "deepspeed_version": deepspeed.__version__, "sub_group_size": args.sub_group_size}
 
 
+def _build(args, config: dict, deepspeed, build_model):
+    """Our model: whole, from our weights ([Note: same weights]), or inside zero.Init with --zero-init."""
+    import torch
+
+    torch.manual_seed(0)
+    if not args.zero_init:
+        return build_model(args.preset, seed=0)       # our weights, before DeepSpeed sees the model
+    with deepspeed.zero.Init(config_dict_or_path=config):  # remote_device: offload_param's (nvme)
+        return build_model(args.preset, seed=0)
+
+
 def main() -> None:
     from e2e import add_run_arguments  # bench/ is this script's directory, first on sys.path
 
@@ -121,6 +143,8 @@ def main() -> None:
     ap.add_argument("--sub-group-size", type=int, default=int(1e9),
                     help="ZeRO-3 sub_group_size (DeepSpeed's default 1e9); see [Note: DeepSpeed's host memory]")
     ap.add_argument("--dir", default=".", help="directory on the drive to test; swap goes in a subdirectory")
+    ap.add_argument("--zero-init", action="store_true",
+                    help="build the model inside deepspeed.zero.Init (a model larger than memory; DeepSpeed's weights)")
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 0:
         ap.error(f"--steps={args.steps} --warmup={args.warmup}: need steps >= 1 and warmup >= 0")
@@ -131,9 +155,12 @@ def main() -> None:
     json_out = os.fdopen(os.dup(1), "w")
     sys.stdout.flush()
     os.dup2(2, 1)                                      # [Note: stdout]
-    result = run(args)
-    json_out.write(json.dumps(result) + "\n")
-    json_out.flush()
+
+    def emit(line: dict) -> None:
+        json_out.write(json.dumps(line) + "\n")
+        json_out.flush()
+
+    emit(run(args, emit))
 
 
 if __name__ == "__main__":

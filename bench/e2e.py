@@ -10,7 +10,13 @@ model, batch and disk; the figures that matter are the ratios to the in-memory s
                DeepSpeed venv's python: --ds-python, else $OFFLOAD_DS_PYTHON, else /work/dsvenv/bin/python
                if it exists; skipped, and reported null, when there is none)
 
-python bench/e2e.py [--preset bench-200m] [--batch 4] [--seq 256] [--steps 3] [--rounds 1] [--dir DIR] [--json]
+The step's I/O bound (bench/iobound.py) is measured in the same run, before the modes: `offload bench nvme`
+moves --io-size bytes in the same --dir, and the nvme_offload step's own nvme bytes over that bandwidth give
+io_bound_s = bytes read / read bandwidth + bytes written / write bandwidth; the table shows
+nvme step / max(in-memory step, io bound), the figure issue 12 asks to bring to 1.15.
+
+python bench/e2e.py [--preset bench-200m] [--batch 4] [--seq 256] [--steps 3] [--rounds 1] [--dir DIR]
+                    [--io-size 2G] [--json]
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import iobound  # bench/, this script's directory, is first on sys.path
 
 MODES = ("in_memory", "cpu_offload", "nvme_offload")
 DS_MODE = "deepspeed_nvme"
@@ -68,7 +76,9 @@ def run_mode(args) -> dict:
     out = {"params": params, "step_s": sorted(times)[len(times) // 2], "losses": losses,
            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if args.mode != "in_memory":
-        out["stall_seconds"] = (engine.stats()["stall_seconds"] - stall0) / args.steps  # per measured step
+        stats = engine.stats()
+        out["stall_seconds"] = (stats["stall_seconds"] - stall0) / args.steps  # per measured step
+        out["links"] = stats["last_step"]["links"]  # bytes per link in the last step: what the step moved
         engine.close()
     return out
 
@@ -113,21 +123,16 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="swap directory on the drive to test (default: a temp dir in .)")
     ap.add_argument("--modes", default=None, help=f"comma-separated, of {', '.join(MODES + (DS_MODE,))} "
                     "(default: all; deepspeed_nvme only where a DeepSpeed python is found)")
-    ap.add_argument("--ds-python", default=os.environ.get("OFFLOAD_DS_PYTHON") or _default_ds_python(),
+    ap.add_argument("--ds-python", default=default_ds_python(),
                     help="python of a venv with DeepSpeed, for the deepspeed_nvme mode")
-    ap.add_argument("--engine-config", default="{}", metavar="JSON",
-                    help='extra config keys for the offload modes, e.g. \'{"gradient_clipping": 1.0, "delayed_update": true}\'')
+    add_engine_config_argument(ap)
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every mode this many times, in turn (round-robin), and report each mode's median "
                          "round: the host's drift then reaches every mode alike (default 1)")
+    iobound.add_io_arguments(ap)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # internal: run one mode in this process
     args = ap.parse_args()
-    try:
-        if not isinstance(json.loads(args.engine_config), dict):
-            raise ValueError("not an object")
-    except ValueError as e:
-        ap.error(f"--engine-config {args.engine_config!r}: {e}; pass a JSON object of config keys")
     if args.mode:
         print(json.dumps(run_mode(args)))
         return
@@ -137,6 +142,9 @@ def main() -> None:
     modes = args.modes.split(",") if args.modes else list(MODES) + ([DS_MODE] if args.ds_python else [])
     if DS_MODE in modes and not args.ds_python:
         sys.exit(f"--modes={args.modes}: {DS_MODE} needs a DeepSpeed venv; pass --ds-python PATH")
+    # Before the modes: a --dir that cannot hold the swap fails in seconds, not after the in-memory run.
+    bw = (iobound.measure_swap(base, args.io_size, json.loads(args.engine_config))
+          if "nvme_offload" in modes and args.io_size else None)
     errors, gflops = {}, [matmul_gflops()]
     runs: list[dict] = []  # one {mode: result} per round, the modes in turn within each round
     for _ in range(args.rounds):
@@ -150,7 +158,7 @@ def main() -> None:
                 runs[-1][mode] = json.loads(proc.stdout.strip().splitlines()[-1])
     gflops.append(matmul_gflops())
     results = _median_of_rounds(runs)
-    report = _report(args, results, errors)
+    report = {**_report(args, results, errors), **_io_report(results, bw)}
     report["bf16_matmul_gflops"] = gflops
     report["rounds"] = [{m: r["step_s"] for m, r in rnd.items()} for rnd in runs]
     _print_table(report, results)
@@ -167,8 +175,28 @@ def _run_in_subprocess(args, mode: str, base: str) -> subprocess.CompletedProces
               "--steps", str(args.steps), "--warmup", str(args.warmup), "--dir", base]
     cmd = ([args.ds_python, os.path.join(REPO, "bench", "ds_e2e.py")] + common if mode == DS_MODE
            else [sys.executable, __file__, "--mode", mode, "--engine-config", args.engine_config] + common)
-    return subprocess.run(cmd, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": REPO, "DS_ACCELERATOR": "cpu"})
+    return subprocess.run(cmd, capture_output=True, text=True, env=worker_env())
+
+
+def worker_env() -> dict:
+    """The environment of a benchmark's subprocess: this checkout's packages, DeepSpeed on its CPU accelerator."""
+    return {**os.environ, "PYTHONPATH": REPO, "DS_ACCELERATOR": "cpu"}
+
+
+def add_engine_config_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--engine-config", default="{}", type=_json_object, metavar="JSON",
+                    help='extra config keys for our engine, e.g. \'{"gradient_clipping": 1.0, "delayed_update": true}\'')
+
+
+def _json_object(text: str) -> str:
+    """argparse type: the text itself (it is passed on to subprocesses), once it parses as a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}; pass a JSON object of config keys") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: not an object; pass a JSON object of config keys")
+    return text
 
 
 def _median_of_rounds(runs: list[dict]) -> dict:
@@ -198,9 +226,10 @@ def matmul_gflops(m: int = 1024, k: int = 1024, n: int = 2752, reps: int = 3, ro
     return 2 * m * k * n * reps / sorted(times[1:])[rounds // 2] / 1e9
 
 
-def _default_ds_python() -> str | None:
+def default_ds_python() -> str | None:
+    """A DeepSpeed venv's python: $OFFLOAD_DS_PYTHON, else /work/dsvenv/bin/python if it exists, else None."""
     path = "/work/dsvenv/bin/python"
-    return path if os.path.exists(path) else None
+    return os.environ.get("OFFLOAD_DS_PYTHON") or (path if os.path.exists(path) else None)
 
 
 def _report(args, results: dict, errors: dict) -> dict:
@@ -221,6 +250,18 @@ def _report(args, results: dict, errors: dict) -> dict:
     }
 
 
+def _io_report(results: dict, bw: dict | None) -> dict:
+    """The nvme_offload step against its I/O bound (bench/iobound.py); nulls where either is missing."""
+    nvme, ref = results.get("nvme_offload"), results.get("in_memory", {}).get("step_s")
+    if bw is None or nvme is None:  # no nvme_offload mode in the run, --io-size 0, or the mode failed
+        return dict.fromkeys(("io_bound_s", "swap_read_gbps", "swap_write_gbps", "nvme_step_bytes", "nvme_vs_bound"))
+    nbytes = iobound.step_nvme_bytes(nvme["links"])
+    bound = iobound.io_bound_s(nbytes, bw)
+    return {"io_bound_s": bound, "swap_read_gbps": bw["swap_read_gbps"], "swap_write_gbps": bw["swap_write_gbps"],
+            "nvme_step_bytes": nbytes, "nvme_vs_bound": nvme["step_s"] / max(ref or 0.0, bound),
+            "io_line": iobound.describe(nbytes, bw, nvme["params"])}
+
+
 def _print_table(report: dict, results: dict) -> None:
     print(f"preset {report['preset']}: {(report['params'] or 0) / 1e6:.0f}M params, {report['tokens_per_step']} tokens/step; "
           f"bf16 matmul {' -> '.join(f'{g:.0f}' for g in report['bf16_matmul_gflops'])} GFLOP/s (before -> after)")
@@ -230,6 +271,9 @@ def _print_table(report: dict, results: dict) -> None:
         stall = r.get("stall_seconds")
         print(f"{m:14s} {r['step_s']:8.2f} {ratio if ratio else float('nan'):9.2f} "
               f"{r['peak_rss_bytes'] / 1e9:12.2f} {stall if stall is not None else float('nan'):12.2f}")
+    if report["io_bound_s"] is not None:
+        print(report["io_line"])
+        print(f"nvme step / max(in-memory step, io bound) = {report['nvme_vs_bound']:.2f}")
     if len(report["rounds"]) > 1:
         print("step s per round (the table shows each mode's median round):")
         for i, rnd in enumerate(report["rounds"], 1):

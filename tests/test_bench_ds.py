@@ -1,7 +1,7 @@
 """bench/ds_e2e.py and e2e.py's deepspeed_nvme mode (DeepSpeed lives in its own venv, never ours).
 
-The fast tests need no DeepSpeed; the slow one runs it through e2e.py where a DeepSpeed python is found
-($OFFLOAD_DS_PYTHON, else /work/dsvenv/bin/python) and is skipped otherwise.
+The fast tests need no DeepSpeed; the slow ones run it through e2e.py and scale.py where a DeepSpeed
+python is found ($OFFLOAD_DS_PYTHON, else /work/dsvenv/bin/python) and are skipped otherwise.
 """
 
 import importlib.util
@@ -67,3 +67,19 @@ def test_deepspeed_nvme_trains_our_model_from_our_weights(tmp_path):
     assert theirs[0] == pytest.approx(ours[0], rel=1e-4)
     assert theirs[1] == pytest.approx(ours[1], rel=2e-3)
     assert not list(tmp_path.glob("deepspeed-*")), "ds_e2e.py left its NVMe swap directory behind"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(DS_PYTHON), reason=f"no DeepSpeed python at {DS_PYTHON}")
+def test_scale_runs_deepspeed_zero_init_beside_ours(tmp_path):
+    # Minutes on a first run (DeepSpeed JIT-builds its ops), about 20 s after; DeepSpeed builds the
+    # model inside zero.Init here (its weights, not ours), so only what it did is checked.
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "scale.py"), "--model", "tiny", "--steps", "2",
+                           "--batch", "2", "--seq", "32", "--dir", str(tmp_path), "--io-size", "64M",
+                           "--ds-python", DS_PYTHON, "--json"], capture_output=True, text=True, cwd=ROOT, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ds = json.loads(proc.stdout.strip().splitlines()[-1])["deepspeed"]
+    assert ds["error"] is None, ds["error"]
+    assert ds["steps_completed"] == len(ds["step_s"]) == len(ds["losses"]) == 2 and ds["init_s"] > 0
+    assert ds["params"] == 820480 and ds["peak_rss_bytes"] > 0 and ds["deepspeed_version"]
+    assert not any(tmp_path.iterdir()), "scale.py left its swap directory behind"

@@ -1,4 +1,5 @@
-"""bench/e2e.py runs our modes (in rounds) and reports the host's matmul speed beside the step times."""
+"""bench/e2e.py runs our modes (in rounds) and reports the host's matmul speed and the nvme step's I/O
+bound (the swap bandwidth measured in the same run) beside the step times."""
 
 import json
 import subprocess
@@ -11,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_e2e_reports_step_times_and_the_hosts_matmul_speed(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--preset", "tiny", "--batch", "2",
                            "--seq", "32", "--steps", "1", "--warmup", "1", "--dir", str(tmp_path),
-                           "--modes", "cpu_offload,nvme_offload", "--rounds", "2", "--json"],
+                           "--modes", "cpu_offload,nvme_offload", "--rounds", "2", "--io-size", "64M", "--json"],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -25,3 +26,12 @@ def test_e2e_reports_step_times_and_the_hosts_matmul_speed(tmp_path):
     assert "round 2:" in proc.stdout
     losses = report["first_losses"]
     assert losses["cpu_offload"] == losses["nvme_offload"]  # the same math in both placements
+    # The I/O bound: the step's own nvme bytes over the bandwidth measured in the run.
+    assert report["swap_read_gbps"] > 0 and report["swap_write_gbps"] > 0
+    read, written = report["nvme_step_bytes"]["nvme_to_dram"], report["nvme_step_bytes"]["dram_to_nvme"]
+    assert read >= 14 * report["params"] and written >= 14 * report["params"]  # bf16 weight + fp32 master, m, v
+    bound = read / (report["swap_read_gbps"] * 1e9) + written / (report["swap_write_gbps"] * 1e9)
+    assert report["io_bound_s"] == bound
+    assert report["nvme_vs_bound"] == report["nvme_offload_step_s"] / bound  # no in-memory mode in this run
+    assert "io bound" in proc.stdout and "nvme step / max(in-memory step, io bound)" in proc.stdout
+    assert not any(tmp_path.iterdir()), "the swap bench or a mode left files in --dir"

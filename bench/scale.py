@@ -1,0 +1,281 @@
+"""A model larger than memory, weights and optimizer states on nvme: ours, and DeepSpeed beside it.
+
+Ours runs in a subprocess: the model is built on the meta device (offload.train.build: a preset, or a
+Hugging Face directory whose weights stream from its safetensors), offload.initialize is timed (init_s),
+and it trains --steps steps of --batch x --seq tokens, reporting each step's time, loss and bytes per link
+(engine.stats()["last_step"]["links"]). DeepSpeed ZeRO-3 with NVMe offload of both then trains the same
+model and batches (bench/ds_e2e.py --zero-init in the DeepSpeed venv, found as bench/e2e.py finds it:
+--ds-python, else $OFFLOAD_DS_PYTHON, else /work/dsvenv/bin/python); it may crash, and the report says
+what it did: steps completed, the error line, peak RSS. DeepSpeed builds the model inside zero.Init, its
+way for a model larger than memory, so its weights are its own draw (a HF directory: from config.json,
+which needs transformers in the DeepSpeed venv); both train on the same byte-id batches.
+
+Peak RSS is sampled by this process every 0.2 s over the worker and its children (DeepSpeed's JIT
+builds count, on a first run before its op cache is warm). The I/O bound of a step is
+bench/iobound.py's: the step's nvme bytes over the swap bandwidth `offload bench nvme` measures in
+the same --dir before training. Everything goes into one new directory under --dir, removed at the end.
+
+python bench/scale.py [--model 3b|PRESET|HF_DIR] [--steps 20] [--batch 1] [--seq 256] --dir DIR
+                      [--io-size 2G] [--ds-python PATH] [--no-deepspeed] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import iobound  # bench/, this script's directory, is first on sys.path
+from e2e import REPO, add_engine_config_argument, default_ds_python, worker_env
+
+RUN_KEYS = ("params", "init_s", "deepspeed_version")  # once per run
+
+
+def worker(args) -> None:
+    """In the subprocess: a JSON line after initialize, one per step, one at the end, as they happen."""
+    import offload
+    from offload.config import load_config
+    from offload.cpu_adam import kernel_backend
+    from offload.data import BatchSampler, load_tokens
+    from offload.models import loss_of
+    from offload.train import build
+
+    cfg = load_config({"precision": "bf16", "offload_param": {"device": "nvme"},
+                       "offload_optimizer": {"device": "nvme"}, "nvme_path": args.dir,
+                       "optimizer": {"lr": 1e-4}, **json.loads(args.engine_config)})
+    model, weights, info = build({"model": args.model, "batch_size": args.batch, "seq_len": args.seq}, cfg)
+    # Byte ids, as bench/ds_e2e.py draws them: the same batches for both (a HF directory's vocabulary
+    # holds them; its own tokenizer would change the data, not the work of a step).
+    sampler = BatchSampler(load_tokens(), args.batch, args.seq, seed=0)
+    kernel_backend()  # build/load the CPU Adam kernel first: init_s is offload.initialize alone
+    t0 = time.perf_counter()
+    with offload.initialize(model, cfg, weights=weights) as engine:
+        _emit({"params": info["params"], "init_s": time.perf_counter() - t0})
+        for i in range(args.steps):
+            ids, labels = (t.to(engine.device) for t in sampler.batch(i))
+            t0 = time.perf_counter()
+            loss = loss_of(engine(ids, labels=labels))  # by name: a HF model's second argument is the mask
+            engine.backward(loss)
+            engine.step()
+            _emit({"step": i, "step_s": time.perf_counter() - t0, "loss": loss.item(),
+                   "links": engine.stats()["last_step"]["links"]})
+    if weights is not None:
+        weights.close()
+    _emit({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+
+
+def _emit(line: dict) -> None:
+    print(json.dumps(line), flush=True)
+
+
+class PeakRss:
+    """The largest RSS summed over a process and its descendants, sampled every interval_s on a thread."""
+
+    def __init__(self, pid: int, interval_s: float = 0.2):
+        self.pid, self.interval_s, self.peak = pid, interval_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scale-rss", daemon=True)
+
+    def sample(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        total = 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.NoSuchProcess:  # a child that ended between listing and reading
+                pass
+        self.peak = max(self.peak, total)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def __enter__(self) -> "PeakRss":
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_sampled(cmd: list[str], label: str) -> dict:
+    """Runs a worker, echoing its stderr and a line per step, sampling its RSS. Returns what it reported
+    (RUN_KEYS, per-step lists), steps_completed, peak_rss_bytes (sampled), ru_maxrss_bytes (the worker's own
+    peak, if it got to say it) and error: its last stderr line, or null when it succeeded."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env())
+    tail: collections.deque = collections.deque(maxlen=20)
+    tee = threading.Thread(target=_tee, args=(proc.stderr, tail), daemon=True)
+    tee.start()
+    out: dict = {"params": None, "init_s": None, "step_s": [], "losses": [], "links": []}
+    try:
+        with PeakRss(proc.pid) as rss:
+            for line in proc.stdout:
+                _take(out, line, label)
+            proc.wait()
+    finally:
+        if proc.poll() is None:  # interrupted: leave no worker writing into the directory being removed
+            proc.kill()
+            proc.wait()
+    tee.join()
+    out["steps_completed"], out["peak_rss_bytes"] = len(out["step_s"]), rss.peak
+    out["error"] = _error_line(proc.returncode, tail) if proc.returncode else None
+    return out
+
+
+def _tee(stream, tail: collections.deque) -> None:
+    for line in stream:
+        sys.stderr.write(line)
+        if line.strip():
+            tail.append(line.rstrip())
+
+
+def _take(out: dict, line: str, label: str) -> None:
+    """One line of a worker's stdout into its result; lines that are not our JSON are passed on."""
+    try:
+        event = json.loads(line) if line.startswith("{") else None
+    except ValueError:
+        event = None
+    if not isinstance(event, dict):
+        sys.stderr.write(line)
+    elif "step" in event:
+        out["step_s"].append(event["step_s"])
+        out["losses"].append(event["loss"])
+        out["links"].append(event.get("links"))
+        print(f"{label} step {event['step'] + 1}: {event['step_s']:.2f} s, loss {event['loss']:.4f}",
+              file=sys.stderr, flush=True)
+    else:
+        out.update({k: event[k] for k in RUN_KEYS if k in event})
+        if "init_s" in event:
+            print(f"{label} initialized in {event['init_s']:.1f} s", file=sys.stderr, flush=True)
+        if "peak_rss_bytes" in event:  # the worker's own, exact peak (ru_maxrss): beside the sampled one
+            out["ru_maxrss_bytes"] = event["peak_rss_bytes"]
+
+
+def _error_line(returncode: int, tail: collections.deque) -> str:
+    if returncode < 0:  # killed: the kernel's OOM killer sends SIGKILL and leaves no traceback
+        return f"killed by signal {-returncode}" + (" (out of memory?)" if returncode == -9 else "")
+    return tail[-1] if tail else f"exit {returncode}"
+
+
+def steady(values: list[float]) -> float | None:
+    """The median after the first step (which also records the fetch trace, or builds DeepSpeed's buffers)."""
+    rest = sorted(values[1:] or values)
+    return rest[len(rest) // 2] if rest else None
+
+
+def _ours_report(ours: dict, bw: dict | None) -> dict:
+    """Ours' figures with the I/O bound: links per link as a list over steps, bound per step and its median."""
+    links = [l for l in ours.pop("links") if l]
+    report = {**ours, "links": {k: [l[k]["bytes"] for l in links] for k in (links[0] if links else {})},
+              "io_bound_s": None, "io_bound_per_step_s": None, "step_vs_io_bound": None}
+    if bw and links:
+        bounds = [iobound.io_bound_s(iobound.step_nvme_bytes(l), bw) for l in links]
+        report.update(io_bound_per_step_s=bounds, io_bound_s=steady(bounds),
+                      step_vs_io_bound=steady(ours["step_s"]) / steady(bounds),
+                      io_line=iobound.describe(iobound.step_nvme_bytes(links[-1]), bw, ours["params"]))
+    return report
+
+
+def _print_summary(report: dict) -> None:
+    print(f"model {report['model']}: {(report['params'] or 0) / 1e6:.0f}M params, batch {report['batch']} x "
+          f"{report['seq']}; swap read {report['swap_read_gbps'] or float('nan'):.2f} GB/s, write "
+          f"{report['swap_write_gbps'] or float('nan'):.2f} GB/s (offload bench nvme in --dir)")
+    print(f"{'':10} {'init s':>7} {'steps':>6} {'step s':>8} {'peak RSS GB':>12}  loss first -> last")
+    for name, r in (("ours", report), ("deepspeed", report["deepspeed"])):
+        if r is None:
+            continue
+        step, losses = steady(r["step_s"]), r["losses"]
+        print(f"{name:10} {r.get('init_s') or float('nan'):7.1f} {r['steps_completed']:6d} "
+              f"{step if step is not None else float('nan'):8.2f} {r['peak_rss_bytes'] / 1e9:12.2f}  "
+              + (f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "-")
+              + (f"  FAILED: {r['error']}" if r["error"] else ""))
+    if report["io_bound_s"] is not None:
+        print(report["io_line"])
+        print(f"ours step / io bound = {report['step_vs_io_bound']:.2f} (step s: median after the first step)")
+
+
+def _parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="3b", metavar="PRESET|HF_DIR")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--dir", required=True, help="a directory on the drive; the run's swap goes in a new "
+                    "subdirectory, removed at the end")
+    iobound.add_io_arguments(ap)
+    add_engine_config_argument(ap)
+    ap.add_argument("--ds-python", default=default_ds_python(), help="python of a venv with DeepSpeed")
+    ap.add_argument("--no-deepspeed", action="store_true", help="ours only, even where DeepSpeed is found")
+    ap.add_argument("--ds-sub-group-size", type=int, default=int(1e9),
+                    help="DeepSpeed's ZeRO-3 sub_group_size (its default 1e9; see bench/ds_e2e.py)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: train ours here
+    args = ap.parse_args()
+    if args.worker:
+        return args
+    if args.steps < 1 or args.batch < 1 or args.seq < 2:
+        ap.error(f"--steps={args.steps} --batch={args.batch} --seq={args.seq}: need >= 1, >= 1, >= 2")
+    if not os.path.isdir(args.dir):
+        ap.error(f"--dir={args.dir}: not a directory; create it or pass an existing one")
+    from offload.models import PRESETS
+
+    if args.model not in PRESETS and not os.path.isdir(args.model):
+        ap.error(f"--model={args.model}: neither a preset ({', '.join(PRESETS)}) nor a Hugging Face directory")
+    return args
+
+
+def main() -> None:
+    args = _parse_args()
+    if args.worker:
+        return worker(args)
+    work = tempfile.mkdtemp(prefix="scale-", dir=args.dir)
+    try:
+        report = _run(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # ours alone: created above, gigabytes of swap
+    _print_summary(report)
+    if args.json:
+        print(json.dumps(report))
+    if report["error"]:
+        sys.exit(1)
+
+
+def _run(args, work: str) -> dict:
+    """The swap bandwidth, ours, then DeepSpeed, all in `work`; the report (API.md, Benchmarks)."""
+    bw = iobound.measure_swap(work, args.io_size, json.loads(args.engine_config)) if args.io_size else None
+    shape = ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
+    ours_dir = os.path.join(work, "ours")
+    os.makedirs(ours_dir)
+    ours = run_sampled([sys.executable, os.path.abspath(__file__), "--worker", "--model", args.model,
+                        "--engine-config", args.engine_config, "--dir", ours_dir] + shape, "ours")
+    shutil.rmtree(ours_dir, ignore_errors=True)  # a killed run's swap would crowd DeepSpeed's off the drive
+    ds = None
+    if args.ds_python and not args.no_deepspeed:
+        ds = run_sampled([args.ds_python, os.path.join(REPO, "bench", "ds_e2e.py"), "--preset", args.model,
+                          "--warmup", "0", "--zero-init", "--sub-group-size", str(args.ds_sub_group_size),
+                          "--dir", work] + shape, "deepspeed")
+        ds.pop("links")  # DeepSpeed has no link counters
+    return {"model": args.model, "batch": args.batch, "seq": args.seq, **_ours_report(ours, bw),
+            "swap_read_gbps": bw["swap_read_gbps"] if bw else None,
+            "swap_write_gbps": bw["swap_write_gbps"] if bw else None,
+            "engine_config": json.loads(args.engine_config), "deepspeed": ds}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""bench/scale.py trains a meta-device model with weights and states on nvme and reports the API's JSON
+(tiny preset, 2 steps, DeepSpeed left out: tests/test_bench_ds.py covers it where installed)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_scale_reports_steps_memory_links_and_the_io_bound(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "scale.py"), "--model", "tiny", "--steps", "2",
+                           "--batch", "2", "--seq", "32", "--dir", str(tmp_path), "--io-size", "64M",
+                           "--no-deepspeed", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["params"] == 820480 and r["init_s"] > 0 and r["error"] is None and r["deepspeed"] is None
+    assert len(r["step_s"]) == len(r["losses"]) == r["steps_completed"] == 2 and min(r["step_s"]) > 0
+    assert r["losses"][1] < r["losses"][0]
+    assert r["peak_rss_bytes"] > 100e6 and r["ru_maxrss_bytes"] > 100e6  # sampled, and the worker's own
+    links = r["links"]
+    assert set(links) >= {"nvme_to_dram", "dram_to_nvme"} and all(len(v) == 2 for v in links.values())
+    read, written = links["nvme_to_dram"][-1], links["dram_to_nvme"][-1]
+    assert read >= 14 * r["params"] and written >= 14 * r["params"]  # bf16 weight + fp32 master, m, v
+    bound = read / (r["swap_read_gbps"] * 1e9) + written / (r["swap_write_gbps"] * 1e9)
+    assert r["io_bound_per_step_s"][-1] == bound and r["io_bound_s"] == bound  # 2 steps: the second one
+    assert r["step_vs_io_bound"] == r["step_s"][1] / bound
+    assert "io bound" in proc.stdout and "ours step / io bound" in proc.stdout
+    assert not any(tmp_path.iterdir()), "scale.py left its swap directory behind"
+
+
+def test_scale_rejects_a_missing_dir(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "scale.py"), "--dir", str(tmp_path / "nope")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "not a directory" in proc.stderr
