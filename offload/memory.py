@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 STATE_CHUNKS = 4   # fp32 master, exp_avg, exp_avg_sq, gradient of one window
+SWAP_SLACK_BYTES = 64 << 10  # beside the swap data: the run directory's owner file, allocation granularity
 READ_AHEAD = 2     # chunks of one nvme fetch in flight (offload.residency)
 
 
@@ -82,6 +83,8 @@ def runtime_parts(fetched_numels: list[int], trainable_numels: list[int], itemsi
         f"the largest {knobs.grad_units} trainable units x {itemsize} B")
     count, formula = pool_chunks(w_home, s_home, device_type, knobs.read_ahead)
     add("chunk pool", "dram", count * chunk_bytes, f"({formula}) chunks x chunk_bytes {chunk_bytes}")
+    if "nvme" in (w_home, s_home):
+        add("swap run directory", "nvme", SWAP_SLACK_BYTES, "its owner file and the data file's allocation slack")
     return parts
 
 

@@ -95,9 +95,12 @@ class OptimState(_Handle):
         if self.home != "nvme":
             return self._as_grad(self.t["grad"])[b:e]
         w = self._win[i]
-        if "grad" not in w.t:
-            w.t["grad"] = self.eng.staging.acquire(e - b, self.grad_dtype, f"{self.unit.name} grad")
-            gather(self._grads, b, e, w.t["grad"])
+        if "grad" not in w.t:  # read ahead without it: from this backward's gradients, or the accumulator
+            buf = w.t["grad"] = self.eng.staging.acquire(e - b, self.grad_dtype, f"{self.unit.name} grad")
+            if self._grads is not None:
+                gather(self._grads, b, e, buf)
+            else:
+                self.eng.store.read(self.key("grad", i), into=buf).wait()
         return w.t["grad"]
 
     def _as_grad(self, buf: torch.Tensor) -> torch.Tensor:
@@ -231,8 +234,9 @@ class OptimState(_Handle):
                    keep: bool = False) -> float | None:
         """Adds this micro-step's gradients (offset, flat grad) into the fp32 accumulator; on the last
         micro-step returns its sum of squares (for the global norm and fp16 overflow detection).
-        keep: the step follows at once (one micro-step, overlapped): nvme states then read the gradient
-        window by window straight from `grads`, which the caller keeps alive until the step is done.
+        keep: the step follows at once (overlapped): after a window of one micro-step, nvme states read the
+        gradient window by window straight from `grads`, which the caller keeps alive until the step is done
+        (after several, from the accumulator on nvme).
         A window of one micro-step in bf16/fp16 (the common case) keeps the gradient in its own dtype
         (in a resident accumulator's first bytes): the step casts it as it reads it (the same fp32 values),
         and the copy's writes, the sum of squares and the step's gradient reads each move half the bytes."""
@@ -243,7 +247,7 @@ class OptimState(_Handle):
             own = last and dtype != torch.float32 and (resident_cpu or keep)
             self.grad_dtype = dtype if own else torch.float32
         self.got_grad.update(self._slot_at[offset] for offset, _ in grads)
-        if self.home == "nvme" and keep:
+        if self.home == "nvme" and keep and first:  # one micro-step: the step reads `grads` itself
             self._grads = list(grads)
             return sum(grad_sq_sum(g) if g.device.type == "cpu" else float(g.double().square().sum())
                        for _, g in grads)

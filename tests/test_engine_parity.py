@@ -507,3 +507,36 @@ def test_exact_parity_with_the_torch_fallback(tmp_path, monkeypatch, precision):
     torch.manual_seed(0)
     out = train_both(MLP(), config(tmp_path / "b", "cpu", "nvme", precision), mlp_batches(4), steps=4)
     check(*out[:4])
+
+
+@pytest.mark.parametrize("chunk_bytes", [8 << 10, 24 << 10, 32 << 20], ids=["smaller", "not-dividing", "default"])
+@pytest.mark.parametrize("param,optim", [("nvme", "nvme"), ("cpu", "nvme"), ("nvme", "cpu"), ("cpu", "cpu")])
+@pytest.mark.parametrize("extra", [{}, {"gradient_accumulation_steps": 2}, {"gradient_clipping": 1.0},
+                                   {"delayed_update": True}], ids=["overlap", "gas2", "clip", "delayed"])
+def test_chunk_sizes_change_no_number(tmp_path, monkeypatch, chunk_bytes, param, optim, extra):
+    """Chunks are the grain of movement only: a chunk smaller than a unit (8 KiB: 2048 fp32 elements),
+    one that does not divide the units (24 KiB), and one larger than all of them train bit for bit like the
+    kernel reference, on every step path, with copy delays injected (a missing wait shows up as a number)."""
+    monkeypatch.setenv("OFFLOAD_TEST_COPY_DELAY_S", "0.002")
+    torch.manual_seed(0)
+    model = SometimesMLP()
+    gas = extra.get("gradient_accumulation_steps", 1)
+    cfg = config(tmp_path, param, optim, "bf16", optimizer={"weight_decay": 0.1}, chunk_bytes=chunk_bytes, **extra)
+    ref = Reference(model, "bf16", lr=1e-2, weight_decay=0.1, clip=extra.get("gradient_clipping", 0.0), gas=gas,
+                    kernel=True, delayed=extra.get("delayed_update", False))
+    ref.model.calls = 0
+    batches = mlp_batches(4 * gas)
+    with offload.initialize(model, cfg) as eng:
+        assert max(len(st.windows) for st in eng.states if st is not None) > (chunk_bytes < 1 << 20)
+        for s in range(4):
+            for m in range(gas):
+                loss = eng(*batches[s * gas + m])
+                eng.backward(loss)
+                eng.step()
+                assert loss.item() == ref.micro_step(*batches[s * gas + m])
+            ref.step()
+        eng.flush()
+        ref.flush()
+        sd = eng.full_state_dict()
+        assert eng.staging.lent == 0  # every chunk went back to the pool
+    assert max_state_err(sd, ref.state()) == 0.0
