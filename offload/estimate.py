@@ -77,54 +77,20 @@ def _aligned(nbytes: int, align: int = ALIGN_BYTES) -> int:
     return -(-nbytes // align) * align
 
 
-def runtime_bytes(unit_numel: int, terms: list[Term], dp: int = 1, hbm_units: int = 2,
-                  nvme_weight_units: int = 2, nvme_optimizer_units: int = 3,
-                  optimizer_unit_bytes_per_numel: int = 16, optimizer_chunk_numel: int | None = None,
-                  pinned_chunk_bytes: int = 64 << 20, activation_bytes: int = 0) -> dict:
-    """The runtime's buffers and working set per rank, on top of the ledger.
+def runtime_bytes(unit_numel: int, terms: list[Term], dp: int = 1, device_type: str = "cuda",
+                  chunk_bytes: int = 32 << 20, activation_bytes: int = 0, **_unused) -> dict:
+    """The runtime's buffers and working set per rank, on top of the ledger: offload.memory.runtime_parts,
+    the function the engine's placement checks, with every unit as large as the largest (unit_numel).
+    Returns {"hbm_bytes", "dram_bytes", "nvme_bytes", "parts": [{"name", "tier", "bytes", "formula"}]}."""
+    from offload.memory import Knobs, runtime_parts
 
-    unit_numel: parameters in the largest unit (the buffers are sized for it).
-    terms: ledger_terms(...) of the run (where weights, gradients and optimizer state live).
-    dp: data-parallel ranks (a partitioned term's shard of a unit is unit_numel / dp).
-    hbm_units: units whose full weights are resident in hbm at once (current + prefetched).
-    nvme_weight_units: pinned dram buffers for weights read from NVMe (one filling, one draining).
-    nvme_optimizer_units: units in flight in the NVMe optimizer pipeline (read j+1, step j, write j-1).
-    optimizer_unit_bytes_per_numel: bytes per parameter each pipeline slot holds (fp32 master, m, v, grad).
-    optimizer_chunk_numel: the pipeline's slot size when it steps a unit in sub-groups (None: a whole unit).
-    pinned_chunk_bytes: pinned memory is allocated in chunks; each pinned pool rounds up to a chunk.
-    activation_bytes: activations in hbm, when known (they depend on batch and sequence length).
-    Returns {"hbm_bytes", "dram_bytes", "nvme_bytes", "parts": [{"name", "tier", "bytes", "formula"}]}.
-    """
-    w, g, _ = terms
-    parts = []
-
-    def add(name, tier, nbytes, formula):
-        if nbytes:
-            parts.append({"name": name, "tier": tier, "bytes": int(nbytes), "formula": formula})
-
-    if w.tier != "hbm" or (w.partitioned and dp > 1):
-        add("gathered weights", "hbm", hbm_units * _aligned(unit_numel * w.bytes_per_param),
-            f"{hbm_units} units x U x {w.bytes_per_param} B")
-    if g.tier != "hbm" or (g.partitioned and dp > 1):
-        grad_bytes = 4 if w.bytes_per_param == 4 else 2
-        add("gradient in flight", "hbm", _aligned(unit_numel * grad_bytes), f"1 unit x U x {grad_bytes} B")
-    add("activations", "hbm", activation_bytes, "given")
-    pinned = []
-    if w.tier == "nvme":
-        shard = math.ceil(unit_numel / dp) if w.partitioned else unit_numel
-        pinned.append(("nvme weight staging", nvme_weight_units * _aligned(shard * w.bytes_per_param),
-                       f"{nvme_weight_units} x U{'/D' if w.partitioned else ''} x {w.bytes_per_param} B"))
-    if terms[2].tier == "nvme":
-        shard = math.ceil(unit_numel / dp) if terms[2].partitioned else unit_numel
-        slot = "U/D" if terms[2].partitioned else "U"
-        if optimizer_chunk_numel:
-            shard, slot = min(shard, optimizer_chunk_numel), f"min({slot}, {optimizer_chunk_numel})"
-        pinned.append(("nvme optimizer pipeline",
-                       nvme_optimizer_units * _aligned(shard * optimizer_unit_bytes_per_numel),
-                       f"{nvme_optimizer_units} x {slot} x {optimizer_unit_bytes_per_numel} B"))
-    for name, nbytes, formula in pinned:     # each pool is pinned in whole chunks
-        add(name, "dram", _aligned(nbytes, pinned_chunk_bytes),
-            f"{formula}, rounded up to {pinned_chunk_bytes >> 20} MiB pinned chunks")
+    w, _, opt = terms
+    knobs = Knobs()
+    n_fetched = 1 + knobs.prefetch_units + knobs.reuse_distance
+    parts = runtime_parts([unit_numel] * n_fetched if w.tier != "hbm" else [], [unit_numel] * knobs.grad_units,
+                          w.bytes_per_param, w.tier, opt.tier, device_type, chunk_bytes, knobs)
+    if activation_bytes:
+        parts.append({"name": "activations", "tier": "hbm", "bytes": int(activation_bytes), "formula": "given"})
     out = {f"{t}_bytes": sum(p["bytes"] for p in parts if p["tier"] == t) for t in TIERS}
     out["parts"] = parts
     return out
