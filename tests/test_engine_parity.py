@@ -469,19 +469,23 @@ def test_parameters_without_gradients_are_skipped_like_torch(tmp_path, param, op
 def test_parameters_without_gradients_in_every_step_path(tmp_path, param, optim, extra):
     """The same skipping on the paths beside overlap_step: the step after backward (clipping, fp16 with
     its loss scale), accumulation windows, and the delayed update; exact against the kernel reference."""
+    extra = dict(extra)
+    train_sometimes_exactly(tmp_path, param, optim, extra.pop("precision", "bf16"), extra, steps=6)
+
+
+def train_sometimes_exactly(tmp_path, param, optim, precision, extra, steps, check_engine=None) -> None:
+    """SometimesMLP trained by the engine (config `extra`) and by the kernel reference with the same
+    semantics: every loss and the final state equal bit for bit. check_engine(eng) runs before close."""
     torch.manual_seed(0)
     model = SometimesMLP()
-    extra = dict(extra)
-    precision = extra.pop("precision", "bf16")
     gas = extra.get("gradient_accumulation_steps", 1)
-    delayed = extra.get("delayed_update", False)
     cfg = config(tmp_path, param, optim, precision, optimizer={"weight_decay": 0.1}, **extra)
     ref = Reference(model, precision, lr=1e-2, weight_decay=0.1, clip=extra.get("gradient_clipping", 0.0),
-                    gas=gas, kernel=True, delayed=delayed)
+                    gas=gas, kernel=True, delayed=extra.get("delayed_update", False))
     ref.model.calls = 0
-    batches = mlp_batches(6 * gas)
+    batches = mlp_batches(steps * gas)
     with offload.initialize(model, cfg) as eng:
-        for s in range(6):
+        for s in range(steps):
             for m in range(gas):
                 loss = eng(*batches[s * gas + m])
                 eng.backward(loss)
@@ -491,6 +495,8 @@ def test_parameters_without_gradients_in_every_step_path(tmp_path, param, optim,
         eng.flush()
         ref.flush()
         sd = eng.full_state_dict()
+        if check_engine is not None:
+            check_engine(eng)
     assert max_state_err(sd, ref.state()) == 0.0
 
 
@@ -518,25 +524,10 @@ def test_chunk_sizes_change_no_number(tmp_path, monkeypatch, chunk_bytes, param,
     one that does not divide the units (24 KiB), and one larger than all of them train bit for bit like the
     kernel reference, on every step path, with copy delays injected (a missing wait shows up as a number)."""
     monkeypatch.setenv("OFFLOAD_TEST_COPY_DELAY_S", "0.002")
-    torch.manual_seed(0)
-    model = SometimesMLP()
-    gas = extra.get("gradient_accumulation_steps", 1)
-    cfg = config(tmp_path, param, optim, "bf16", optimizer={"weight_decay": 0.1}, chunk_bytes=chunk_bytes, **extra)
-    ref = Reference(model, "bf16", lr=1e-2, weight_decay=0.1, clip=extra.get("gradient_clipping", 0.0), gas=gas,
-                    kernel=True, delayed=extra.get("delayed_update", False))
-    ref.model.calls = 0
-    batches = mlp_batches(4 * gas)
-    with offload.initialize(model, cfg) as eng:
+
+    def check(eng):
         assert max(len(st.windows) for st in eng.states if st is not None) > (chunk_bytes < 1 << 20)
-        for s in range(4):
-            for m in range(gas):
-                loss = eng(*batches[s * gas + m])
-                eng.backward(loss)
-                eng.step()
-                assert loss.item() == ref.micro_step(*batches[s * gas + m])
-            ref.step()
-        eng.flush()
-        ref.flush()
-        sd = eng.full_state_dict()
         assert eng.staging.lent == 0  # every chunk went back to the pool
-    assert max_state_err(sd, ref.state()) == 0.0
+
+    train_sometimes_exactly(tmp_path, param, optim, "bf16", {"chunk_bytes": chunk_bytes, **extra}, steps=4,
+                            check_engine=check)

@@ -86,3 +86,32 @@ def test_an_unusable_nvme_path_is_named(tmp_path, path, why):
     cfg = {"offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}, "nvme_path": path}
     with pytest.raises(OSError, match=f"nvme_path={path}: {why}"):
         offload.initialize(build_model("tiny", device="meta"), cfg)
+
+
+@pytest.mark.slow
+def test_217m_class_model_trains_within_256mib_hbm_and_1gib_dram(tmp_path, capsys):
+    """The issue's case: a 220M Llama-style model (32k vocabulary, d 1024, 12 layers, untied head) with
+    weights and states on nvme under budgets of 256 MiB hbm and 1 GiB dram. It used to be refused; now the
+    optional parts shrink, it trains (loss falls), and the accountants' peaks stay within the budgets."""
+    from offload.models import ModelConfig
+
+    mc = ModelConfig(vocab_size=32000, d_model=1024, n_layers=12, n_heads=16, n_kv_heads=16, d_ff=2816,
+                     max_seq_len=64, tie_embeddings=False)
+    assert 215e6 < mc.num_params() < 225e6
+    with torch.device("meta"):
+        model = build_model(mc, device="meta")
+    cfg = {"precision": "bf16", "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"},
+           "nvme_path": str(tmp_path), "optimizer": {"lr": 1e-3},
+           "budgets": {"hbm_bytes": 256 << 20, "dram_bytes": 1 << 30}}
+    ids = torch.randint(0, 32000, (1, 64), generator=torch.Generator().manual_seed(0))
+    losses = []
+    with offload.initialize(model, cfg) as eng:
+        assert eng.placement.notes  # shrunk to fit, and said so
+        for _ in range(4):
+            loss = eng(ids, labels=ids)
+            eng.backward(loss)
+            eng.step()
+            losses.append(loss.item())
+        st = eng.stats()["tiers"]
+    assert losses[-1] < losses[0]
+    assert st["hbm"]["peak_bytes"] <= 256 << 20 and st["dram"]["peak_bytes"] <= 1 << 30
