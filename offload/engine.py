@@ -24,7 +24,7 @@ from offload.chunks import ChunkPool
 from offload.materialize import materialize, unit_values
 from offload.optim import KINDS, STATES, OptimState
 from offload.placement import Placement, plan_placement
-from offload.residency import WeightHandle
+from offload.residency import R, WeightHandle
 from offload.step import WindowPipeline, run_step
 from offload.tiers import Tiers
 from offload.units import Unit, partition
@@ -129,8 +129,8 @@ class Engine(nn.Module):
             self._kept.pop(unit.index, None)
             w = self.weights[unit.index]
             hbm = self.tiers.acct["hbm"]
-            while w.state.value in ("nvme", "dram") and not hbm.fits(w.nbytes) and self._grad_jobs:
-                self._grad_jobs.pop(0).wait()  # on demand: earlier gradients leave hbm first
+            while w.state in (R.NVME, R.DRAM) and not hbm.fits(w.nbytes) and self._grad_jobs:
+                self._wait_oldest_grad_job()  # on demand: earlier gradients leave hbm first
             w.wait_for_fetch()
 
     def _prefetch(self, unit: Unit) -> None:
@@ -190,8 +190,7 @@ class Engine(nn.Module):
         hbm = self.tiers.acct["hbm"]
         # back-pressure: earlier gradients leave hbm first, within the budget and the planned reserve
         while self._grad_jobs and (not hbm.fits(nbytes) or sum(self._grad_job_bytes) + nbytes > self._grad_reserve):
-            self._grad_job_bytes.pop(0)
-            self._grad_jobs.pop(0).wait()
+            self._wait_oldest_grad_job()
         hbm.charge(nbytes, f"{unit.name} gradients")  # they exist in hbm until the d2h job consumed them
         state = self.states[unit.index]
 
@@ -217,6 +216,10 @@ class Engine(nn.Module):
 
         self._grad_jobs.append(self.d2h.submit(job))
         self._grad_job_bytes.append(nbytes)
+
+    def _wait_oldest_grad_job(self) -> None:
+        self._grad_job_bytes.pop(0)
+        self._grad_jobs.pop(0).wait()
 
     def backward(self, loss: torch.Tensor) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
