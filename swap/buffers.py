@@ -41,8 +41,12 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, pin: bool = F
     itemsize = torch.empty((), dtype=dtype).element_size()
     padded = max(round_up(numel * itemsize), ALIGN_BYTES)
     if pin and torch.cuda.is_available():
-        raw = torch.empty(padded + ALIGN_BYTES, dtype=torch.uint8, pin_memory=True)
-        raw = _align_slice(raw, padded)
+        # torch's pinned allocator rounds every request up to a power of two, and its blocks start
+        # page-aligned: ask for exactly `padded` (a 32 MiB chunk stays 32 MiB) and over-allocate for
+        # alignment only if a block ever does not start aligned.
+        raw = torch.empty(padded, dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % ALIGN_BYTES:
+            raw = _align_slice(torch.empty(padded + ALIGN_BYTES, dtype=torch.uint8, pin_memory=True), padded)
     elif padded >= _MMAP_MIN_BYTES:
         raw = _mmap_populated(padded)
     else:
