@@ -54,8 +54,8 @@ class Engine(nn.Module):
         self.tiers = Tiers(self.device, self.placement.hbm_budget, self.placement.dram_budget,
                            self.placement.nvme_budget, pin=self.device.type == "cuda")
         self.telemetry = Telemetry()
-        self.chunk_numel = cfg.chunk_bytes // 4  # elements per chunk of every flat buffer (offload.chunks)
-        self.staging = ChunkPool(self.tiers, cfg.chunk_bytes, self.placement.pool_chunks)
+        self.chunk_numel = self.placement.chunk_bytes // 4  # elements per chunk of every buffer (offload.chunks)
+        self.staging = ChunkPool(self.tiers, self.placement.chunk_bytes, self.placement.pool_chunks)
         self.store = self._open_store() if self.placement.uses_nvme else None
         delay = float(os.environ.get("OFFLOAD_TEST_COPY_DELAY_S", "0"))
         self.h2d = CopyStream("h2d", self.device, delay)   # fetches: dram -> hbm

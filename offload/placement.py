@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 import psutil
 import torch
 
+from offload.config import CHUNK_ALIGN_BYTES
 from offload.estimate import OFFLOAD_TIER as HOME  # offload device -> tier
 from offload.memory import MINIMUM, Knobs, pool_chunks, runtime_parts, totals
 from offload.units import Unit
@@ -41,6 +42,7 @@ class Placement:
     parts: list[dict] = field(default_factory=list)  # offload.memory.runtime_parts
     notes: list[str] = field(default_factory=list)   # what was shrunk to fit, said once
     pool_chunks: int = 0
+    chunk_bytes: int = 0             # chunk_bytes, or less when every unit's largest buffer is smaller
 
     @property
     def uses_nvme(self) -> bool:
@@ -100,9 +102,12 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
                   cfg.budgets.dram_bytes or default_dram, _free_disk(cfg) if cfg.nvme_path else 0, rows)
     fetched = [u.numel for u in units if weight_home[u.index] != "hbm"]
     trainable = [u.trainable_numel for u in units if u.trainable_numel]
+    # A chunk larger than every unit's largest fp32 buffer would only hold empty pool bytes.
+    largest = max((u.numel for u in units), default=0) * 4
+    p.chunk_bytes = min(cfg.chunk_bytes, max(CHUNK_ALIGN_BYTES, -(-largest // CHUNK_ALIGN_BYTES) * CHUNK_ALIGN_BYTES))
 
     def plan(knobs: Knobs) -> tuple[list[dict], dict[str, int]]:
-        parts = runtime_parts(fetched, trainable, itemsize, w_home, s_home, device.type, cfg.chunk_bytes, knobs)
+        parts = runtime_parts(fetched, trainable, itemsize, w_home, s_home, device.type, p.chunk_bytes, knobs)
         need = totals(parts)
         return parts, {t: states[t] + need[t] for t in states}
 
