@@ -79,10 +79,6 @@ class ChunkPool:
         with self._lock:
             self.lent -= 1
 
-    @property
-    def peak_bytes(self) -> int:
-        return 0 if self._pool is None else self._pool.peak_bytes
-
     def close(self) -> None:
         if self._pool is not None:
             self._pool.clear()
