@@ -78,14 +78,17 @@ def _aligned(nbytes: int, align: int = ALIGN_BYTES) -> int:
 
 
 def runtime_bytes(unit_numel: int, terms: list[Term], dp: int = 1, device_type: str = "cuda",
-                  chunk_bytes: int = 32 << 20, activation_bytes: int = 0, **_unused) -> dict:
+                  chunk_bytes: int = 32 << 20, activation_bytes: int = 0, hbm_units: int | None = None) -> dict:
     """The runtime's buffers and working set per rank, on top of the ledger: offload.memory.runtime_parts,
     the function the engine's placement checks, with every unit as large as the largest (unit_numel).
+    hbm_units: fetched units in hbm at once (None: the engine's default, 1 + prefetch_units + reuse_distance).
     Returns {"hbm_bytes", "dram_bytes", "nvme_bytes", "parts": [{"name", "tier", "bytes", "formula"}]}."""
     from offload.memory import Knobs, runtime_parts
 
     w, _, opt = terms
     knobs = Knobs()
+    if hbm_units is not None:
+        knobs = Knobs(prefetch_units=hbm_units - 1, reuse_distance=0)
     n_fetched = 1 + knobs.prefetch_units + knobs.reuse_distance
     parts = runtime_parts([unit_numel] * n_fetched if w.tier != "hbm" else [], [unit_numel] * knobs.grad_units,
                           w.bytes_per_param, w.tier, opt.tier, device_type, chunk_bytes, knobs)

@@ -138,3 +138,10 @@ def test_non_llama_config_is_refused(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
     assert cli.main(["estimate", "--model", str(tmp_path)]) == 2
     assert "missing 'vocab_size'" in capsys.readouterr().err
+
+
+def test_resident_units_sets_the_fetch_window(capsys):
+    base = ["--params", "1B", "--unit-numel", "1000000", "--offload-param", "nvme", "--offload-optimizer", "nvme"]
+    default = {p["name"]: p["bytes"] for p in run_json(capsys, *base)["runtime"]["parts"]}
+    two = {p["name"]: p["bytes"] for p in run_json(capsys, *base, "--resident-units", "2")["runtime"]["parts"]}
+    assert default["fetched weights"] == 4 * 2 * 1_000_000 and two["fetched weights"] == 2 * 2 * 1_000_000

@@ -27,8 +27,9 @@ def register(subparsers) -> None:
     p.add_argument("--unit-numel", type=int, default=None,
                    help="parameters in the largest unit (default: from the model; with --params, params/"
                         f"{est.DEFAULT_UNITS_FOR_PARAMS})")
-    p.add_argument("--resident-units", type=int, default=2,
-                   help="units whose full weights are in hbm at once (default 2: current + prefetched)")
+    p.add_argument("--resident-units", type=int, default=None,
+                   help="units whose full weights are in hbm at once (default 4: the one in use, 2 prefetched, "
+                        "1 kept for its next use; the engine's defaults)")
     p.add_argument("--activation-bytes", type=int, default=0, help="activations in hbm, if known")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -50,7 +51,7 @@ def _shape(args) -> est.ModelShape:
 
 
 def run(args) -> int:
-    if args.resident_units < 1 or args.activation_bytes < 0:
+    if (args.resident_units is not None and args.resident_units < 1) or args.activation_bytes < 0:
         raise ValueError(f"--resident-units={args.resident_units}, --activation-bytes={args.activation_bytes}: "
                          f"need at least 1 resident unit and non-negative bytes")
     result = est.estimate(_shape(args), dp=args.dp, stage=args.stage, offload_param=args.offload_param,
