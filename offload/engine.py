@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import time
 
 import torch
@@ -91,8 +92,8 @@ class Engine(nn.Module):
         self._grad_hooks = [s.param.register_post_accumulate_grad_hook(self._make_grad_hook(u))
                             for u in self.units for s in u.slots if s.trainable]
         log.info("%s", self.placement.describe())
-        for note in self.placement.notes:
-            log.warning("offload: %s", note)
+        print("offload: memory plan (per tier: need of budget; the runtime's parts)\n" + self.placement.summary(),
+              file=sys.stderr, flush=True)  # where a user sees it: a training script's logging may show no INFO
 
     def _open_store(self) -> SwapStore:
         a = self.cfg.aio

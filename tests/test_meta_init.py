@@ -162,7 +162,7 @@ def test_progress_shows_only_when_initialization_is_slow(tmp_path, capsys, monke
     with torch.device("meta"):
         model = TorchTransformer()
     offload.initialize(model, cfg(tmp_path / "quiet")).close()
-    assert capsys.readouterr().err == ""
+    assert "initializing" not in capsys.readouterr().err  # (the memory plan is printed once, always)
     monkeypatch.setattr(materialize, "PROGRESS_FIRST_S", 0.0)
     with torch.device("meta"):
         model = TorchTransformer()
