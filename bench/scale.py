@@ -35,6 +35,7 @@ import time
 
 import iobound  # bench/, this script's directory, is first on sys.path
 from e2e import REPO, add_engine_config_argument, default_ds_python, worker_env
+from offload.report import Periodic
 
 RUN_KEYS = ("params", "init_s", "deepspeed_version")  # once per run
 
@@ -76,13 +77,12 @@ def _emit(line: dict) -> None:
     print(json.dumps(line), flush=True)
 
 
-class PeakRss:
+class PeakRss(Periodic):
     """The largest RSS summed over a process and its descendants, sampled every interval_s on a thread."""
 
     def __init__(self, pid: int, interval_s: float = 0.2):
-        self.pid, self.interval_s, self.peak = pid, interval_s, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="scale-rss", daemon=True)
+        super().__init__(interval_s, "scale-rss")
+        self.pid, self.peak = pid, 0
 
     def sample(self) -> None:
         import psutil
@@ -99,19 +99,6 @@ class PeakRss:
             except psutil.NoSuchProcess:  # a child that ended between listing and reading
                 pass
         self.peak = max(self.peak, total)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.sample()
-
-    def __enter__(self) -> "PeakRss":
-        self.sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def run_sampled(cmd: list[str], label: str) -> dict:

@@ -11,8 +11,6 @@ writes exactly chunk k of the new weights.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from offload.tiers import Tiers
@@ -60,8 +58,6 @@ class ChunkPool:
             warm = [self._pool.acquire(chunk_bytes) for _ in range(count)]  # pages faulted in once, reused
             for t in warm:
                 self._pool.release(t)
-        self._lock = threading.Lock()
-        self.lent = 0
 
     def acquire(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
         nbytes = numel * dtype.itemsize
@@ -69,15 +65,15 @@ class ChunkPool:
             raise PoolExhaustedError(f"chunk pool: {what} needs {nbytes} bytes, the pool has {self.count} chunks of "
                                      f"{self.chunk_bytes} bytes (an engine bug: every transfer is chunked)",
                                      capacity_bytes=self.capacity_bytes, requested_bytes=nbytes, used_bytes=0)
-        raw = self._pool.acquire(self.chunk_bytes)
-        with self._lock:
-            self.lent += 1
-        return raw.view(dtype)[:numel]
+        return self._pool.acquire(self.chunk_bytes).view(dtype)[:numel]
 
     def release(self, t: torch.Tensor) -> None:
         self._pool.release(t)
-        with self._lock:
-            self.lent -= 1
+
+    @property
+    def lent(self) -> int:
+        """Chunks handed out and not yet released."""
+        return 0 if self._pool is None else self._pool.used_bytes // self.chunk_bytes
 
     def close(self) -> None:
         if self._pool is not None:

@@ -76,7 +76,7 @@ class Engine(nn.Module):
         self._overlap = self._stepped_in_backward = self._delayed = False
         self._pending: dict | None = None  # delayed_update: the accepted update not applied yet (step_window args)
         self._pipe: WindowPipeline | None = None
-        self._grad_reserve = sum(p["bytes"] for p in self.placement.parts if p["name"] == "gradients in flight")
+        self._grad_reserve = self.placement.part_bytes("gradients in flight")
         self._step_mark, self._last_step = self.telemetry.snapshot(), None
         self._closed = False
         self.weights: list[WeightHandle] = []

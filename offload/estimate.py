@@ -10,12 +10,12 @@ runtime accumulates in fp32 in dram (4 B, not 2). With fp32 precision the weight
 4 B weight, 4 B gradient, K = 8 (m, v).
 
 [Note: the runtime]
-Peak memory is never just the ledger. `runtime_bytes` adds what the runtime itself holds, as a function
-of explicit inputs, largest unit first (a unit is a module subtree such as one transformer block):
-gathered weights of the units resident in hbm, one unit's gradient in flight before it leaves hbm, the
-pinned dram staging buffers for NVMe (weights and the optimizer pipeline), rounded to 4 KiB per buffer
-and to the pinned-chunk size per pool. Activations depend on batch and sequence and are added only
-when given (activation_bytes).
+Peak memory is never just the ledger. `runtime_bytes` adds what the runtime itself holds through
+offload.memory.runtime_parts, the function the engine's placement checks (its formulas and note), with
+every unit as large as the largest (a unit is a module subtree such as one transformer block): the
+fetched units' weights in hbm, the gradients in flight before they leave hbm, and the dram pool of
+fixed-size chunks through which everything moves to and from NVMe. Activations depend on batch and
+sequence and are added only when given (activation_bytes).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import os
 
 TIERS = ("hbm", "dram", "nvme")
 OFFLOAD_TIER = {"none": "hbm", "cpu": "dram", "nvme": "nvme"}
-ALIGN_BYTES = 4096
 DEFAULT_UNITS_FOR_PARAMS = 32      # --params alone: assume the model is this many equal units
 
 
@@ -73,11 +72,7 @@ def model_state_bytes(params: int, dp: int, terms: list[Term]) -> dict[str, int]
     return out
 
 
-def _aligned(nbytes: int, align: int = ALIGN_BYTES) -> int:
-    return -(-nbytes // align) * align
-
-
-def runtime_bytes(unit_numel: int, terms: list[Term], dp: int = 1, device_type: str = "cuda",
+def runtime_bytes(unit_numel: int, terms: list[Term], device_type: str = "cuda",
                   chunk_bytes: int = 32 << 20, activation_bytes: int = 0, hbm_units: int | None = None) -> dict:
     """The runtime's buffers and working set per rank, on top of the ledger: offload.memory.runtime_parts,
     the function the engine's placement checks, with every unit as large as the largest (unit_numel).
@@ -190,7 +185,7 @@ def estimate(shape: ModelShape, dp: int = 1, stage: int = 0, offload_param: str 
         raise ValueError(f"dp={dp}: must be >= 1 (the number of data-parallel ranks)")
     terms = ledger_terms(stage, offload_param, offload_optimizer, precision, dram_grad_bytes)
     states = model_state_bytes(shape.params, dp, terms)
-    runtime = runtime_bytes(shape.largest_unit_numel, terms, dp=dp, **runtime_kwargs)
+    runtime = runtime_bytes(shape.largest_unit_numel, terms, **runtime_kwargs)  # gathered units are whole: no /D
     per_rank = {k: states[k] + runtime[k] for k in states}
     return {"params": shape.params, "largest_unit_numel": shape.largest_unit_numel, "source": shape.source,
             "dp": dp, "stage": stage, "offload_param": offload_param, "offload_optimizer": offload_optimizer,

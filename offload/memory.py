@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-STATE_CHUNKS = 4   # fp32 master, exp_avg, exp_avg_sq, gradient of one window
+STATE_KINDS = 4    # fp32 master, exp_avg, exp_avg_sq, gradient (of a unit, or one chunk of each in a window)
 SWAP_SLACK_BYTES = 64 << 10  # beside the swap data: the run directory's owner file, allocation granularity
 READ_AHEAD = 2     # chunks of one nvme fetch in flight (offload.residency)
 
@@ -48,7 +48,7 @@ def pool_chunks(w_home: str, s_home: str, device_type: str, read_ahead: bool) ->
     # New weights go through a chunk where they cannot be written in place, and where nvme states are
     # checked after the step that read them (they stay out of a live dram copy until then).
     new_w = 1 if s_home == "nvme" or w_home == "nvme" or (w_home == "hbm" and device_type != "cpu") else 0
-    per_window = (STATE_CHUNKS if s_home == "nvme" else 0) + new_w
+    per_window = (STATE_KINDS if s_home == "nvme" else 0) + new_w
     windows = 2 if read_ahead else 1
     terms = [f"{fetch} per nvme fetch"] if fetch else []
     if per_window:

@@ -18,11 +18,10 @@ import torch
 
 from offload.config import CHUNK_ALIGN_BYTES
 from offload.estimate import OFFLOAD_TIER as HOME  # offload device -> tier
-from offload.memory import MINIMUM, Knobs, pool_chunks, runtime_parts, totals
+from offload.memory import MINIMUM, STATE_KINDS, Knobs, pool_chunks, runtime_parts, totals
 from offload.units import Unit
 
 SAFETY = 0.85  # of the memory available at start, when a budget is not given
-STATE_KINDS = 4  # fp32 master, exp_avg, exp_avg_sq, gradient accumulator
 
 
 class PlacementError(ValueError):
@@ -55,6 +54,10 @@ class Placement:
     @property
     def read_ahead(self) -> bool:
         return self.knobs.read_ahead
+
+    def part_bytes(self, name: str) -> int:
+        """Bytes of the runtime part `name` (offload.memory.runtime_parts); 0 if the plan has none."""
+        return sum(p["bytes"] for p in self.parts if p["name"] == name)
 
     def describe(self) -> str:
         lines = ["offload placement:", f"  {'unit':40s} {'numel':>12s} {'weights':>8s} {'optimizer':>9s}"]

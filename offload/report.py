@@ -51,17 +51,44 @@ class Progress:
         self.bar.close()
 
 
-class Sampler:
+class Periodic:
+    """Calls `sample()` on a daemon thread every `interval_s` inside a `with` block, and once on entry and
+    on exit (a sampler of anything: engine stats here, a process tree's RSS in bench/scale.py)."""
+
+    def __init__(self, interval_s: float, name: str):
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def __enter__(self):
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+class Sampler(Periodic):
     """Samples engine.stats() on a thread every `interval_s`: per-tier used bytes and cumulative link bytes
     over wall time (the step-end values miss what is fetched and released inside a step)."""
 
     def __init__(self, engine, interval_s: float = 0.1):
-        self.engine, self.interval_s = engine, interval_s
+        super().__init__(interval_s, "offload-report-sampler")
+        self.engine = engine
         self.rows: list[list[float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="offload-report-sampler", daemon=True)
+        self._t0 = time.perf_counter()
 
-    def _sample(self) -> None:
+    def sample(self) -> None:
         try:
             s = self.engine.stats()
         except OSError:  # a swap file vanished between listing and stat: skip this sample
@@ -69,20 +96,9 @@ class Sampler:
         self.rows.append([round(time.perf_counter() - self._t0, 4), *(s["tiers"][t]["used_bytes"] for t in TIERS),
                           *(s["links"][l]["bytes"] for l in LINKS), round(s["stall_seconds"], 6)])
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
-
     def __enter__(self) -> "Sampler":
         self._t0 = time.perf_counter()
-        self._sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
+        return super().__enter__()
 
 
 # --- the report -------------------------------------------------------------------------------------

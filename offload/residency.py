@@ -16,6 +16,7 @@ import time
 import torch
 
 from offload.chunks import chunk_key, windows
+from offload.memory import READ_AHEAD  # chunks of one fetch in flight: one read while the previous is copied up
 from offload.tiers import Tiers
 from offload.units import Unit
 
@@ -241,9 +242,6 @@ class WeightHandle(_Handle):
         if self.state in (R.NVME_TO_HBM, R.DRAM_TO_HBM):
             _settle(self._pending)
         self.wait_for_write()
-
-
-READ_AHEAD = 2  # chunks of one fetch in flight: one being read while the previous is copied up
 
 
 def _read(store, key: str, buf: torch.Tensor, pool):

@@ -44,10 +44,10 @@ def test_offload_moves_whole_terms_between_tiers():
 def test_runtime_buffers_follow_their_stated_formula():
     """The estimate's runtime is offload.memory's (the engine's own plan), every unit as large as the largest."""
     U = 1_000_000
-    none = runtime_bytes(U, ledger_terms(0), dp=8)
+    none = runtime_bytes(U, ledger_terms(0))
     # states in hbm on a GPU: new weights still pass through 2 pool chunks (one filled, one copied up)
     assert none["dram_bytes"] == 2 * (32 << 20) and [p["name"] for p in none["parts"]] == ["gradients in flight", "chunk pool"]
-    r = runtime_bytes(U, ledger_terms(3, "nvme", "nvme"), dp=1, chunk_bytes=1 << 20)
+    r = runtime_bytes(U, ledger_terms(3, "nvme", "nvme"), chunk_bytes=1 << 20)
     parts = {p["name"]: p["bytes"] for p in r["parts"]}
     assert parts["fetched weights"] == 4 * 2 * U        # 1 in use + 2 prefetched + 1 kept by reuse_distance
     assert parts["gradients in flight"] == 2 * 2 * U
