@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -139,6 +140,14 @@ def main() -> None:
     if args.rounds < 1:
         ap.error(f"--rounds={args.rounds}: must be >= 1")
     base = args.dir or tempfile.mkdtemp(prefix="e2e-", dir=".")
+    try:
+        _compare(args, base)
+    finally:
+        if not args.dir:
+            shutil.rmtree(base, ignore_errors=True)  # ours: a tree of swap files the modes left, if any
+
+
+def _compare(args, base: str) -> None:
     modes = args.modes.split(",") if args.modes else list(MODES) + ([DS_MODE] if args.ds_python else [])
     if DS_MODE in modes and not args.ds_python:
         sys.exit(f"--modes={args.modes}: {DS_MODE} needs a DeepSpeed venv; pass --ds-python PATH")
