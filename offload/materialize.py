@@ -294,7 +294,7 @@ def place(engine, unit: Unit) -> None:
     filled in place; nvme homes chunk by chunk through the pool."""
     p = engine.placement
     values = {s.name: _initial_value(engine, s) for s in unit.slots}  # keeps the values past _detach()
-    w = WeightHandle(unit, p.weight_home[unit.index], engine.dtype, engine)
+    w = WeightHandle(unit, p.weight_home[unit.index], engine.dtype, engine.rt)
     pieces = [(s.offset, values[s.name]) for s in unit.slots]
     if w.home == "nvme":
         _fill_chunks(engine, w.key, w.chunks, engine.dtype, pieces)
@@ -304,7 +304,7 @@ def place(engine, unit: Unit) -> None:
             w._attach()
     engine.weights[unit.index] = w
     if unit.trainable_numel:
-        st = OptimState(unit, p.state_home[unit.index], engine)
+        st = OptimState(unit, p.state_home[unit.index], engine.rt)
         pieces = [(s.offset, values[s.name]) for s in unit.slots if s.trainable]
         if st.home == "nvme":
             _fill_chunks(engine, unit.key("master", engine.rank), st.windows, torch.float32, pieces)

@@ -38,11 +38,11 @@ class StagedWindow(_Handle):
 class OptimState(_Handle):
     """One unit's fp32 states. Resident (hbm/dram) states are allocated once; nvme ones are staged by window."""
 
-    def __init__(self, unit: Unit, home: str, engine):
+    def __init__(self, unit: Unit, home: str, rt):
         super().__init__(f"{unit.name}/optim", home)
-        self.unit, self.eng = unit, engine
+        self.unit, self.rt = unit, rt
         self.numel = unit.trainable_numel
-        self.windows = windows(self.numel, engine.chunk_numel)
+        self.windows = windows(self.numel, rt.chunk_numel)
         self.t: dict[str, torch.Tensor] = {}    # resident homes: the four full flats
         self._win = [StagedWindow(f"{unit.name}/optim#{i}") for i in range(len(self.windows))] if home == "nvme" else []
         self._grads: list | None = None           # nvme, overlapped step: this backward's gradients, read by window
@@ -58,14 +58,14 @@ class OptimState(_Handle):
         self.slot_steps = [0] * len(self.slots)
         self._slot_at = {s.offset: i for i, s in enumerate(self.slots)}
         self.got_grad: set[int] = set()           # slot indices with a gradient in this window
-        self.hashed = home == "nvme" and engine.store.checksum
+        self.hashed = home == "nvme" and rt.store.checksum
         self._bounds: dict[int, list[int]] = {}
         if home != "nvme":
             for kind in KINDS:
-                self.t[kind] = engine.tiers.empty(home, self.numel, torch.float32, f"{unit.name} {kind}").zero_()
+                self.t[kind] = rt.tiers.empty(home, self.numel, torch.float32, f"{unit.name} {kind}").zero_()
 
     def key(self, kind: str, i: int) -> str:
-        return chunk_key(self.unit.key(kind, self.eng.rank), i)
+        return chunk_key(self.unit.key(kind, self.rt.rank), i)
 
     def digest_bounds(self, i: int) -> list[int] | None:
         """Element bounds of window i's swap digests (None without swap checksums)."""
@@ -73,7 +73,7 @@ class OptimState(_Handle):
             return None
         b, e = self.windows[i]
         if e - b not in self._bounds:
-            self._bounds[e - b] = self.eng.store.digest_bounds(e - b, 4)
+            self._bounds[e - b] = self.rt.store.digest_bounds(e - b, 4)
         return self._bounds[e - b]
 
     # -- windows ------------------------------------------------------------------------------------
@@ -96,11 +96,11 @@ class OptimState(_Handle):
             return self._as_grad(self.t["grad"])[b:e]
         w = self._win[i]
         if "grad" not in w.t:  # read ahead without it: from this backward's gradients, or the accumulator
-            buf = w.t["grad"] = self.eng.staging.acquire(e - b, self.grad_dtype, f"{self.unit.name} grad")
+            buf = w.t["grad"] = self.rt.staging.acquire(e - b, self.grad_dtype, f"{self.unit.name} grad")
             if self._grads is not None:
                 gather(self._grads, b, e, buf)
             else:
-                self.eng.store.read(self.key("grad", i), into=buf).wait()
+                self.rt.store.read(self.key("grad", i), into=buf).wait()
         return w.t["grad"]
 
     def _as_grad(self, buf: torch.Tensor) -> torch.Tensor:
@@ -128,6 +128,11 @@ class OptimState(_Handle):
         """Swap digests of window i's staged master/exp_avg/exp_avg_sq (when the step cannot hash them)."""
         return tuple(tensor_digests(self._win[i].t[k], self.digest_bounds(i)) for k in STATES)
 
+    def drop_gradients(self) -> None:
+        """A rolled-back micro-step: this backward's gradients are no longer read (accumulate(first=True)
+        overwrites the accumulator next time)."""
+        self._grads = None
+
     def count_steps(self) -> None:
         """After the update of every window: the slots that had a gradient advanced one step."""
         for k in self.got_grad:
@@ -140,7 +145,7 @@ class OptimState(_Handle):
         w = self._win[i]
         for kind, before, after in zip(STATES, digests.before, digests.after):
             if kind in w.unverified:
-                self.eng.store.check_digests(self.key(kind, i), before)
+                self.rt.store.check_digests(self.key(kind, i), before)
             w.digests[kind] = after
         w.unverified.clear()
 
@@ -152,11 +157,11 @@ class OptimState(_Handle):
         w, (b, e) = self._win[i], self.windows[i]
         try:
             for kind in kinds:
-                buf = w.t[kind] = self.eng.staging.acquire(e - b, torch.float32, f"{self.unit.name} {kind}")
+                buf = w.t[kind] = self.rt.staging.acquire(e - b, torch.float32, f"{self.unit.name} {kind}")
                 key = self.key(kind, i)
-                if key in self.eng.store:  # exp_avg/exp_avg_sq start as zeros, unwritten
+                if key in self.rt.store:  # exp_avg/exp_avg_sq start as zeros, unwritten
                     verify = not self.hashed or kind not in STATES
-                    w.tickets.append(self.eng.store.read(key, into=buf, verify=verify))
+                    w.tickets.append(self.rt.store.read(key, into=buf, verify=verify))
                     if not verify:
                         w.unverified.add(kind)
                 else:
@@ -179,7 +184,7 @@ class OptimState(_Handle):
         except BaseException:
             self._drop(w)
             raise
-        self.eng.telemetry.link("nvme_to_dram", 4 * (self.windows[i][1] - self.windows[i][0]) * len(w.tickets),
+        self.rt.telemetry.link("nvme_to_dram", 4 * (self.windows[i][1] - self.windows[i][0]) * len(w.tickets),
                                 time.perf_counter() - w.t0)
         w.tickets = []
         w._set(R.DRAM, R.NVME_TO_DRAM)
@@ -192,8 +197,8 @@ class OptimState(_Handle):
         if w.unverified:  # an invariant, not user input: unchecked bytes must never be written back
             raise RuntimeError(f"{w.name}: {sorted(w.unverified)} read unverified and not checked by a step")
         for kind in [k for k in w.t if k not in kinds]:
-            self.eng.staging.release(w.t.pop(kind))
-        w.tickets = [self.eng.store.write(self.key(kind, i), w.t[kind], digests=w.digests.pop(kind, None))
+            self.rt.staging.release(w.t.pop(kind))
+        w.tickets = [self.rt.store.write(self.key(kind, i), w.t[kind], digests=w.digests.pop(kind, None))
                      for kind in kinds]
         w.t0 = time.perf_counter()
         w._set(R.DRAM_TO_NVME, R.DRAM)
@@ -205,7 +210,7 @@ class OptimState(_Handle):
         try:
             for t in w.tickets:
                 t.wait()
-            self.eng.telemetry.link("dram_to_nvme", 4 * (self.windows[i][1] - self.windows[i][0]) * len(w.tickets),
+            self.rt.telemetry.link("dram_to_nvme", 4 * (self.windows[i][1] - self.windows[i][0]) * len(w.tickets),
                                     time.perf_counter() - w.t0)
         finally:
             self._drop(w)
@@ -224,7 +229,7 @@ class OptimState(_Handle):
                 pass
         w.tickets = []
         for kind in list(w.t):
-            self.eng.staging.release(w.t.pop(kind))
+            self.rt.staging.release(w.t.pop(kind))
         w.unverified.clear()
         w.digests.clear()
         w.state = R.NVME
@@ -261,18 +266,18 @@ class OptimState(_Handle):
         """An nvme accumulator, window by window: read (after the first micro-step), add, write back."""
         sq = 0.0
         for i, (b, e) in enumerate(self.windows):
-            buf = self.eng.staging.acquire(e - b, torch.float32, f"{self.unit.name} grad")
+            buf = self.rt.staging.acquire(e - b, torch.float32, f"{self.unit.name} grad")
             try:
                 if not first:
-                    self.eng.store.read(self.key("grad", i), into=buf).wait()
+                    self.rt.store.read(self.key("grad", i), into=buf).wait()
                 _add_window(buf, grads, b, e, first)
                 if last:
                     sq += _sq(buf)
                 t0 = time.perf_counter()
-                self.eng.store.write(self.key("grad", i), buf).wait()
-                self.eng.telemetry.link("dram_to_nvme", buf.numel() * 4, time.perf_counter() - t0)
+                self.rt.store.write(self.key("grad", i), buf).wait()
+                self.rt.telemetry.link("dram_to_nvme", buf.numel() * 4, time.perf_counter() - t0)
             finally:
-                self.eng.staging.release(buf)
+                self.rt.staging.release(buf)
         return sq if last else None
 
     def close(self) -> None:
@@ -281,7 +286,7 @@ class OptimState(_Handle):
         self._grads = None
         if self.home != "nvme":
             for kind in list(self.t):
-                self.eng.tiers.free(self.home, self.t.pop(kind))
+                self.rt.tiers.free(self.home, self.t.pop(kind))
         self.state = HOME_STATE[self.home]
 
 

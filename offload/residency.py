@@ -38,6 +38,7 @@ TRANSITIONS = {
     (R.DRAM, R.DRAM_TO_HBM), (R.DRAM_TO_HBM, R.HBM),
     (R.HBM, R.DRAM), (R.HBM, R.NVME),          # release: drop the hbm copy, the home copy stays
     (R.DRAM, R.DRAM_TO_NVME), (R.DRAM_TO_NVME, R.NVME),
+    (R.NVME_TO_HBM, R.NVME), (R.DRAM_TO_HBM, R.DRAM),  # a fetch abandoned after a failure (reset)
 }
 HOME_STATE = {"hbm": R.HBM, "dram": R.DRAM, "nvme": R.NVME}
 
@@ -67,12 +68,12 @@ class WeightHandle(_Handle):
     touching a released parameter gets an empty tensor, never freed memory.
     """
 
-    def __init__(self, unit: Unit, home: str, dtype: torch.dtype, engine):
+    def __init__(self, unit: Unit, home: str, dtype: torch.dtype, rt):
         super().__init__(f"{unit.name}/weight", home)
-        self.unit, self.dtype, self.eng = unit, dtype, engine
+        self.unit, self.dtype, self.rt = unit, dtype, rt
         self.key = unit.key(f"weight.{str(dtype).removeprefix('torch.')}")
-        self.chunks = windows(unit.numel, engine.chunk_numel)
-        tiers: Tiers = engine.tiers
+        self.chunks = windows(unit.numel, rt.chunk_numel)
+        tiers: Tiers = rt.tiers
         self.nbytes = unit.numel * dtype.itemsize
         self.hbm = tiers.empty("hbm", unit.numel, dtype, f"{unit.name} weights")
         self.dram = tiers.empty("dram", unit.numel, dtype, f"{unit.name} weights") if home == "dram" else None
@@ -96,10 +97,10 @@ class WeightHandle(_Handle):
 
     def _free_hbm(self) -> None:
         self.hbm.untyped_storage().resize_(0)
-        self.eng.tiers.acct["hbm"].refund(self.nbytes)
+        self.rt.tiers.acct["hbm"].refund(self.nbytes)
 
     def _alloc_hbm(self) -> None:
-        self.eng.tiers.acct["hbm"].charge(self.nbytes, f"{self.unit.name} weights")
+        self.rt.tiers.acct["hbm"].charge(self.nbytes, f"{self.unit.name} weights")
         self.hbm.untyped_storage().resize_(self.nbytes)
 
     # -- fetch: home -> hbm ---------------------------------------------------------------------------
@@ -107,18 +108,18 @@ class WeightHandle(_Handle):
         """Starts moving the weights towards hbm; idempotent (fetch_if_needed)."""
         if self.state is R.NVME:
             self._alloc_hbm()
-            self._pending, self._t0 = self.eng.reader.submit(self._read_chunks), time.perf_counter()
+            self._pending, self._t0 = self.rt.reader.submit(self._read_chunks), time.perf_counter()
             self._set(R.NVME_TO_HBM, R.NVME)
         elif self.state is R.DRAM:
             self._alloc_hbm()
-            self._pending, self._t0 = self.eng.h2d.copy(self.hbm, self.dram), time.perf_counter()
+            self._pending, self._t0 = self.rt.h2d.copy(self.hbm, self.dram), time.perf_counter()
             self._set(R.DRAM_TO_HBM, R.DRAM)
 
     def _read_chunks(self) -> None:
         """On the reader thread: nvme -> pool chunk -> hbm, chunk by chunk, the next chunk's read in flight
         while the previous one is copied up (READ_AHEAD chunks of the pool at most)."""
         self.wait_for_write()  # new weights written behind land before they are read back
-        pool, store, tel = self.eng.staging, self.eng.store, self.eng.telemetry
+        pool, store, tel = self.rt.staging, self.rt.store, self.rt.telemetry
         flight: collections.deque = collections.deque()
 
         def drain() -> None:
@@ -127,7 +128,7 @@ class WeightHandle(_Handle):
                 ticket.wait()
                 tel.link("nvme_to_dram", buf.numel() * buf.element_size(), time.perf_counter() - t0)
                 t1 = time.perf_counter()
-                self.eng.h2d.copy(self.hbm[b:e], buf).wait()
+                self.rt.h2d.copy(self.hbm[b:e], buf).wait()
                 tel.link("dram_to_hbm", buf.numel() * buf.element_size(), time.perf_counter() - t1)
             finally:
                 pool.release(buf)
@@ -157,13 +158,13 @@ class WeightHandle(_Handle):
         self.fetch()
         t0 = time.perf_counter()
         self._finish_fetch()
-        self.eng.telemetry.stall(time.perf_counter() - t0, self.unit.name)
+        self.rt.telemetry.stall(time.perf_counter() - t0, self.unit.name)
 
     def _finish_fetch(self) -> None:
         self._pending.wait()
         self._pending = None
         if self.state is R.DRAM_TO_HBM:
-            self.eng.telemetry.link("dram_to_hbm", self.nbytes, time.perf_counter() - self._t0)
+            self.rt.telemetry.link("dram_to_hbm", self.nbytes, time.perf_counter() - self._t0)
         self._attach()
         self._set(R.HBM, self.state)
 
@@ -178,6 +179,17 @@ class WeightHandle(_Handle):
             self._detach()
             self._free_hbm()
             self._set(HOME_STATE[self.home], R.HBM)
+
+    def reset(self) -> None:
+        """After a failure: a fetch in flight is settled (its error, if any, was reported) and dropped,
+        a fetched copy released; the weights are at home."""
+        if self.state in (R.NVME_TO_HBM, R.DRAM_TO_HBM):
+            _settle(self._pending)
+            self._pending = None
+            self._free_hbm()
+            self._set(HOME_STATE[self.home], self.state)
+        else:
+            self.release()
 
     # -- new weights from the optimizer (on the d2h thread when the step overlaps backward) ------------
     # [Note: updates beside residency]
@@ -195,12 +207,12 @@ class WeightHandle(_Handle):
         if self.home == "hbm" and self.hbm.device.type == "cpu":
             return self.hbm[begin:end]
         cb, ce = self.chunks[i]
-        buf = self.eng.staging.acquire(ce - cb, self.dtype, f"{self.unit.name} new weights")
+        buf = self.rt.staging.acquire(ce - cb, self.dtype, f"{self.unit.name} new weights")
         if self.home == "nvme" and end < ce:  # frozen weights share this chunk: written back unchanged
             try:
-                self.eng.store.read(chunk_key(self.key, i), into=buf).wait()
+                self.rt.store.read(chunk_key(self.key, i), into=buf).wait()
             except BaseException:
-                self.eng.staging.release(buf)
+                self.rt.staging.release(buf)
                 raise
         return buf
 
@@ -211,17 +223,17 @@ class WeightHandle(_Handle):
             return
         if self.home == "nvme":
             with self._write_lock:
-                self._writes.append((self.eng.store.write(chunk_key(self.key, i), buf), buf, time.perf_counter()))
+                self._writes.append((self.rt.store.write(chunk_key(self.key, i), buf), buf, time.perf_counter()))
             return
         try:
-            self.eng.h2d.copy(self.hbm[begin:end], buf[:end - begin]).wait()
+            self.rt.h2d.copy(self.hbm[begin:end], buf[:end - begin]).wait()
         finally:
-            self.eng.staging.release(buf)
+            self.rt.staging.release(buf)
 
     def discard(self, buf: torch.Tensor) -> None:
         """A `new_weights` buffer that will not be committed (the step failed) goes back unwritten."""
         if not (self.home == "dram" or (self.home == "hbm" and self.hbm.device.type == "cpu")):
-            self.eng.staging.release(buf)
+            self.rt.staging.release(buf)
 
     def wait_for_write(self) -> None:
         with self._write_lock:
@@ -230,11 +242,11 @@ class WeightHandle(_Handle):
         for ticket, buf, t0 in writes:
             try:
                 ticket.wait()
-                self.eng.telemetry.link("dram_to_nvme", buf.numel() * buf.element_size(), time.perf_counter() - t0)
+                self.rt.telemetry.link("dram_to_nvme", buf.numel() * buf.element_size(), time.perf_counter() - t0)
             except BaseException as e:  # every chunk is settled and returned before the first error is raised
                 error = error or e
                 _settle(ticket)
-            self.eng.staging.release(buf)
+            self.rt.staging.release(buf)
         if error is not None:
             raise error
 

@@ -23,12 +23,14 @@ class WindowPipeline:
 
     order: the unit indices in the order they are expected; a unit stepped out of that order is loaded
     when its turn comes (the read-ahead slot stays with the window it holds, so the pool bound holds).
-    kinds: what a window's read loads (STATES when the gradient comes from the backward itself)."""
+    kinds: what a window's read loads (STATES when the gradient comes from the backward itself).
+    ctx: what holds the units' `weights` and `states` and the runtime `rt` (offload.pipeline.StepPipeline)."""
 
-    def __init__(self, engine, order: list[int], args: dict, kinds=KINDS, read_ahead: bool = True):
-        self.eng, self.order, self.args, self.kinds, self.read_ahead = engine, order, args, kinds, read_ahead
+    def __init__(self, ctx, order: list[int], args: dict, kinds=KINDS, read_ahead: bool = True):
+        self.ctx, self.order, self.args, self.kinds, self.read_ahead = ctx, order, args, kinds, read_ahead
         self.done: set[int] = set()
         self.failed = False
+        self.started = False  # a window's update began: states or weights may differ from before
         self.ahead: tuple[int, int] | None = None   # (unit index, window) read ahead
         self.last: tuple[int, int] | None = None    # the window written behind
         if read_ahead and order:
@@ -40,24 +42,25 @@ class WindowPipeline:
         try:
             self._step_unit(unit)
         except BaseException:
-            self._abort(unit.index)
+            self.abort()
             raise
 
-    def _abort(self, index: int) -> None:
-        """After a failed window: every chunk it, the read-ahead and the write-behind hold goes back to the
-        pool (the failed window's homes were not written: see step_window), and no later unit is stepped."""
+    def abort(self) -> None:
+        """After a failure (here or elsewhere in the step): every chunk a window, the read-ahead and the
+        write-behind hold goes back to the pool, its I/O settled (a failed window's homes were not
+        written: see step_window), and no later unit is stepped. Idempotent."""
         self.failed = True
-        for item in (self.ahead, *((index, i) for i in range(len(self.eng.states[index].windows)))):
-            if item is not None:
-                self.eng.states[item[0]].discard(item[1])
         self.ahead = None
         try:
             self._land_last()
         except BaseException:  # the first error is the one reported
             pass
+        for st in self.ctx.states:
+            for i in range(len(st.windows) if st is not None else 0):
+                st.discard(i)
 
     def _step_unit(self, unit: Unit) -> None:
-        st = self.eng.states[unit.index]
+        st = self.ctx.states[unit.index]
         for i in range(len(st.windows)):
             item = (unit.index, i)
             if self.ahead == item:
@@ -70,7 +73,8 @@ class WindowPipeline:
             nxt = self._next(unit.index, i)
             if self.read_ahead and self.ahead is None and nxt is not None:
                 self._load(nxt)
-            step_window(self.eng, unit, i, **self.args)
+            self.started = True
+            step_window(self.ctx, unit, i, **self.args)
             self.last = item
         st.count_steps()
         self.done.add(unit.index)
@@ -79,52 +83,40 @@ class WindowPipeline:
         self._land_last()
 
     def _next(self, index: int, i: int) -> tuple[int, int] | None:
-        if i + 1 < len(self.eng.states[index].windows):
+        if i + 1 < len(self.ctx.states[index].windows):
             return index, i + 1
         nxt = next((u for u in self.order if u not in self.done and u != index), None)
         return None if nxt is None else (nxt, 0)
 
     def _load(self, item: tuple[int, int]) -> None:
         self.ahead = item
-        self.eng.states[item[0]].load(item[1], self.kinds)
+        self.ctx.states[item[0]].load(item[1], self.kinds)
 
     def _land_last(self) -> None:
         if self.last is not None:
             index, i = self.last
             self.last = None
-            self.eng.states[index].wait_stored(i)
-            self.eng.weights[index].wait_for_write()
+            self.ctx.states[index].wait_stored(i)
+            self.ctx.weights[index].wait_for_write()
 
 
-def run_step(engine, lr: float, grad_scale: float) -> None:
-    """The step after backward: every trainable unit's windows in turn, reading window j+1's states ahead
-    while window j updates and writing window j-1's behind."""
-    engine._release_all()  # no fetched copy may outlive the update of its home ([Note: updates beside residency])
-    trainable = [u for u in engine.units if u.trainable_numel]
-    pipe = WindowPipeline(engine, [u.index for u in trainable], {"lr": lr, "grad_scale": grad_scale},
-                          read_ahead=engine.placement.read_ahead)
-    for unit in trainable:
-        pipe.step_unit(unit)
-    pipe.finish()
-
-
-def step_window(engine, unit: Unit, i: int, lr: float, grad_scale: float) -> None:
+def step_window(ctx, unit: Unit, i: int, lr: float, grad_scale: float) -> None:
     """CPU Adam over window i of one unit's states; the new weights go straight into the weight tier."""
-    st, w = engine.states[unit.index], engine.weights[unit.index]
+    st, w, rt = ctx.states[unit.index], ctx.weights[unit.index], ctx.rt
     b, e = st.windows[i]
     hashed = st.digest_bounds(i) is not None  # nvme states with swap checksums, read unverified
     # Until the states are checked the new weights stay out of the live copy (a dram or CPU hbm home).
     home = w.new_weights(i, b, e)
     live = w.home == "dram" or (w.home == "hbm" and w.hbm.device.type == "cpu")
-    out = engine.staging.acquire(e - b, home.dtype, f"{unit.name} new weights") if hashed and live else home[:e - b]
+    out = rt.staging.acquire(e - b, home.dtype, f"{unit.name} new weights") if hashed and live else home[:e - b]
     try:
         t0 = time.perf_counter()
         with record_function("offload::cpu_adam"):
-            digests = _adam_runs(engine, st, i, out, lr, grad_scale)
-        engine.telemetry.span("cpu_adam", f"adam {unit.name}#{i}", t0, time.perf_counter())
+            digests = _adam_runs(rt, st, i, out, lr, grad_scale)
+        rt.telemetry.span("cpu_adam", f"adam {unit.name}#{i}", t0, time.perf_counter())
         if hashed:  # raises before anything computed from corrupted states is kept
             st.check_digests(i, digests)
-        if engine.dtype == torch.float32:
+        if rt.dtype == torch.float32:
             out.copy_(st.view(i)["master"])
         if hashed and live:
             home[:e - b].copy_(out)
@@ -133,17 +125,17 @@ def step_window(engine, unit: Unit, i: int, lr: float, grad_scale: float) -> Non
         raise
     finally:
         if hashed and live:
-            engine.staging.release(out)
+            rt.staging.release(out)
     w.commit(i, b, e, home)
     st.store(i)
 
 
-def _adam_runs(engine, st: OptimState, i: int, out: torch.Tensor, lr: float, grad_scale: float) -> StepDigests | None:
+def _adam_runs(rt, st: OptimState, i: int, out: torch.Tensor, lr: float, grad_scale: float) -> StepDigests | None:
     """The update of window i's slots that had a gradient ([Note: parameters without a gradient]),
     bf16/fp16 weights into `out`; with swap checksums, the states' digests before and after: hashed by
     the step itself in the common case of one run over the window, beside it otherwise."""
-    o, t, bounds = engine.cfg.optimizer, st.view(i), st.digest_bounds(i)
-    lowp = engine.dtype != torch.float32
+    o, t, bounds = rt.cfg.optimizer, st.view(i), st.digest_bounds(i)
+    lowp = rt.dtype != torch.float32
     step_fn = adam_step if t["master"].device.type == "cpu" else _device_adam_step
     grad = st.grad(i)
 

@@ -19,12 +19,17 @@ class ExecutionTrace:
         self.recorded: list[int] | None = None
         self._current: list[int] = []
         self._pos = 0
-        self._diverged = False
+        self._diverged = self._abandoned = False
         self._steps = 0
         self._last_warning = None
 
     def begin_step(self) -> None:
-        self._current, self._pos, self._diverged = [], 0, False
+        self._current, self._pos, self._diverged, self._abandoned = [], 0, False, False
+
+    def abandon_step(self) -> None:
+        """The step was rolled back (an error): what it fetched is not recorded; fetching is on demand
+        until the next begin_step."""
+        self._current, self._pos, self._diverged, self._abandoned = [], 0, True, True
 
     def observe(self, unit: int) -> list[int]:
         """Records a fetch of `unit`; returns the units expected next (empty when not replaying)."""
@@ -54,6 +59,8 @@ class ExecutionTrace:
             return None
 
     def end_step(self) -> None:
+        if self._abandoned:
+            return
         if self.recorded is None or self._diverged or self._pos != len(self.recorded):
             self.recorded = self._current
         self._steps += 1

@@ -5,8 +5,8 @@ import sys
 import pytest
 
 from offload import cli
-from offload.estimate import (estimate, format_bytes, ledger_terms, llama_param_count, model_shape,
-                              model_state_bytes, runtime_bytes, shape_of_model, ModelShape)
+from offload.estimate import (format_bytes, ledger_terms, llama_param_count, model_shape,
+                              model_state_bytes, runtime_bytes, shape_of_model)
 
 
 def run_json(capsys, *argv):

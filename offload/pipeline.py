@@ -1,0 +1,415 @@
+"""The step pipeline: a training step's control flow as one phase machine.
+
+[Note: phases]
+    idle -> forward -> backward -> idle          one micro-step (gradients leave hbm as they become final)
+    idle -> stepping -> idle                     step() at the accumulation boundary
+    forward -> forward                           several forwards before a backward (evaluation, or losses
+                                                 summed over two forwards)
+    any -> failed                                an error after the optimizer began changing states
+    any -> closed
+The pipeline owns what one step holds in flight: the gradient jobs on the d2h thread, each unit's
+gradients waiting for the rest of the unit, the optimizer's window pipeline (read-ahead, write-behind)
+and the delayed update, so that a failure is handled in one place.
+
+[Note: failure semantics]
+An error before any state changed (in forward; in backward before a unit was stepped, and, with
+gradient accumulation, in the first micro-step of a window) rolls the micro-step back: its partial
+gradients are dropped, every gradient job is settled (each refunds its hbm charge), the optimizer's
+read-ahead returns its chunks, fetched weights are released, and the engine is as before that micro-step,
+so training can go on (it equals a run that never saw that batch). An error after the optimizer began
+updating states (a step in step() or during backward, the delayed update, or an accumulator that held
+earlier micro-steps' gradients) leaves weights and states partly updated: the pipeline enters `failed`,
+and every further forward, backward, step or state read raises StepFailed naming the step and the cause;
+close() still works and removes the swap files.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import time
+
+import torch
+from torch.profiler import record_function
+
+from offload.optim import KINDS, STATES
+from offload.step import WindowPipeline
+from offload.units import Unit
+from scheduler.telemetry import overlap_fraction
+
+log = logging.getLogger("offload")
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    STEPPING = "stepping"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+P = Phase
+TRANSITIONS = {
+    (P.IDLE, P.FORWARD), (P.FORWARD, P.FORWARD), (P.FORWARD, P.IDLE),   # FORWARD -> IDLE: rolled back
+    (P.FORWARD, P.BACKWARD), (P.IDLE, P.BACKWARD),  # IDLE: the loss of a forward run on engine.module itself
+    (P.BACKWARD, P.IDLE), (P.BACKWARD, P.FORWARD),  # BACKWARD -> FORWARD: rolled back to a pending forward
+    (P.IDLE, P.STEPPING), (P.FORWARD, P.STEPPING), (P.STEPPING, P.IDLE),
+    *((p, P.FAILED) for p in (P.FORWARD, P.BACKWARD, P.STEPPING)),
+    *((p, P.CLOSED) for p in P),
+}
+
+
+class StepFailed(RuntimeError):
+    """The engine's weights and optimizer states are partly updated by a step that failed."""
+
+
+class EngineClosed(RuntimeError):
+    pass
+
+
+class StepPipeline:
+    """Forward/backward/step control over `weights` and `states` (the units' handles) on runtime `rt`.
+    `release_all()` drops every fetched weight copy (the engine's residency policy)."""
+
+    def __init__(self, rt, units: list[Unit], weights, states, trace, release_all):
+        self.rt, self.units, self.weights, self.states = rt, units, weights, states
+        self.trace, self.release_all = trace, release_all
+        self.phase = P.IDLE
+        self.failure: str | None = None
+        self.step_count = self.micro_step = 0
+        self.loss_scale = rt.cfg.loss_scale.initial if rt.cfg.precision == "fp16" else 1.0
+        self.good_steps = self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self.grad_reserve = rt.placement.part_bytes("gradients in flight")
+        self._jobs: list[tuple] = []                # (completion, hbm bytes) of gradient jobs in flight
+        self._waiting = {u.index: [] for u in units}  # a unit's parameters whose gradient is final
+        self._grad_sq: dict[int, float] = {}
+        self._flushed: set[int] = set()
+        self._touched: set[int] = set()            # units whose accumulator this micro-step changed
+        self._overlap = self._delayed = self._stepped_in_backward = False
+        self._pending: dict | None = None  # delayed_update: the accepted update not applied yet (step args)
+        self._pipe: WindowPipeline | None = None
+        self._step_mark, self.last_step = rt.telemetry.snapshot(), None
+
+    # -- phases ------------------------------------------------------------------------------------
+    def _to(self, target: Phase) -> None:
+        if (self.phase, target) not in TRANSITIONS:
+            raise RuntimeError(f"offload: {target.value} while {self.phase.value} (no such transition)")
+        self.phase = target
+
+    def check_usable(self, what: str) -> None:
+        if self.phase is P.CLOSED:
+            raise EngineClosed(f"offload: {what} on a closed engine (close() removed its swap files and "
+                               "freed its memory); initialize a new one")
+        if self.phase is P.FAILED:
+            raise StepFailed(f"offload: {what} refused: {self.failure}")
+
+    def _fail(self, where: str, error: BaseException) -> None:
+        self.failure = (f"{where} failed after the optimizer began updating states ({type(error).__name__}: "
+                        f"{error}); weights and optimizer states are partly updated, so this engine trains no "
+                        "further. close() it (the swap files are removed) and restart from your last saved "
+                        "weights or checkpoint")
+        self._to(P.FAILED)
+
+    @property
+    def in_backward(self) -> bool:
+        return self.phase is P.BACKWARD
+
+    # -- forward -----------------------------------------------------------------------------------
+    def begin_forward(self) -> Phase:
+        """Returns the phase to roll back to if this forward raises."""
+        self.check_usable("forward")
+        before = self.phase
+        if before is not P.BACKWARD:  # a forward inside backward (recomputation) belongs to the backward
+            self._to(P.FORWARD)
+        return before
+
+    def forward_failed(self, before: Phase) -> None:
+        if before is P.BACKWARD:
+            return  # the backward's own failure handling rolls it back
+        self.release_all()
+        self.trace.abandon_step()
+        self._to(before)
+
+    # -- backward: gradients to their accumulators, and the step pipelined with them -----------------
+    def grad_hook(self, unit: Unit):
+        n_trainable = sum(s.trainable for s in unit.slots)
+
+        def hook(param: torch.Tensor) -> None:
+            waiting = self._waiting[unit.index]
+            waiting.append(param)
+            if len(waiting) == n_trainable:
+                self._flush_grads(unit)
+
+        return hook
+
+    def _flush_grads(self, unit: Unit) -> None:
+        """Hands this unit's final gradients of the micro-step to the d2h thread (hbm -> dram, fp32 add),
+        and with overlap_step / delayed_update its optimizer step after it."""
+        params, self._waiting[unit.index] = self._waiting[unit.index], []
+        self._flushed.add(unit.index)
+        offsets = {s.param: s.offset for s in unit.slots}
+        grads = [(offsets[p], p.grad.reshape(-1)) for p in params if p.grad is not None]
+        for p in params:
+            p.grad = None
+        gas = self.rt.cfg.gradient_accumulation_steps
+        first, last = self.micro_step % gas == 0, self.micro_step % gas == gas - 1
+        nbytes = sum(g.numel() * g.element_size() for _, g in grads)
+        hbm = self.rt.tiers.acct["hbm"]
+        # back-pressure: earlier gradients leave hbm first, within the budget and the planned reserve
+        while self._jobs and (not hbm.fits(nbytes) or sum(n for _, n in self._jobs) + nbytes > self.grad_reserve):
+            self.wait_oldest_grad_job()
+        hbm.charge(nbytes, f"{unit.name} gradients")  # they exist in hbm until the d2h job consumed them
+        state, overlap, delayed, tel = self.states[unit.index], self._overlap, self._delayed, self.rt.telemetry
+
+        def job():
+            try:
+                if delayed:  # the previous step's update, before the accumulator takes this step's gradient
+                    self._pipe.step_unit(unit)
+                t0 = time.perf_counter()
+                if not first:
+                    self._touched.add(unit.index)  # holds earlier micro-steps' gradients: changed from here
+                sq = state.accumulate(grads, first, last, keep=overlap)
+                tel.link("hbm_to_dram", nbytes, time.perf_counter() - t0)
+                if sq is not None:
+                    self._grad_sq[unit.index] = sq
+                if overlap:
+                    if not math.isfinite(sq):
+                        raise FloatingPointError(f"{unit.name}: gradients are not finite ({self.rt.cfg.precision}); "
+                                                 "lower the learning rate or enable gradient_clipping")
+                    self._pipe.step_unit(unit)  # nvme states read the gradient from `grads` window by window
+            finally:
+                grads.clear()
+                hbm.refund(nbytes)
+
+        self._jobs.append((self.rt.d2h.submit(job), nbytes))
+
+    def wait_oldest_grad_job(self) -> bool:
+        """Waits for the oldest gradient job in flight (its hbm bytes are free after); False if none."""
+        if not self._jobs:
+            return False
+        self._jobs.pop(0)[0].wait()
+        return True
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.check_usable("backward")
+        cfg = self.rt.cfg
+        before = self.phase
+        self._to(P.BACKWARD)
+        self._flushed, self._touched = set(), set()
+        self._overlap = self._can_overlap()
+        self._delayed = self._pending is not None
+        scale = self.loss_scale / cfg.gradient_accumulation_steps
+        t_start = time.perf_counter()
+        try:
+            with record_function("offload::backward"):
+                if self._overlap:
+                    self._begin_pipelined_step({"lr": self.lr, "grad_scale": self.loss_scale}, STATES)
+                elif self._delayed:
+                    self._begin_pipelined_step(self._pending, KINDS)  # gradients of the previous step
+                (loss * scale if scale != 1.0 else loss).backward()
+                for u in self.units:  # units with unused parameters: flush what they have
+                    if u.trainable_numel and u.index not in self._flushed:
+                        self._flush_grads(u)
+                self.release_all()
+                while self.wait_oldest_grad_job():
+                    pass
+                if self._pipe is not None:
+                    self._finish_pipelined_step()
+        except BaseException as e:
+            self._backward_failed(before, e)
+            raise
+        finally:
+            self.rt.telemetry.span("compute", "backward", t_start, time.perf_counter())
+        self.trace.end_step()
+        self._delayed = False
+        self.micro_step += 1
+        self._to(P.IDLE)
+
+    def _backward_failed(self, before: Phase, error: BaseException) -> None:
+        """Settles everything the micro-step has in flight; rolls it back unless a state changed."""
+        self._settle_jobs()
+        changed = bool(self._touched) or (self._pipe is not None and self._pipe.started)
+        if self._pipe is not None:
+            self._pipe.abort()
+            self._pipe = None
+        for u in self.units:  # gradients autograd produced and no job took
+            self._waiting[u.index] = []
+            for s in u.slots:
+                s.param.grad = None
+        for st in self.states:
+            if st is not None:
+                st.drop_gradients()
+        self._grad_sq.clear()
+        self._delayed = False
+        self.release_all()
+        self.trace.abandon_step()
+        if changed:
+            self._fail(f"step {self.step_count + 1} (during backward)", error)
+        else:
+            self._to(P.FORWARD if before is P.FORWARD else P.IDLE)
+
+    def _settle_jobs(self) -> None:
+        for completion, _ in self._jobs:
+            try:
+                completion.wait()
+            except BaseException:  # the error raised is the first one
+                pass
+        self._jobs = []
+
+    def _can_overlap(self) -> bool:
+        c = self.rt.cfg
+        last = self.micro_step % c.gradient_accumulation_steps == c.gradient_accumulation_steps - 1
+        return last and c.overlap_step and not c.delayed_update and c.gradient_clipping == 0 and c.precision != "fp16"
+
+    def _begin_pipelined_step(self, args: dict, kinds) -> None:
+        """Units are stepped on the d2h thread as their gradients become final, in reverse unit order:
+        the first one's states (`kinds`) are read ahead. args: step_window's lr and grad_scale."""
+        order = [u.index for u in reversed(self.units) if u.trainable_numel]
+        self._pipe = WindowPipeline(self, order, args, kinds, read_ahead=self.rt.placement.read_ahead)
+
+    def _finish_pipelined_step(self) -> None:
+        self._pipe.finish()
+        self._pipe = None
+        if self._delayed:
+            self._pending = None
+            return
+        self._mark_step()
+        self._grad_sq.clear()
+        self.last_grad_norm = None
+        self.step_count += 1
+        self._stepped_in_backward = True
+
+    # -- step ----------------------------------------------------------------------------------------
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next optimizer step."""
+        return self.rt.cfg.optimizer.lr * lr_factor(self.rt.cfg.lr_schedule, self.step_count)
+
+    def step(self) -> bool:
+        """The optimizer step at the accumulation boundary (a no-op between boundaries). Returns True when
+        parameters were updated (False: between boundaries, or an fp16 overflow)."""
+        self.check_usable("step")
+        if self.micro_step == 0:
+            raise RuntimeError("step() called before backward(): call engine.backward(loss) first")
+        cfg = self.rt.cfg
+        if self.micro_step % cfg.gradient_accumulation_steps != 0:
+            return False
+        if self._stepped_in_backward:  # done unit by unit during backward (overlap_step)
+            self._stepped_in_backward = False
+            self.micro_step = 0
+            return True
+        sq = sum(self._grad_sq.values())
+        if not math.isfinite(sq):
+            self.micro_step = 0
+            self._grad_sq.clear()
+            return self._skip_step()
+        grad_norm = math.sqrt(sq) / self.loss_scale
+        clip = cfg.gradient_clipping
+        clip_coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
+        update = {"lr": self.lr, "grad_scale": self.loss_scale / clip_coef}
+        if cfg.delayed_update:  # applied unit by unit during the next backward (or by flush())
+            self._pending = update
+        else:
+            self._to(P.STEPPING)
+            t0 = time.perf_counter()
+            try:
+                self.run_step(update, f"step {self.step_count + 1}")
+            except BaseException:
+                if self.phase is P.STEPPING:  # nothing changed: the gradients stay, step() may be retried
+                    self._to(P.IDLE)
+                raise
+            self.rt.telemetry.span("compute", "step", t0, time.perf_counter())
+            self._to(P.IDLE)
+        self.micro_step = 0
+        self._grad_sq.clear()
+        self.last_grad_norm = grad_norm
+        self.step_count += 1
+        self._mark_step()
+        self._grow_loss_scale()
+        return True
+
+    def run_step(self, update: dict, where: str) -> None:
+        """The step after backward: every trainable unit's windows in turn, reading window j+1's states
+        ahead while window j updates and writing window j-1's behind. A failure after the first window
+        began updating puts the pipeline in `failed`."""
+        self.release_all()  # no fetched copy may outlive the update of its home ([Note: updates beside residency])
+        trainable = [u for u in self.units if u.trainable_numel]
+        pipe = WindowPipeline(self, [u.index for u in trainable], update, read_ahead=self.rt.placement.read_ahead)
+        try:
+            with record_function("offload::step"):
+                for unit in trainable:
+                    pipe.step_unit(unit)
+                pipe.finish()
+        except BaseException as e:
+            pipe.abort()
+            if pipe.started:
+                self._fail(where, e)
+            raise
+
+    def flush(self) -> None:
+        """delayed_update: applies the accepted update that would land during the next backward, now."""
+        self.check_usable("flush")
+        if self._pending is not None:
+            self._to(P.STEPPING)
+            try:
+                self.run_step(self._pending, f"the delayed update of step {self.step_count}")
+            except BaseException:
+                if self.phase is P.STEPPING:
+                    self._to(P.IDLE)
+                raise
+            self._pending = None
+            self._to(P.IDLE)
+
+    def _skip_step(self) -> bool:
+        cfg = self.rt.cfg
+        if cfg.precision != "fp16":
+            raise FloatingPointError(f"gradients are not finite at step {self.step_count + 1} ({cfg.precision}); "
+                                     "lower the learning rate or enable gradient_clipping")
+        self.loss_scale = max(self.loss_scale / 2, cfg.loss_scale.min_scale)
+        self.skipped_steps += 1
+        self.good_steps = 0
+        log.info("offload: fp16 overflow, step skipped; loss scale now %g", self.loss_scale)
+        return False
+
+    def _grow_loss_scale(self) -> None:
+        if self.rt.cfg.precision != "fp16":
+            return
+        self.good_steps += 1
+        if self.good_steps % self.rt.cfg.loss_scale.growth_interval == 0:
+            self.loss_scale *= 2
+
+    def _mark_step(self) -> None:
+        """Per-step telemetry: what moved and how long compute stalled since the previous step."""
+        now = self.rt.telemetry.snapshot()
+        self.last_step = _delta(now, self._step_mark)
+        self._step_mark = now
+
+    # -- close ---------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Settles the jobs in flight and returns the optimizer pipeline's chunks; always succeeds."""
+        self._settle_jobs()
+        if self._pipe is not None:
+            self._pipe.abort()
+            self._pipe = None
+        self.phase = P.CLOSED
+
+
+def _delta(now: dict, before: dict) -> dict:
+    links = {k: {"bytes": v["bytes"] - before["links"][k]["bytes"], "seconds": v["seconds"] - before["links"][k]["seconds"]}
+             for k, v in now["links"].items()}
+    stall = now["stall_seconds"] - before["stall_seconds"]
+    return {"links": links, "stall_seconds": stall, "overlap_fraction": overlap_fraction(links, stall)}
+
+
+def lr_factor(sched, step: int) -> float:
+    """The schedule's multiplier of the base lr for optimizer step `step` (0-based)."""
+    if sched.warmup_steps and step < sched.warmup_steps:
+        return (step + 1) / sched.warmup_steps
+    if sched.type == "constant":
+        return 1.0
+    progress = min(1.0, (step - sched.warmup_steps) / max(1, sched.total_steps - sched.warmup_steps))
+    shape = 1 - progress if sched.type == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return sched.min_ratio + (1 - sched.min_ratio) * shape

@@ -1,0 +1,71 @@
+"""The runtime: what the residency handles and the optimizer pipeline work with, and nothing else.
+
+Handles (offload.residency, offload.optim) and the step pipeline (offload.pipeline) receive this object,
+never the Engine: the tiers and their accountants, the chunk pool, the swap store, the copy streams and
+the reader thread, and the telemetry. The Engine builds it once and closes it last.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from offload.chunks import ChunkPool
+from offload.config import Config
+from offload.placement import Placement
+from offload.tiers import Tiers
+from scheduler.streams import CopyStream, Worker
+from scheduler.telemetry import Telemetry
+from swap import SwapStore
+
+
+@dataclass
+class Runtime:
+    cfg: Config
+    device: torch.device
+    dtype: torch.dtype          # the compute dtype of weights and gradients
+    rank: int
+    placement: Placement
+    tiers: Tiers
+    telemetry: Telemetry
+    chunk_numel: int            # elements per chunk of every buffer (offload.chunks)
+    staging: ChunkPool
+    store: SwapStore | None
+    h2d: CopyStream             # fetches: dram -> hbm
+    d2h: CopyStream             # gradients: hbm -> dram accumulators, and the step that follows them
+    reader: Worker              # fetches from nvme, chunk by chunk
+
+    @classmethod
+    def open(cls, cfg: Config, device: torch.device, placement: Placement, rank: int = 0) -> "Runtime":
+        tiers = Tiers(device, placement.hbm_budget, placement.dram_budget, placement.nvme_budget,
+                      pin=device.type == "cuda")
+        staging = ChunkPool(tiers, placement.chunk_bytes, placement.pool_chunks)
+        try:
+            store = cls.open_store(cfg) if placement.uses_nvme else None
+        except BaseException:
+            staging.close()
+            raise
+        delay = float(os.environ.get("OFFLOAD_TEST_COPY_DELAY_S", "0"))  # tests: a missing wait shows
+        return cls(cfg, device, cfg.compute_dtype, rank, placement, tiers, Telemetry(),
+                   placement.chunk_bytes // 4, staging, store, CopyStream("h2d", device, delay),
+                   CopyStream("d2h", device, delay), Worker("nvme-read", delay))
+
+    @staticmethod
+    def open_store(cfg: Config) -> SwapStore:
+        a = cfg.aio
+        return SwapStore(cfg.nvme_path, engine=a.engine, block_bytes=a.block_bytes, queue_depth=a.queue_depth,
+                         threads=a.threads, checksum=cfg.swap_checksum)
+
+    def close(self, handles=()) -> None:
+        """Stops the threads (each finishes what it runs), closes `handles` (their I/O settled, their
+        chunks returned), then the pool, and removes the swap files."""
+        for s in (self.h2d, self.d2h, self.reader):
+            s.close()
+        for h in handles:
+            if h is not None:  # None: initialization stopped before this unit
+                h.close()
+        self.staging.close()
+        if self.store is not None:
+            self.store.close()
