@@ -198,8 +198,9 @@ class OptimState(_Handle):
             raise RuntimeError(f"{w.name}: {sorted(w.unverified)} read unverified and not checked by a step")
         for kind in [k for k in w.t if k not in kinds]:
             self.rt.staging.release(w.t.pop(kind))
-        w.tickets = [self.rt.store.write(self.key(kind, i), w.t[kind], digests=w.digests.pop(kind, None))
-                     for kind in kinds]
+        w.tickets = []
+        for kind in kinds:  # one by one: if a write raises, those already in flight are settled by _drop
+            w.tickets.append(self.rt.store.write(self.key(kind, i), w.t[kind], digests=w.digests.pop(kind, None)))
         w.t0 = time.perf_counter()
         w._set(R.DRAM_TO_NVME, R.DRAM)
 

@@ -54,7 +54,7 @@ P = Phase
 TRANSITIONS = {
     (P.IDLE, P.FORWARD), (P.FORWARD, P.FORWARD), (P.FORWARD, P.IDLE),   # FORWARD -> IDLE: rolled back
     (P.FORWARD, P.BACKWARD), (P.IDLE, P.BACKWARD),  # IDLE: the loss of a forward run on engine.module itself
-    (P.BACKWARD, P.IDLE), (P.BACKWARD, P.FORWARD),  # BACKWARD -> FORWARD: rolled back to a pending forward
+    (P.BACKWARD, P.IDLE),                           # done, or rolled back (the forward's graph is spent)
     (P.IDLE, P.STEPPING), (P.FORWARD, P.STEPPING), (P.STEPPING, P.IDLE),
     *((p, P.FAILED) for p in (P.FORWARD, P.BACKWARD, P.STEPPING)),
     *((p, P.CLOSED) for p in P),
@@ -196,7 +196,6 @@ class StepPipeline:
     def backward(self, loss: torch.Tensor) -> None:
         self.check_usable("backward")
         cfg = self.rt.cfg
-        before = self.phase
         self._to(P.BACKWARD)
         self._flushed, self._touched = set(), set()
         self._overlap = self._can_overlap()
@@ -219,7 +218,7 @@ class StepPipeline:
                 if self._pipe is not None:
                     self._finish_pipelined_step()
         except BaseException as e:
-            self._backward_failed(before, e)
+            self._backward_failed(e)
             raise
         finally:
             self.rt.telemetry.span("compute", "backward", t_start, time.perf_counter())
@@ -228,7 +227,7 @@ class StepPipeline:
         self.micro_step += 1
         self._to(P.IDLE)
 
-    def _backward_failed(self, before: Phase, error: BaseException) -> None:
+    def _backward_failed(self, error: BaseException) -> None:
         """Settles everything the micro-step has in flight; rolls it back unless a state changed."""
         self._settle_jobs()
         changed = bool(self._touched) or (self._pipe is not None and self._pipe.started)
@@ -249,7 +248,7 @@ class StepPipeline:
         if changed:
             self._fail(f"step {self.step_count + 1} (during backward)", error)
         else:
-            self._to(P.FORWARD if before is P.FORWARD else P.IDLE)
+            self._to(P.IDLE)
 
     def _settle_jobs(self) -> None:
         for completion, _ in self._jobs:

@@ -222,8 +222,13 @@ class WeightHandle(_Handle):
         if self.home == "dram" or (self.home == "hbm" and self.hbm.device.type == "cpu"):
             return
         if self.home == "nvme":
+            try:
+                ticket = self.rt.store.write(chunk_key(self.key, i), buf)
+            except BaseException:
+                self.rt.staging.release(buf)
+                raise
             with self._write_lock:
-                self._writes.append((self.rt.store.write(chunk_key(self.key, i), buf), buf, time.perf_counter()))
+                self._writes.append((ticket, buf, time.perf_counter()))
             return
         try:
             self.rt.h2d.copy(self.hbm[begin:end], buf[:end - begin]).wait()

@@ -1,0 +1,252 @@
+"""Failure semantics of the step pipeline ([Note: failure semantics] in offload.pipeline).
+
+An error before any state changed rolls the micro-step back: training goes on and equals, number for
+number, a run that never saw that batch, with nothing leaked (hbm charges, pool chunks, threads, fds).
+An error after the optimizer began updating states fails the engine: every later call raises StepFailed,
+and close() still succeeds and removes the swap files."""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+
+import pytest
+import torch
+
+import offload
+from offload.pipeline import EngineClosed, Phase, StepFailed
+from swap import SwapIOError
+from tests.engine_util import MLP, Block, mlp_batches
+
+
+class Boom(Exception):
+    pass
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise Boom("in a unit's backward")
+
+
+class FaultyBlock(Block):
+    """A Block (one unit) that raises in its forward or its backward while `fail` says so; the backward
+    between fc2 and fc1, so that part of the unit's gradients exist when it raises."""
+    fail: str | None = None
+
+    def _f(self, x):
+        if self.fail == "forward":
+            raise Boom("in a unit's forward")
+        h = torch.relu(self.fc1(x))
+        return x + self.fc2(_RaiseInBackward.apply(h) if self.fail == "backward" else h)
+
+
+def faulty_mlp() -> MLP:
+    torch.manual_seed(0)
+    m = MLP()
+    m.blocks[1].__class__ = FaultyBlock  # the same parameters and init: only the forward differs
+    return m
+
+
+def config(tmp_path, place: str, **extra) -> dict:
+    return {"precision": "bf16", "offload_param": {"device": place}, "offload_optimizer": {"device": place},
+            "nvme_path": str(tmp_path / "swap"), "units": {"min_numel": 512}, "reuse_bytes": 0,
+            "optimizer": {"lr": 1e-2}, **extra}
+
+
+def train(eng, batches) -> list[float]:
+    losses = []
+    for x, y in batches:
+        loss = eng(x, y)
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+    return losses
+
+
+def resources(eng) -> dict:
+    return {"hbm": eng.tiers.acct["hbm"].used_bytes, "dram": eng.tiers.acct["dram"].used_bytes,
+            "lent chunks": eng.staging.lent, "threads": threading.active_count(),
+            "fds": len(os.listdir("/proc/self/fd"))}
+
+
+def swap_files(tmp_path) -> list[str]:
+    root = tmp_path / "swap"
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs] if root.exists() else []
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("place", ["cpu", "nvme"])
+@pytest.mark.parametrize("where,overlap", [("forward", True), ("backward", False)])
+def test_an_error_before_any_state_changed_rolls_the_micro_step_back(tmp_path, place, where, overlap):
+    """A unit raising in its forward, or in its backward while no unit was stepped yet (the step after
+    backward): training goes on and equals a run that never saw the failing batch."""
+    model, batches = faulty_mlp(), mlp_batches(4)
+    cfg = config(tmp_path, place, overlap_step=overlap)
+    with offload.initialize(copy.deepcopy(model), {**cfg, "nvme_path": str(tmp_path / "ref")}) as ref:
+        ref_losses = train(ref, batches[:2] + batches[3:])
+        ref_sd = ref.full_state_dict()
+    with offload.initialize(model, cfg) as eng:
+        losses = train(eng, batches[:2])
+        before = resources(eng)
+        model.blocks[1].fail = where
+        with pytest.raises(Boom, match=f"in a unit's {where}"):
+            eng.backward(eng(*batches[2]))
+        model.blocks[1].fail = None
+        assert eng.phase is Phase.IDLE and eng.micro_step == 0 and eng.step_count == 2
+        assert resources(eng) == before
+        losses += train(eng, batches[3:])
+        assert losses == ref_losses
+        assert _equal(eng.full_state_dict(), ref_sd)
+
+
+@pytest.mark.parametrize("place", ["cpu", "nvme"])
+def test_an_error_after_units_were_stepped_fails_the_engine_and_close_still_works(tmp_path, place):
+    """With overlap_step the units after the failing one (in backward order) were already stepped: the
+    update is half applied, so the engine refuses to go on, saying why and what to do."""
+    model, batches = faulty_mlp(), mlp_batches(3)
+    with offload.initialize(model, config(tmp_path, place, overlap_step=True)) as eng:
+        train(eng, batches[:1])
+        model.blocks[1].fail = "backward"
+        with pytest.raises(Boom):
+            eng.backward(eng(*batches[1]))
+        assert eng.phase is Phase.FAILED
+        for call in (lambda: eng(*batches[2]), lambda: eng.step(), eng.full_state_dict):
+            with pytest.raises(StepFailed, match=r"step 2 \(during backward\) failed .*Boom.*close\(\) it"):
+                call()
+        assert eng.staging.lent == 0
+    assert swap_files(tmp_path) == []
+    with pytest.raises(EngineClosed, match="closed engine"):
+        eng(*batches[2])
+
+
+class FailingWrites:
+    """Wraps a SwapStore: every write raises once armed (as a full disk or a dying drive would)."""
+
+    def __init__(self, store):
+        self.store, self.armed = store, False
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def __contains__(self, key):
+        return key in self.store
+
+    def write(self, *a, **kw):
+        if self.armed:
+            raise SwapIOError(28, "injected write failure", path="swap.data", offset=0, nbytes=4096)
+        return self.store.write(*a, **kw)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_swap_error_mid_backward(tmp_path, overlap):
+    """nvme states: without overlap_step the backward writes only the gradient accumulator (overwritten
+    by the next first micro-step): rolled back, training goes on exactly. With it, the failing writes
+    are the step's: the engine fails; close() removes the swap files either way."""
+    model, batches = faulty_mlp(), mlp_batches(4)
+    cfg = config(tmp_path, "nvme", overlap_step=overlap)
+    eng = offload.initialize(model, cfg)
+    try:
+        losses = train(eng, batches[:2])
+        for handle in eng.weights + eng.states:  # the handles read the store through the runtime
+            assert handle is None or handle.rt is eng.rt
+        before = resources(eng)
+        eng.rt.store = failing = FailingWrites(eng.rt.store)
+        failing.armed = True
+        with pytest.raises(SwapIOError, match="injected"):
+            eng.backward(eng(*batches[2]))
+        failing.armed = False
+        eng.rt.store = failing.store
+        if overlap:
+            assert eng.phase is Phase.FAILED
+            with pytest.raises(StepFailed, match="SwapIOError"):
+                eng(*batches[3])
+        else:
+            assert eng.phase is Phase.IDLE and resources(eng) == before
+            losses += train(eng, batches[3:])
+            with offload.initialize(faulty_mlp(), {**cfg, "nvme_path": str(tmp_path / "ref")}) as ref:
+                assert losses == train(ref, batches[:2] + batches[3:])
+                assert _equal(eng.full_state_dict(), ref.full_state_dict())
+    finally:
+        eng.close()
+    assert swap_files(tmp_path) == []
+
+
+def test_a_failed_step_after_backward_fails_the_engine(tmp_path, monkeypatch):
+    """An error in step() once the first window began updating: failed, with the step named."""
+    import offload.step as step_mod
+
+    model, batches = faulty_mlp(), mlp_batches(2)
+    with offload.initialize(model, config(tmp_path, "cpu", overlap_step=False)) as eng:
+        train(eng, batches[:1])
+        eng.backward(eng(*batches[1]))
+        calls = []
+        real = step_mod.step_window
+
+        def second_window_fails(*a, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                raise Boom("in the step")
+            return real(*a, **kw)
+
+        monkeypatch.setattr(step_mod, "step_window", second_window_fails)
+        with pytest.raises(Boom):
+            eng.step()
+        assert eng.phase is Phase.FAILED and eng.staging.lent == 0
+        with pytest.raises(StepFailed, match="step 2 failed"):
+            eng.backward(eng(*batches[1]))
+
+
+def test_a_step_that_fails_before_changing_anything_can_be_retried(tmp_path, monkeypatch):
+    import offload.step as step_mod
+
+    model, batches = faulty_mlp(), mlp_batches(2)
+    with offload.initialize(copy.deepcopy(model), config(tmp_path, "cpu", overlap_step=False)) as ref:
+        ref_losses, ref_sd = train(ref, batches), ref.full_state_dict()
+    with offload.initialize(model, config(tmp_path, "cpu", overlap_step=False)) as eng:
+        train(eng, batches[:1])
+        loss = eng(*batches[1])
+        eng.backward(loss)
+        real = step_mod.step_window
+        monkeypatch.setattr(step_mod.WindowPipeline, "_step_unit", lambda self, unit: (_ for _ in ()).throw(Boom("x")))
+        with pytest.raises(Boom):
+            eng.step()
+        monkeypatch.undo()
+        assert step_mod.step_window is real and eng.phase is Phase.IDLE
+        assert eng.step() is True
+        assert [ref_losses[0], loss.item()] == ref_losses and _equal(eng.full_state_dict(), ref_sd)
+
+
+@pytest.mark.parametrize("place", ["cpu", "nvme"])
+def test_gradient_accumulation_first_micro_step_rolls_back_a_later_one_fails(tmp_path, place):
+    """With 2 micro-steps per step: an error in the first one's backward rolls back (the accumulators are
+    overwritten by the next first micro-step); in the second, the accumulators already held the first
+    one's gradients and some were added to: the engine fails rather than step on a partial sum."""
+    model, batches = faulty_mlp(), mlp_batches(6)
+    cfg = config(tmp_path, place, gradient_accumulation_steps=2)
+    with offload.initialize(copy.deepcopy(model), {**cfg, "nvme_path": str(tmp_path / "ref")}) as ref:
+        ref_losses, ref_sd = train(ref, batches[:2] + batches[3:5]), ref.full_state_dict()
+    with offload.initialize(model, cfg) as eng:
+        losses = train(eng, batches[:2])
+        model.blocks[1].fail = "backward"
+        with pytest.raises(Boom):
+            eng.backward(eng(*batches[2]))  # the first micro-step of step 2
+        model.blocks[1].fail = None
+        assert eng.phase is Phase.IDLE and eng.micro_step == 0
+        losses += train(eng, batches[3:5])
+        assert losses == ref_losses and _equal(eng.full_state_dict(), ref_sd)
+        eng.backward(eng(*batches[5]))
+        model.blocks[1].fail = "backward"
+        with pytest.raises(Boom):
+            eng.backward(eng(*batches[5]))  # the second micro-step of step 3
+        assert eng.phase is Phase.FAILED
+        with pytest.raises(StepFailed, match="step 3"):
+            eng.step()
