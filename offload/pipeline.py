@@ -184,7 +184,7 @@ class StepPipeline:
                 grads.clear()
                 hbm.refund(nbytes)
 
-        self._jobs.append((self.rt.d2h.submit(job), nbytes))
+        self._jobs.append((self.rt.d2h.submit(job, tensors=[g for _, g in grads]), nbytes))
 
     def wait_oldest_grad_job(self) -> bool:
         """Waits for the oldest gradient job in flight (its hbm bytes are free after); False if none."""

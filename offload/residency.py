@@ -161,7 +161,7 @@ class WeightHandle(_Handle):
         self.rt.telemetry.stall(time.perf_counter() - t0, self.unit.name)
 
     def _finish_fetch(self) -> None:
-        self._pending.wait()
+        self._pending.wait_on_compute()  # on CUDA a copy's event: the compute stream waits, not the host
         self._pending = None
         if self.state is R.DRAM_TO_HBM:
             self.rt.telemetry.link("dram_to_hbm", self.nbytes, time.perf_counter() - self._t0)

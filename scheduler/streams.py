@@ -1,11 +1,16 @@
 """Copy streams: where transfers run beside compute.
 
 [Note: one copy stream per direction]
-On CUDA, host-to-device fetches and device-to-host gradient copies each get a dedicated stream, created
-once, so a fetch for the next unit never queues behind this unit's gradients (and compute never waits on
-either unless it needs the data). On a CPU-only machine the "accelerator" is host memory and each stream
-is one worker thread doing the same copies for real, so the engine's waits are exercised by CI. A test
-may inject a random delay before each copy (`delay_s`): a missing wait then shows up as a wrong number.
+Each direction (h2d fetches, d2h gradients) is one worker thread, on every backend, running host jobs
+in order: the gradient accumulation and the CPU Adam step that follows it run there, never on the
+compute thread. On CUDA each also has a dedicated CUDA stream, created once, so a fetch for the next
+unit never queues behind this unit's gradients: `copy` enqueues on it and returns an event, which the
+compute stream waits on (`wait_on_compute`: no host synchronize on the compute path); `submit` records
+an event on the compute stream, and the job runs on the worker with this stream current, made to wait
+on that event, so its device reads (the gradient's copy to the host) follow the kernels that produced
+them and not the ones queued after. The backends differ only in that copy primitive; on a CPU-only
+machine the "accelerator" is host memory, so the same jobs and waits are exercised by CI. A test may
+inject a random delay before each job (`delay_s`): a missing wait then shows up as a wrong number.
 """
 
 from __future__ import annotations
@@ -43,8 +48,6 @@ class Completion:
             self.wait()
 
 
-DONE = Completion()
-
 
 class Worker:
     """One host thread running jobs in order, on every backend (the nvme reads of chunked fetches: a job
@@ -68,22 +71,18 @@ def _delayed(delay_s: float, fn: Callable, args) -> None:
 
 
 class CopyStream:
-    """Runs copies in order, beside compute: a CUDA stream, or one worker thread on the CPU backend."""
+    """Runs copies and host jobs in order, beside compute: one worker thread, plus a CUDA stream on CUDA."""
 
     def __init__(self, name: str, device: torch.device, delay_s: float = 0.0):
         self.name, self.device, self.delay_s = name, device, delay_s
-        if device.type == "cuda":
-            self._stream = torch.cuda.Stream(device)  # dedicated: see the note above
-            self._pool = None
-        else:
-            self._stream = None
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"offload-{name}")
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # dedicated: see the note
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"offload-{name}")
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Completion:
         """dst.copy_(src) on this stream. The caller keeps both alive until the completion is done."""
         if self._stream is None:
             return self.submit(dst.copy_, src)
-        self._stream.wait_stream(torch.cuda.current_stream())  # src/dst were produced on the compute stream
+        self._stream.wait_stream(torch.cuda.current_stream())  # src/dst were produced on the current stream
         with torch.cuda.stream(self._stream):
             dst.copy_(src, non_blocking=True)
             for t in (dst, src):
@@ -93,12 +92,22 @@ class CopyStream:
             event.record(self._stream)
         return Completion(event=event)
 
-    def submit(self, fn: Callable, *args) -> Completion:
-        """Host work on this stream's thread (CPU backend), in order with its copies."""
-        if self._pool is None:
-            fn(*args)
-            return DONE
-        return Completion(future=self._pool.submit(_delayed, self.delay_s, fn, args))
+    def submit(self, fn: Callable, *args, tensors=()) -> Completion:
+        """Host work on this stream's thread, in order with its other jobs. On CUDA the job runs with this
+        stream current, after the work the calling stream has enqueued so far; `tensors` (accelerator
+        memory the job reads) are not reused by the allocator before this stream is done with them."""
+        if self._stream is None:
+            return Completion(future=self._pool.submit(_delayed, self.delay_s, fn, args))
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream())
+        for t in tensors:
+            t.record_stream(self._stream)
+        return Completion(future=self._pool.submit(self._on_stream, ready, fn, args))
+
+    def _on_stream(self, ready, fn: Callable, args) -> None:
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            _delayed(self.delay_s, fn, args)
 
     def close(self) -> None:
         if self._pool is not None:
