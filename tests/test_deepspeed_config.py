@@ -1,15 +1,22 @@
-"""DeepSpeed configs read into our Config (offload/integrations/deepspeed.py) and --deepspeed."""
+"""DeepSpeed configs read into our Config (offload/integrations/deepspeed.py), --deepspeed, and the CLI's
+rough edges from issue 16: --version, user-facing --help, a malformed --offload-config in one line."""
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
 
 import offload
 from offload import train as recipe
+from offload.cli import _user_warning, main
 from offload.config import CHUNK_ALIGN_BYTES, Config
 from offload.integrations import deepspeed as ds
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Hugging Face's ZeRO-3 example with NVMe offload of weights and optimizer states, "auto" where the
 # Trainer fills values in (transformers' DeepSpeed guide).
@@ -285,3 +292,50 @@ def test_offload_train_takes_batch_and_steps_from_a_deepspeed_config(tmp_path):
     with pytest.warns(ds.DeepSpeedConfigWarning):
         cfg, run = recipe.resolve(recipe._as_namespace({"deepspeed": str(dsfile), "batch_size": 3, "lr": 0.5}))
     assert run["batch_size"] == 3 and cfg.optimizer.lr == 0.5  # flags win
+
+
+def test_the_warning_reads_as_a_message_on_the_command_line():
+    line = _user_warning("ds.json: 1 DeepSpeed setting(s) ...", ds.DeepSpeedConfigWarning, "x.py", 3)
+    assert line == "offload: warning: ds.json: 1 DeepSpeed setting(s) ...\n"
+    assert "x.py:3" in _user_warning("other", UserWarning, "x.py", 3)
+
+
+# --- the CLI's rough edges -----------------------------------------------------------------------------
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"offload {offload.__version__}"
+
+
+def test_help_speaks_to_users(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "offload train" in out and "--version" in out
+    for internal in ("offload/commands", "module", "parser", "hbm", "dram"):
+        assert internal not in out, internal
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("bad.yaml", "a: [1\n", "not valid YAML (expected ',' or ']'"),
+    ("bad.json", '{"precision": "bf16",', "not valid JSON"),
+    ("list.json", "[1, 2]", "expected a mapping of keys at the top level, got a list"),
+    ("list.yaml", "- 1\n- 2\n", "expected a mapping of keys at the top level, got a list"),
+])
+def test_malformed_offload_config_is_one_line_and_exit_code_2(tmp_path, capsys, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    assert main(["train", "--offload-config", str(path), "--steps", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"offload train: error: config='{path}': {message}") and len(err.splitlines()) == 1
+
+
+def test_malformed_offload_config_from_a_real_process(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("a: [1\n")
+    proc = subprocess.run([sys.executable, "-m", "offload", "train", "--offload-config", str(path), "--steps", "1"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("offload train: error: ") and len(proc.stderr.splitlines()) == 1
