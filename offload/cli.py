@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
+
+from offload import __version__
 
 # Each module defines register(subparsers); a subcommand sets `func(args) -> int` as its default.
 _COMMAND_MODULES = (
@@ -12,6 +15,19 @@ _COMMAND_MODULES = (
     "offload.commands.estimate",
     "offload.commands.train",
 )
+
+# What `offload --help` says: for users, so no internals (the docstring above is for developers).
+DESCRIPTION = """\
+Train PyTorch models larger than your GPU: weights and optimizer states live
+in GPU memory, host RAM or files on an NVMe drive, and move as training needs
+them. `offload train` with no flags fine-tunes a small model for a few minutes;
+`offload COMMAND --help` describes each command."""
+EXAMPLES = """\
+examples:
+  offload train                                 fine-tune the small preset
+  offload train --model ./my-llama --deepspeed ds_config.json --steps 100
+  offload estimate --params 7e9 --offload-optimizer nvme
+  offload bench nvme --dir /mnt/nvme --size 4G  how fast the drive swaps"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -22,7 +38,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="offload", description=__doc__)
+    parser = _Parser(prog="offload", description=DESCRIPTION, epilog=EXAMPLES,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     subparsers.required = True
     for name in _COMMAND_MODULES:
@@ -30,8 +48,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_format_warning = warnings.formatwarning
+
+
+def _user_warning(message, category, filename, lineno, line=None) -> str:
+    """A DeepSpeed config's warning reads as a message to the user, not as a source location."""
+    from offload.integrations.deepspeed import DeepSpeedConfigWarning
+
+    if issubclass(category, DeepSpeedConfigWarning):
+        return f"offload: warning: {message}\n"
+    return _format_warning(message, category, filename, lineno, line)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.formatwarning = _user_warning
     try:
         return int(args.func(args) or 0)
     except (ValueError, OSError) as e:  # user-facing errors: one line, exit code 2

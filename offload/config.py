@@ -7,6 +7,7 @@ keys; we refuse them). Every value is validated with a message that says how to 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
 import json
@@ -162,6 +163,10 @@ class Config:
         self.validate("")
 
     def validate(self, path: str) -> None:
+        for f in dataclasses.fields(self):  # each section's own values first, then the rules across them
+            v = getattr(self, f.name)
+            if dataclasses.is_dataclass(v):
+                v.validate(f.name)
         if self.precision not in ("bf16", "fp16", "fp32"):
             _fail("precision", self.precision, "unknown precision", 'use "bf16", "fp16" or "fp32"')
         if self.gradient_accumulation_steps < 1:
@@ -192,10 +197,6 @@ class Config:
             _fail("offload_optimizer.device", "none",
                   f"optimizer states cannot stay in hbm while weights are offloaded to {self.offload_param.device}",
                   "offload the optimizer too (cpu or nvme)")
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if dataclasses.is_dataclass(v):
-                v.validate(f.name)
 
     @property
     def compute_dtype(self):
@@ -205,6 +206,15 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_deepspeed(cls, path_or_dict) -> "Config":
+        """The Config of a DeepSpeed JSON config (a path or a dict). Keys without an exact equivalent here
+        are named in one DeepSpeedConfigWarning, each with what we do instead (README 'Coming from
+        DeepSpeed'); "auto" values mean not set."""
+        from offload.integrations.deepspeed import to_config
+
+        return to_config(path_or_dict)
 
 
 # --- building configs from plain data ------------------------------------------------------------
@@ -264,20 +274,51 @@ def load_config(config: Config | dict | str | pathlib.Path | None) -> Config:
     return _build(Config, config, "")
 
 
-def _read_file(path: pathlib.Path) -> dict:
+def _read_file(path: pathlib.Path, flag: str = "config") -> dict:
+    """The mapping in a .json or .yaml file; anything else is a one-line ValueError naming the file."""
+    where = f"{flag}={str(path)!r}"
     if not path.is_file():
-        raise ValueError(f"config={str(path)!r}: no such file; pass the path of a .json or .yaml file")
-    text = path.read_text()
+        raise ValueError(f"{where}: no such file; pass the path of a .json or .yaml file")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"{where}: not a text file; pass a .json or .yaml file") from None
     if path.suffix in (".yaml", ".yml"):
         import yaml
 
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:  # its message spans lines: keep the problem and where
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ValueError(f"{where}: not valid YAML ({getattr(e, 'problem', None) or e}{at}); "
+                             "fix the file") from None
     else:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"config={str(path)!r}: not valid JSON ({e}); fix the file or use .yaml") from None
+            raise ValueError(f"{where}: not valid JSON ({e}); fix the file or use .yaml") from None
+    if data is not None and not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a mapping of keys at the top level, got a {type(data).__name__}; "
+                         "see the README's config reference")
     return data or {}
+
+
+def _put(data: dict, path: str, value) -> None:
+    """data["a"]["b"] = value for path "a.b", making the sections on the way."""
+    *parents, last = path.split(".")
+    for part in parents:
+        data = data.setdefault(part, {})
+    data[last] = value
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """`over` laid over `base` section by section (a new dict; neither is changed)."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else copy.deepcopy(value)
+    return out
 
 
 # --- training-script flags -------------------------------------------------------------------------
@@ -297,13 +338,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--delayed-update", action="store_true", default=None,
                    help="one-step delayed parameter update (the step overlaps the next backward; weights lag one step)")
     g.add_argument("--offload-config", default=None, metavar="PATH", help="a .json/.yaml config; flags override it")
+    g.add_argument("--deepspeed", default=None, metavar="PATH",
+                   help="a DeepSpeed JSON config, read into ours (README 'Coming from DeepSpeed'); "
+                        "--offload-config and flags override it")
     return parser
 
 
+def file_settings(args: argparse.Namespace, total_steps: int | None = None) -> dict:
+    """The config data of --deepspeed with --offload-config's laid over it, section by section (a new dict).
+    total_steps fills a DeepSpeed "auto" total_num_steps (see offload/integrations/deepspeed.py)."""
+    data = {}
+    if getattr(args, "deepspeed", None):
+        from offload.integrations import deepspeed
+
+        data = deepspeed.settings(args.deepspeed, total_steps)
+    if getattr(args, "offload_config", None):
+        data = _merge(data, _read_file(pathlib.Path(args.offload_config)))
+    return data
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
-    """The Config from --offload-config (if any) with the explicit flags laid over it."""
-    data = _read_file(pathlib.Path(args.offload_config)) if getattr(args, "offload_config", None) else {}
-    data = json.loads(json.dumps(data))  # a private copy
+    """The Config from --deepspeed and --offload-config (if any) with the explicit flags laid over them.
+
+    Precedence: explicit flags, then --offload-config, then --deepspeed, then Config's defaults."""
+    data = file_settings(args)
     if getattr(args, "offload_param", None):
         data.setdefault("offload_param", {})["device"] = args.offload_param
     if getattr(args, "offload_optimizer", None):

@@ -6,9 +6,10 @@ takes a local Hugging Face Llama directory, whose weights stream tensor by tenso
 shards into their tiers (the model is built on the meta device and never exists whole in memory).
 
 [Note: precedence of settings]
-Explicit flags win, then the --offload-config file, then this recipe's defaults (shown in --help), then
-Config's own defaults. The recipe's placement (both kinds of state on nvme) applies only when neither
-a flag nor the file says where any state lives.
+Explicit flags win, then the --offload-config file, then the --deepspeed config, then this recipe's
+defaults (shown in --help), then Config's own defaults. The recipe's placement (both kinds of state on
+nvme) applies only when neither a flag nor a file says where any state lives. From a DeepSpeed config the
+run also takes train_micro_batch_size_per_gpu as --batch-size and --steps for an "auto" total_num_steps.
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ import copy
 import difflib
 import json
 import os
-import pathlib
 import time
 
 import torch
 
 import offload
-from offload.config import FLAG_KEYS, Config, _read_file, load_config
+from offload.config import FLAG_KEYS, Config, _put, file_settings, load_config
 from offload.cpu_adam import kernel_backend
 from offload.data import BatchSampler, ByteTokenizer, load_tokens
 from offload.models import PRESETS, build_model, hf_llama_config, hf_name, loss_of
@@ -100,16 +100,10 @@ def _get(data: dict, path: str):
     return data
 
 
-def _put(data: dict, path: str, value) -> None:
-    *parents, last = path.split(".")
-    for part in parents:
-        data = data.setdefault(part, {})
-    data[last] = value
-
-
 def resolve(args: argparse.Namespace) -> tuple[Config, dict]:
     """(offload Config, run settings {model, data, steps, batch_size, seq_len}) per the precedence note."""
-    file = _read_file(pathlib.Path(args.offload_config)) if args.offload_config else {}
+    steps = RECIPE["steps"] if args.steps is None else args.steps
+    file = file_settings(args, total_steps=steps if isinstance(steps, int) and steps > 0 else None)
     data = copy.deepcopy(file)
     placement_given = bool(args.offload_param or args.offload_optimizer
                            or "offload_param" in file or "offload_optimizer" in file)
@@ -128,6 +122,10 @@ def resolve(args: argparse.Namespace) -> tuple[Config, dict]:
     data.setdefault("nvme_path", DEFAULT_SWAP_DIR)
     run = {k: RECIPE[k] if getattr(args, k, None) is None else getattr(args, k)
            for k in ("model", "steps", "batch_size", "seq_len")}
+    if args.batch_size is None and args.deepspeed:
+        from offload.integrations.deepspeed import micro_batch_size
+
+        run["batch_size"] = micro_batch_size(args.deepspeed) or run["batch_size"]
     run["data"] = args.data
     for dest, (path, default) in CONFIG_FLAGS.items():
         value = getattr(args, dest)

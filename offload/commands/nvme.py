@@ -31,7 +31,7 @@ def _checksum_flags(p) -> None:
 
 
 def register(subparsers) -> None:
-    bench = _nested(subparsers, "bench", "measure a part of the runtime").add_parser(
+    bench = _nested(subparsers, "bench", "measure how fast an NVMe drive swaps").add_parser(
         "nvme", help="swap write/read bandwidth through the swap store (page cache bypassed)")
     bench.add_argument("--dir", required=True, help="directory on the drive to measure (a run "
                        "subdirectory is created in it and removed afterwards)")
@@ -46,7 +46,7 @@ def register(subparsers) -> None:
     bench.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
     bench.set_defaults(func=run_bench)
 
-    tune = _nested(subparsers, "tune", "sweep settings and print the best").add_parser(
+    tune = _nested(subparsers, "tune", "find the best I/O settings for an NVMe drive").add_parser(
         "nvme", help="sweep block size x queue depth x threads for both engines; print the best `aio` section")
     tune.add_argument("--dir", required=True)
     tune.add_argument("--size", default="512M", help="bytes per configuration (default 512M)")

@@ -8,7 +8,7 @@ from offload import train as recipe
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "train", help="train a model with weights and optimizer states in hbm, dram or nvme (the main job)",
+        "train", help="fine-tune a model with weights and optimizer states in GPU memory, host RAM or on NVMe",
         description=recipe.__doc__.split("\n\n", 1)[1].replace("[Note: precedence of settings]\n", ""))
     recipe.add_train_arguments(p)
     offload.add_arguments(p)
