@@ -25,6 +25,7 @@ from offload.placement import Placement, plan_placement
 from offload.residency import R, WeightHandle
 from offload.runtime import Runtime
 from offload.units import Unit, partition
+from scheduler.policy import ResidencyPolicy
 from scheduler.trace import ExecutionTrace
 
 log = logging.getLogger("offload")
@@ -49,7 +50,6 @@ class Engine(nn.Module):
         self.tiers, self.telemetry, self.staging, self.store = rt.tiers, rt.telemetry, rt.staging, rt.store
         self.chunk_numel = rt.chunk_numel
         self.trace = ExecutionTrace(self.placement.knobs.prefetch_units)
-        self._kept: dict[int, int] = {}  # units kept in hbm for their next use in this step -> bytes
         self._closed = False
         self.weights: list[WeightHandle] = []
         self.states: list[OptimState | None] = []
@@ -59,6 +59,8 @@ class Engine(nn.Module):
             self.close()
             raise
         self.pipeline = StepPipeline(rt, self.units, self.weights, self.states, self.trace, self._release_all)
+        self.policy = ResidencyPolicy(self.trace, [w.nbytes for w in self.weights], self.placement.knobs.reuse_distance,
+                                      self.placement.reuse_bytes, self.pipeline.grad_reserve)
         self._handles = [h for u in self.units if not u.persistent for m in [u.module, *u.users]
                          for h in hooks.register(self, u, m)]
         self._grad_hooks = [s.param.register_post_accumulate_grad_hook(self.pipeline.grad_hook(u))
@@ -93,34 +95,24 @@ class Engine(nn.Module):
                                  f"move the batch with .to(engine.device)")
 
     def fetch_for_use(self, unit: Unit, backward: bool = False) -> None:
-        """Called by the hooks before `unit` runs: prefetch along the trace, then wait for this unit."""
+        """Called by the hooks before `unit` runs: prefetch what the policy says, then wait for this unit."""
         with record_function("offload::fetch"):
-            for nxt in self.trace.observe(unit.index):
-                self._prefetch(self.units[nxt])
+            hbm = self.tiers.acct["hbm"]
+            for nxt in self.policy.before_use(unit.index, hbm.budget_bytes - hbm.used_bytes, backward):
+                self.weights[nxt].fetch()
             for w in self.weights:
                 w.advance()
-            self._kept.pop(unit.index, None)
             w = self.weights[unit.index]
-            hbm = self.tiers.acct["hbm"]
             while w.state in (R.NVME, R.DRAM) and not hbm.fits(w.nbytes):
                 if not self.pipeline.wait_oldest_grad_job():  # on demand: earlier gradients leave hbm first
                     break
             w.wait_for_fetch()
 
-    def _prefetch(self, unit: Unit) -> None:
-        w = self.weights[unit.index]
-        if not self.tiers.acct["hbm"].fits(w.nbytes + self.pipeline.grad_reserve):
-            return  # no room (the gradients in flight keep theirs): it will be fetched on demand
-        w.fetch()
-
     def release_after_use(self, unit: Unit, backward: bool) -> None:
-        if self.pipeline.in_backward and not backward:
-            return  # a recomputed forward (activation checkpointing): its backward comes right after
-        distance = self.trace.next_use_distance(unit.index)
-        if distance is not None and (distance <= self.placement.knobs.reuse_distance or self._keep(unit)):
-            return  # used again in this step (the trace says): keep it rather than fetch it again
-        with record_function("offload::release"):
-            self.weights[unit.index].release()
+        # a forward recomputed inside backward (activation checkpointing): its backward comes right after
+        if self.policy.after_use(unit.index, recompute=self.pipeline.in_backward and not backward):
+            with record_function("offload::release"):
+                self.weights[unit.index].release()
 
     def _release_all(self) -> None:
         """Drops every fetched copy, kept ones too: before homes are updated outside a backward (a step
@@ -128,15 +120,7 @@ class Engine(nn.Module):
         and after a failure, when fetches in flight are settled and dropped (WeightHandle.reset)."""
         for w in self.weights:
             w.reset()
-        self._kept.clear()
-
-    def _keep(self, unit: Unit) -> bool:
-        """Keeps the unit's weights in hbm until their next use while the kept bytes fit reuse_bytes."""
-        nbytes = self.weights[unit.index].nbytes
-        if sum(self._kept.values()) + nbytes > self.placement.reuse_bytes:
-            return False
-        self._kept[unit.index] = nbytes
-        return True
+        self.policy.release_all()
 
     # -- backward and step: the step pipeline (offload.pipeline) -----------------------------------------
     def backward(self, loss: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ class ExecutionTrace:
         self.lookahead, self.warn_every = lookahead, warn_every
         self.recorded: list[int] | None = None
         self._current: list[int] = []
+        self._last = None  # (unit, backward) of the last event
         self._pos = 0
         self._diverged = self._abandoned = False
         self._steps = 0
@@ -25,16 +26,20 @@ class ExecutionTrace:
 
     def begin_step(self) -> None:
         self._current, self._pos, self._diverged, self._abandoned = [], 0, False, False
+        self._last = None
 
     def abandon_step(self) -> None:
         """The step was rolled back (an error): what it fetched is not recorded; fetching is on demand
         until the next begin_step."""
         self._current, self._pos, self._diverged, self._abandoned = [], 0, True, True
+        self._last = None
 
-    def observe(self, unit: int) -> list[int]:
-        """Records a fetch of `unit`; returns the units expected next (empty when not replaying)."""
-        if self._current and self._current[-1] == unit:
-            return []  # the same unit asked for twice in a row (several outputs): one event
+    def observe(self, unit: int, backward: bool = False) -> list[int]:
+        """Records a fetch of `unit` (for its forward or its backward); returns the units expected next
+        (empty when not replaying)."""
+        if self._last == (unit, backward):
+            return []  # the same use asked for twice in a row (a backward per output): one event
+        self._last = (unit, backward)
         self._current.append(unit)
         if self.recorded is None or self._diverged:
             return []
