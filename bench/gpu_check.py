@@ -1,12 +1,19 @@
-"""One script for a lent GPU: the tests marked `gpu`, then a short nvme-offload training of the bench
-model, and a small table (copy bandwidths, step times, stall share). Prints one JSON line with --json.
+"""One script for a lent GPU: the tests marked `gpu`, then short trainings of one model in the engine's
+modes beside a plain in-memory torch loop, and a table: step time against the in-memory step, stall
+share, the H2D / D2H rates the engine achieved against a plain pinned copy measured in the same run, and
+the hbm peak. Modes: bf16 with weights in hbm / dram / nvme, without overlap_step, with delayed_update
+and clipping, with activation checkpointing, fp16 with loss scaling; the presets tie their embedding.
 
-python bench/gpu_check.py [--preset bench-200m] [--steps 3] [--dir DIR] [--json]
+    python bench/gpu_check.py [--preset bench-200m] [--batch 4] [--seq 512] [--steps 3] [--dir DIR] [--json]
+    python bench/gpu_check.py --device cpu --preset tiny --steps 1 --no-tests   # smoke run of this script
+
+Prints one JSON line last with --json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -15,75 +22,135 @@ import time
 
 import torch
 
+MODES = {  # name -> (offload_param, offload_optimizer, extra config, checkpoint_activations)
+    "bf16 hbm/cpu": ("none", "cpu", {}, False),
+    "bf16 cpu/cpu": ("cpu", "cpu", {}, False),
+    "bf16 nvme/nvme": ("nvme", "nvme", {}, False),
+    "bf16 nvme/nvme no overlap": ("nvme", "nvme", {"overlap_step": False}, False),
+    "bf16 nvme/nvme delayed+clip": ("nvme", "nvme", {"delayed_update": True, "gradient_clipping": 1.0}, False),
+    "bf16 cpu/cpu ckpt": ("cpu", "cpu", {}, True),
+    "fp16 cpu/cpu": ("cpu", "cpu", {"precision": "fp16"}, False),
+}
 
-def copy_bandwidth(nbytes: int = 1 << 30) -> dict:
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> dict:
+    """A plain pinned copy each way: what the engine's links are compared with."""
+    if device.type != "cuda":
+        return {"h2d_gbps": None, "d2h_gbps": None}
     from swap import aligned_empty
 
     host = aligned_empty(nbytes, torch.uint8, pin=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     out = {}
     for name, (dst, src) in {"h2d_gbps": (dev, host), "d2h_gbps": (host, dev)}.items():
         dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
+        _sync(device)
         t0 = time.perf_counter()
         for _ in range(5):
             dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
+        _sync(device)
         out[name] = 5 * nbytes / (time.perf_counter() - t0) / 1e9
     return out
 
 
-def train(preset: str, steps: int, directory: str, dev: str) -> dict:
-    import offload
+def _batches(args):
     from offload.data import BatchSampler, load_tokens
+
+    sampler = BatchSampler(load_tokens(), args.batch, args.seq, seed=0)
+    return [sampler.batch(i) for i in range(args.steps + 1)]
+
+
+def in_memory(args, device: torch.device) -> dict:
+    """Plain torch: bf16 weights on the device, torch's AdamW (fused on CUDA); the first step is warm-up."""
     from offload.models import build_model, loss_of
 
-    model = build_model(preset, seed=0).cuda()
-    sampler = BatchSampler(load_tokens(), 4, 512, seed=0)
-    cfg = {"precision": "bf16", "offload_param": {"device": dev}, "offload_optimizer": {"device": dev if dev != "none" else "cpu"},
-           "nvme_path": directory}
-    times = []
-    with offload.initialize(model, cfg) as eng:
-        for i in range(steps + 1):
-            ids, labels = (t.cuda() for t in sampler.batch(i))
-            torch.cuda.synchronize()
+    model = build_model(args.preset, seed=0).to(device=device, dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if device.type == "cuda" else {}))
+    times, losses = [], []
+    for i, (ids, labels) in enumerate(_batches(args)):
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = loss_of(model(ids.to(device), labels.to(device)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        losses.append(loss.item())
+        if i:
+            times.append(time.perf_counter() - t0)
+    del model, opt
+    return {"step_s": sorted(times)[len(times) // 2], "losses": losses}
+
+
+def train(args, device: torch.device, mode: str) -> dict:
+    import offload
+    from offload.models import PRESETS, build_model, loss_of
+
+    param, optim, extra, ckpt = MODES[mode]
+    mc = dataclasses.replace(PRESETS[args.preset], checkpoint_activations=ckpt)
+    cfg = {"precision": "bf16", "offload_param": {"device": param}, "offload_optimizer": {"device": optim},
+           "nvme_path": args.dir, "optimizer": {"lr": 1e-4}, **extra}
+    times, losses = [], []
+    with offload.initialize(build_model(mc, seed=0), cfg) as eng:
+        for i, (ids, labels) in enumerate(_batches(args)):
+            _sync(device)
             t0 = time.perf_counter()
-            loss = loss_of(eng(ids, labels))
+            loss = loss_of(eng(ids.to(device), labels.to(device)))
             eng.backward(loss)
             eng.step()
-            torch.cuda.synchronize()
+            _sync(device)
+            losses.append(loss.item())
             if i:
                 times.append(time.perf_counter() - t0)
         st = eng.stats()
-    step = sorted(times)[len(times) // 2]
-    return {"step_s": step, "stall_share": st["stall_seconds"] / sum(times) if times else None,
-            "links": {k: v["bytes"] / v["seconds"] / 1e9 if v["seconds"] else None for k, v in st["links"].items()},
-            "hbm_peak_gb": st["tiers"]["hbm"]["peak_bytes"] / 1e9}
+    rate = {k: v["bytes"] / v["seconds"] / 1e9 if v["seconds"] else None for k, v in st["links"].items()}
+    return {"step_s": sorted(times)[len(times) // 2], "stall_share": st["stall_seconds"] / sum(times),
+            "h2d_gbps": rate["dram_to_hbm"], "d2h_gbps": rate["hbm_to_dram"],
+            "hbm_peak_gb": st["tiers"]["hbm"]["peak_bytes"] / 1e9, "losses": losses}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="bench-200m")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--dir", default=None)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per mode, after one warm-up step")
+    ap.add_argument("--dir", default=None, help="swap directory (default: a temporary one)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: a smoke run of this script on a machine without a GPU")
+    ap.add_argument("--no-tests", action="store_true", help="skip the pytest run of the `gpu` tests")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("gpu_check: no CUDA device visible; run this on a machine with a GPU")
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/"], capture_output=True, text=True)
-    print(tests.stdout[-2000:])
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "gpu_tests_rc": tests.returncode,
-              **copy_bandwidth()}
-    directory = args.dir or tempfile.mkdtemp(prefix="gpu-check-")
-    for dev in ("none", "cpu", "nvme"):
-        result[f"{dev}_offload"] = train(args.preset, args.steps, directory, dev)
-    print(f"{'mode':14s} {'step s':>8s} {'stall':>6s} {'hbm peak GB':>12s}")
-    for dev in ("none", "cpu", "nvme"):
-        r = result[f"{dev}_offload"]
-        print(f"{dev:14s} {r['step_s']:8.3f} {r['stall_share'] or 0:6.1%} {r['hbm_peak_gb']:12.2f}")
-    print(f"pinned copies: h2d {result['h2d_gbps']:.1f} GB/s, d2h {result['d2h_gbps']:.1f} GB/s")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu_check: no CUDA device visible; run this on a machine with a GPU (or --device cpu)")
+    device = torch.device(args.device)
+    args.dir = args.dir or tempfile.mkdtemp(prefix="gpu-check-")
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
+    if not args.no_tests:
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/"], capture_output=True, text=True)
+        print(tests.stdout[-2000:])
+        result["gpu_tests_rc"] = tests.returncode
+    result["pinned_copy"] = copy_bandwidth(device)
+    result["in_memory"] = ref = in_memory(args, device)
+    result["modes"] = {m: train(args, device, m) for m in MODES}
+    pin = result["pinned_copy"]
+    print(f"{'mode':28s} {'step s':>8s} {'x in-mem':>8s} {'stall':>6s} {'h2d GB/s':>9s} {'d2h GB/s':>9s} {'hbm GB':>7s}")
+    print(f"{'plain torch in memory':28s} {ref['step_s']:8.3f} {1:8.2f}")
+    for m, r in result["modes"].items():
+        fmt = lambda v: f"{v:9.1f}" if v else f"{'-':>9s}"  # noqa: E731
+        print(f"{m:28s} {r['step_s']:8.3f} {r['step_s'] / ref['step_s']:8.2f} {r['stall_share']:6.1%} "
+              f"{fmt(r['h2d_gbps'])} {fmt(r['d2h_gbps'])} {r['hbm_peak_gb']:7.2f}")
+    if pin["h2d_gbps"]:
+        print(f"plain pinned copies in the same run: h2d {pin['h2d_gbps']:.1f} GB/s, d2h {pin['d2h_gbps']:.1f} GB/s")
     if args.json:
         print(json.dumps(result))
+    if result.get("gpu_tests_rc"):
+        sys.exit(f"gpu_check: the gpu tests failed (pytest exit {result['gpu_tests_rc']})")
 
 
 if __name__ == "__main__":

@@ -46,3 +46,35 @@ def test_cuda_parity_with_reference(tmp_path, param, optim):
         assert st["tiers"]["hbm"]["peak_bytes"] > 0
         if param != "none":
             assert st["links"]["dram_to_hbm"]["bytes"] > 0
+
+
+@pytest.mark.parametrize("precision,ckpt,extra", [
+    ("bf16", False, {}), ("bf16", True, {}), ("bf16", False, {"overlap_step": False}),
+    ("bf16", False, {"delayed_update": True}), ("fp16", False, {"loss_scale": {"initial": 1024.0}}),
+    ("fp16", True, {"delayed_update": True, "gradient_clipping": 1.0})])
+def test_cuda_offload_modes_train_like_hbm_resident_weights(tmp_path, precision, ckpt, extra):
+    """The tiny preset (tied embedding) on CUDA: weights in dram or on nvme train to the numbers of
+    weights kept in hbm, with the same CPU Adam (cuBLAS backward may add in another order: 1e-3)."""
+    from offload.data import BatchSampler, load_tokens
+    from offload.models import PRESETS, build_model, loss_of
+    import dataclasses
+
+    mc = dataclasses.replace(PRESETS["tiny"], checkpoint_activations=ckpt)
+    assert mc.tie_embeddings
+    sampler = BatchSampler(load_tokens(), 2, 64, seed=0)
+    runs = {}
+    for param, optim in [("none", "cpu"), ("cpu", "cpu"), ("nvme", "nvme")]:
+        cfg = {"precision": precision, "offload_param": {"device": param}, "offload_optimizer": {"device": optim},
+               "nvme_path": str(tmp_path / param), "optimizer": {"lr": 1e-3}, **extra}
+        losses = []
+        with offload.initialize(build_model(mc, seed=0), cfg) as eng:
+            assert eng.device.type == "cuda"
+            for i in range(4):
+                ids, labels = (t.cuda() for t in sampler.batch(i))
+                loss = loss_of(eng(ids, labels))
+                eng.backward(loss)
+                eng.step()
+                losses.append(loss.item())
+        runs[param] = losses
+    for param in ("cpu", "nvme"):
+        assert runs[param] == pytest.approx(runs["none"], rel=1e-3), runs
