@@ -73,6 +73,43 @@ def worker(args) -> None:
     _emit({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
 
 
+def compute_worker(args) -> None:
+    """In a subprocess: the step's compute floor on this host, measured now. The same model and batch
+    shape, bf16 weights and gradients in memory (no offload, no optimizer): the median forward+backward
+    of two after a warm-up; plus CPU Adam over every trainable parameter, timed on a 64M-element window
+    of our kernel (its rate times the parameter count). Both need the CPU the step's compute runs on;
+    the swap I/O does not, so a step can at best overlap I/O under this floor."""
+    import torch
+
+    from offload.cpu_adam import adam_step
+    from offload.data import BatchSampler, load_tokens
+    from offload.models import build_model, loss_of
+
+    model = build_model(args.model, device="meta").to_empty(device="cpu").to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():  # values do not matter, but garbage may hold denormals or NaNs
+            p.normal_(0.0, 0.02)
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    ids, labels = BatchSampler(load_tokens(), args.batch, args.seq, seed=0).batch(0)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        loss_of(model(ids, labels=labels)).backward()
+        times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    del model
+    n = 64 << 20
+    master, grad, m, v = (torch.randn(n) * 0.01 for _ in range(4))
+    out = torch.empty(n, dtype=torch.bfloat16)
+    adam = []
+    for step in range(1, 4):
+        t0 = time.perf_counter()
+        adam_step(master, grad, m, v, step=step, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, out=out)
+        adam.append(time.perf_counter() - t0)
+    fwd_bwd, adam_s = sorted(times[1:])[0], sorted(adam)[1] * params / n
+    _emit({"fwd_bwd_s": fwd_bwd, "adam_s": adam_s, "compute_bound_s": fwd_bwd + adam_s})
+
+
 def _emit(line: dict) -> None:
     print(json.dumps(line), flush=True)
 
@@ -166,16 +203,29 @@ def steady(values: list[float]) -> float | None:
     return rest[len(rest) // 2] if rest else None
 
 
-def _ours_report(ours: dict, bw: dict | None) -> dict:
-    """Ours' figures with the I/O bound: links per link as a list over steps, bound per step and its median."""
+def _compute_bound(args, shape: list[str]) -> dict | None:
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--compute-worker", "--model", args.model,
+                           "--dir", args.dir] + shape, capture_output=True, text=True, env=worker_env())
+    if proc.returncode:
+        print(f"compute bound not measured: {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _ours_report(ours: dict, bw: dict | None, compute: dict | None = None) -> dict:
+    """Ours' figures with the I/O bound (links per link as a list over steps, bound per step and its
+    median) and the compute floor measured beside it: the step against the larger of the two."""
     links = [l for l in ours.pop("links") if l]
     report = {**ours, "links": {k: [l[k]["bytes"] for l in links] for k in (links[0] if links else {})},
-              "io_bound_s": None, "io_bound_per_step_s": None, "step_vs_io_bound": None}
+              "io_bound_s": None, "io_bound_per_step_s": None, "step_vs_io_bound": None,
+              **(compute or {"fwd_bwd_s": None, "adam_s": None, "compute_bound_s": None}), "step_vs_bound": None}
     if bw and links:
         bounds = [iobound.io_bound_s(iobound.step_nvme_bytes(l), bw) for l in links]
         report.update(io_bound_per_step_s=bounds, io_bound_s=steady(bounds),
                       step_vs_io_bound=steady(ours["step_s"]) / steady(bounds),
                       io_line=iobound.describe(iobound.step_nvme_bytes(links[-1]), bw, ours["params"]))
+        if compute:
+            report["step_vs_bound"] = steady(ours["step_s"]) / max(steady(bounds), compute["compute_bound_s"])
     return report
 
 
@@ -195,6 +245,11 @@ def _print_summary(report: dict) -> None:
     if report["io_bound_s"] is not None:
         print(report["io_line"])
         print(f"ours step / io bound = {report['step_vs_io_bound']:.2f} (step s: median after the first step)")
+    if report["compute_bound_s"] is not None:
+        print(f"compute floor {report['compute_bound_s']:.2f} s = forward+backward in memory {report['fwd_bwd_s']:.2f} s "
+              f"+ CPU Adam over every parameter {report['adam_s']:.2f} s (measured in this run)")
+    if report["step_vs_bound"] is not None:
+        print(f"ours step / max(io bound, compute floor) = {report['step_vs_bound']:.2f}")
 
 
 def _parse_args() -> argparse.Namespace:
@@ -212,9 +267,13 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--ds-sub-group-size", type=int, default=int(1e9),
                     help="DeepSpeed's ZeRO-3 sub_group_size (its default 1e9; see bench/ds_e2e.py)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-compute-bound", action="store_true",
+                    help="skip measuring the compute floor (an in-memory forward+backward of the same model "
+                         "in bf16: needs about 4 B per parameter of RAM) and CPU Adam's rate")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: train ours here
+    ap.add_argument("--compute-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker:
+    if args.worker or args.compute_worker:
         return args
     if args.steps < 1 or args.batch < 1 or args.seq < 2:
         ap.error(f"--steps={args.steps} --batch={args.batch} --seq={args.seq}: need >= 1, >= 1, >= 2")
@@ -231,6 +290,8 @@ def main() -> None:
     args = _parse_args()
     if args.worker:
         return worker(args)
+    if args.compute_worker:
+        return compute_worker(args)
     work = tempfile.mkdtemp(prefix="scale-", dir=args.dir)
     try:
         report = _run(args, work)
@@ -252,13 +313,14 @@ def _run(args, work: str) -> dict:
     ours = run_sampled([sys.executable, os.path.abspath(__file__), "--worker", "--model", args.model,
                         "--engine-config", args.engine_config, "--dir", ours_dir] + shape, "ours")
     shutil.rmtree(ours_dir, ignore_errors=True)  # a killed run's swap would crowd DeepSpeed's off the drive
+    compute = None if args.no_compute_bound else _compute_bound(args, shape)
     ds = None
     if args.ds_python and not args.no_deepspeed:
         ds = run_sampled([args.ds_python, os.path.join(REPO, "bench", "ds_e2e.py"), "--preset", args.model,
                           "--warmup", "0", "--zero-init", "--sub-group-size", str(args.ds_sub_group_size),
                           "--dir", work] + shape, "deepspeed")
         ds.pop("links")  # DeepSpeed has no link counters
-    return {"model": args.model, "batch": args.batch, "seq": args.seq, **_ours_report(ours, bw),
+    return {"model": args.model, "batch": args.batch, "seq": args.seq, **_ours_report(ours, bw, compute),
             "swap_read_gbps": bw["swap_read_gbps"] if bw else None,
             "swap_write_gbps": bw["swap_write_gbps"] if bw else None,
             "engine_config": json.loads(args.engine_config), "deepspeed": ds}

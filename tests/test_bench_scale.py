@@ -27,6 +27,10 @@ def test_scale_reports_steps_memory_links_and_the_io_bound(tmp_path):
     assert r["io_bound_per_step_s"][-1] == bound and r["io_bound_s"] == bound  # 2 steps: the second one
     assert r["step_vs_io_bound"] == r["step_s"][1] / bound
     assert "io bound" in proc.stdout and "ours step / io bound" in proc.stdout
+    # the compute floor measured beside it: in-memory forward+backward plus CPU Adam's share
+    assert r["fwd_bwd_s"] > 0 and r["adam_s"] > 0 and r["compute_bound_s"] == r["fwd_bwd_s"] + r["adam_s"]
+    assert r["step_vs_bound"] == r["step_s"][1] / max(bound, r["compute_bound_s"])
+    assert "compute floor" in proc.stdout
     assert not any(tmp_path.iterdir()), "scale.py left its swap directory behind"
 
 
