@@ -24,7 +24,7 @@ from offload.pipeline import Phase, StepPipeline
 from offload.placement import Placement, plan_placement
 from offload.residency import R, WeightHandle
 from offload.runtime import Runtime
-from offload.units import Unit, partition
+from offload.units import Unit, forward_order, partition
 from scheduler.policy import ResidencyPolicy
 from scheduler.trace import ExecutionTrace
 
@@ -45,7 +45,7 @@ class Engine(nn.Module):
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.dtype = cfg.compute_dtype
         self.units: list[Unit] = partition(model, cfg.units.min_numel, cfg.units.classes)
-        self.placement: Placement = plan_placement(self.units, cfg, self.device)
+        self.placement: Placement = plan_placement(self.units, cfg, self.device, order=forward_order(model, self.units))
         self.rt = rt = Runtime.open(cfg, self.device, self.placement, self.rank)
         self.tiers, self.telemetry, self.staging, self.store = rt.tiers, rt.telemetry, rt.staging, rt.store
         self.chunk_numel = rt.chunk_numel

@@ -234,9 +234,9 @@ def engine_plan(model, config=None) -> dict:
 
     from offload.config import load_config
     from offload.placement import plan_placement
-    from offload.units import partition
+    from offload.units import forward_order, partition
 
     cfg = load_config(config)
     units = partition(model, cfg.units.min_numel, cfg.units.classes)
-    need = plan_placement(units, cfg, torch.device("cpu"), check=False).need
+    need = plan_placement(units, cfg, torch.device("cpu"), check=False, order=forward_order(model, units)).need
     return {f"{t}_bytes": need[t] for t in TIERS}

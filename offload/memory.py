@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from scheduler.policy import ResidencyPolicy
+from scheduler.trace import ExecutionTrace
+
 STATE_KINDS = 4    # fp32 master, exp_avg, exp_avg_sq, gradient (of a unit, or one chunk of each in a window)
 SWAP_SLACK_BYTES = 64 << 10  # beside the swap data: the run directory's owner file, allocation granularity
 READ_AHEAD = 2     # chunks of one nvme fetch in flight (offload.residency)
@@ -60,17 +63,35 @@ def _largest(numels: list[int], k: int) -> int:
     return sum(sorted(numels, reverse=True)[:k])
 
 
+def grad_reserve(trainable_numels: list[int], itemsize: int, knobs: Knobs) -> int:
+    """hbm bytes the gradients on their way to dram may hold: the largest `grad_units` units' gradients."""
+    return _largest(trainable_numels, knobs.grad_units) * itemsize
+
+
 def runtime_parts(fetched_numels: list[int], trainable_numels: list[int], itemsize: int, w_home: str,
-                  s_home: str, device_type: str, chunk_bytes: int, knobs: Knobs) -> list[dict]:
+                  s_home: str, device_type: str, chunk_bytes: int, knobs: Knobs, order: list[int] | None = None,
+                  numels: list[int] | None = None, trainables: list[int] | None = None) -> list[dict]:
     """The runtime's parts per tier: [{"name", "tier", "bytes", "formula"}].
     fetched_numels: the numel of every unit whose weights are fetched into hbm (none when w_home is hbm);
-    trainable_numels: every unit's trainable numel."""
+    trainable_numels: every unit's trainable numel. With the model's units known (`order`: the unit
+    indices of a forward, offload.units.forward_order; `numels`, `trainables`: per unit index), hbm's
+    working set is the residency policy's peak over that order; without (`offload estimate` from a
+    parameter count), every fetched unit counts as large as the largest ones."""
     parts = []
 
     def add(name, tier, nbytes, formula):
         if nbytes:
             parts.append({"name": name, "tier": tier, "bytes": int(nbytes), "formula": formula})
 
+    reserve = grad_reserve(trainable_numels, itemsize, knobs)
+    if w_home != "hbm" and order is not None:
+        peak = working_set_peak(order, numels, trainables, itemsize, knobs, reserve)
+        add("fetched weights and gradients in flight", "hbm", peak,
+            f"the peak over one step of the residency policy (scheduler/policy.py) replayed over the "
+            f"{len(order)} unit uses of a forward in the model's module order and back: {knobs.prefetch_units} "
+            f"prefetched, reuse_distance {knobs.reuse_distance}, reuse_bytes {knobs.reuse_bytes}, each unit's "
+            f"gradients ({itemsize} B/param) in flight until the largest {knobs.grad_units} fill the reserve")
+        return _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs)
     if w_home != "hbm":
         near = max(0, knobs.reuse_distance)
         k = 1 + knobs.prefetch_units + near
@@ -79,13 +100,48 @@ def runtime_parts(fetched_numels: list[int], trainable_numels: list[int], itemsi
             f"{knobs.prefetch_units} prefetched + {near} kept by reuse_distance)")
         kept = min(knobs.reuse_bytes, sum(fetched_numels) * itemsize - window)
         add("weights kept for reuse", "hbm", max(0, kept), "reuse_bytes, at most the other fetched weights")
-    add("gradients in flight", "hbm", _largest(trainable_numels, knobs.grad_units) * itemsize,
-        f"the largest {knobs.grad_units} trainable units x {itemsize} B")
+    add("gradients in flight", "hbm", reserve, f"the largest {knobs.grad_units} trainable units x {itemsize} B")
+    return _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs)
+
+
+def _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs) -> list[dict]:
     count, formula = pool_chunks(w_home, s_home, device_type, knobs.read_ahead)
     add("chunk pool", "dram", count * chunk_bytes, f"({formula}) chunks x chunk_bytes {chunk_bytes}")
     if "nvme" in (w_home, s_home):
         add("swap run directory", "nvme", SWAP_SLACK_BYTES, "its owner file and the data file's allocation slack")
     return parts
+
+
+def working_set_peak(order: list[int], numels: list[int], trainables: list[int], itemsize: int, knobs: Knobs,
+                     reserve: int) -> int:
+    """The largest hbm bytes of fetched weights plus gradients in flight in one step replayed after the
+    step that recorded it: the residency policy over `order` (a forward) then its reverse (the backward),
+    each unit's gradients charged after its last use in backward and held until the reserve (or the end
+    of backward) forces the oldest out, as the engine's back-pressure does when the d2h copies are slow."""
+    events = [(u, False) for u in order] + [(u, True) for u in reversed(order)]
+    last_bwd = {u: i for i, (u, b) in enumerate(events) if b}
+    trace = ExecutionTrace(knobs.prefetch_units)
+    nbytes = [n * itemsize for n in numels]
+    policy = ResidencyPolicy(trace, nbytes, knobs.reuse_distance, knobs.reuse_bytes, 0)
+    peak = 0
+    for replay in (False, True):
+        trace.begin_step()
+        flight: list[int] = []
+        for i, (u, backward) in enumerate(events):
+            policy.before_use(u, room=1 << 62, backward=backward)
+            held = sum(nbytes[r] for r in policy.resident)
+            if backward and last_bwd[u] == i and trainables[u]:
+                g = trainables[u] * itemsize
+                while flight and sum(flight) + g > reserve:
+                    flight.pop(0)
+                flight.append(g)
+            if replay:
+                peak = max(peak, held + sum(flight))
+            policy.after_use(u)
+        trace.end_step()
+        policy.release_all()
+    # units never fetched (the resident rest: final norms) send their gradients through hbm too
+    return peak + sum(trainables[u] for u in range(len(numels)) if u not in last_bwd) * itemsize
 
 
 def totals(parts: list[dict]) -> dict[str, int]:

@@ -82,7 +82,7 @@ class StepPipeline:
         self.loss_scale = rt.cfg.loss_scale.initial if rt.cfg.precision == "fp16" else 1.0
         self.good_steps = self.skipped_steps = 0
         self.last_grad_norm: float | None = None
-        self.grad_reserve = rt.placement.part_bytes("gradients in flight")
+        self.grad_reserve = rt.placement.grad_reserve
         self._jobs: list[tuple] = []                # (completion, hbm bytes) of gradient jobs in flight
         self._waiting = {u.index: [] for u in units}  # a unit's parameters whose gradient is final
         self._grad_sq: dict[int, float] = {}

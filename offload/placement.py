@@ -18,7 +18,7 @@ import torch
 
 from offload.config import CHUNK_ALIGN_BYTES
 from offload.estimate import OFFLOAD_TIER as HOME  # offload device -> tier
-from offload.memory import MINIMUM, STATE_KINDS, Knobs, pool_chunks, runtime_parts, totals
+from offload.memory import MINIMUM, STATE_KINDS, Knobs, grad_reserve, pool_chunks, runtime_parts, totals
 from offload.units import Unit
 
 SAFETY = 0.85  # of the memory available at start, when a budget is not given
@@ -42,6 +42,7 @@ class Placement:
     notes: list[str] = field(default_factory=list)   # what was shrunk to fit, said once
     pool_chunks: int = 0
     chunk_bytes: int = 0             # chunk_bytes, or less when every unit's largest buffer is smaller
+    grad_reserve: int = 0            # hbm bytes the gradients on their way to dram may hold (back-pressure)
 
     @property
     def uses_nvme(self) -> bool:
@@ -54,10 +55,6 @@ class Placement:
     @property
     def read_ahead(self) -> bool:
         return self.knobs.read_ahead
-
-    def part_bytes(self, name: str) -> int:
-        """Bytes of the runtime part `name` (offload.memory.runtime_parts); 0 if the plan has none."""
-        return sum(p["bytes"] for p in self.parts if p["name"] == name)
 
     def describe(self) -> str:
         lines = ["offload placement:", f"  {'unit':40s} {'numel':>12s} {'weights':>8s} {'optimizer':>9s}"]
@@ -85,8 +82,10 @@ def _default_budgets(device: torch.device) -> tuple[int, int]:
     return int(avail * SAFETY), int(avail * SAFETY)  # the CPU backend's "hbm" is host memory too
 
 
-def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = True) -> Placement:
-    """Homes per unit and the bytes each tier needs; `check` runs the preflight (raises PlacementError)."""
+def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = True,
+                   order: list[int] | None = None) -> Placement:
+    """Homes per unit and the bytes each tier needs; `check` runs the preflight (raises PlacementError).
+    order: the units of a forward (offload.units.forward_order), for hbm's working set (offload.memory)."""
     itemsize = cfg.compute_dtype.itemsize
     w_home, s_home = HOME[cfg.offload_param.device], HOME[cfg.offload_optimizer.device]
     weight_home = {u.index: "hbm" if u.persistent else w_home for u in units}
@@ -110,12 +109,14 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     p.chunk_bytes = min(cfg.chunk_bytes, max(CHUNK_ALIGN_BYTES, -(-largest // CHUNK_ALIGN_BYTES) * CHUNK_ALIGN_BYTES))
 
     def plan(knobs: Knobs) -> tuple[list[dict], dict[str, int]]:
-        parts = runtime_parts(fetched, trainable, itemsize, w_home, s_home, device.type, p.chunk_bytes, knobs)
+        parts = runtime_parts(fetched, trainable, itemsize, w_home, s_home, device.type, p.chunk_bytes, knobs,
+                              order, [u.numel for u in units], [u.trainable_numel for u in units])
         need = totals(parts)
         return parts, {t: states[t] + need[t] for t in states}
 
     p.knobs, p.notes = _fit(plan, p, cfg)
     p.parts, p.need = plan(p.knobs)
+    p.grad_reserve = grad_reserve(trainable, itemsize, p.knobs)
     p.pool_chunks = pool_chunks(w_home, s_home, device.type, p.knobs.read_ahead)[0]
     if cfg.reuse_bytes is None:  # derived from the room the rest leaves
         p.knobs = replace(p.knobs, reuse_bytes=reuse_allowance(fetched, itemsize, p, device))

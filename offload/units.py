@@ -146,3 +146,14 @@ def _attach_users(model: nn.Module, units: list[Unit], owner: dict) -> None:
             u = units[owner[p]]
             if not u.persistent and module not in inside[u.index] and module not in u.users:
                 u.users.append(module)
+
+
+def forward_order(model: nn.Module, units: list[Unit]) -> list[int]:
+    """The units fetched in one forward, in the order their modules appear in the model (a unit's root
+    and each module using its tied parameters): the order a model that runs its modules as it lists
+    them fetches them in. The memory model replays the residency policy over it (offload.memory)."""
+    at = {u.module: u.index for u in units if u.module is not None}
+    for u in units:
+        for m in u.users:
+            at.setdefault(m, u.index)
+    return [at[m] for m in model.modules() if m in at and not units[at[m]].persistent]

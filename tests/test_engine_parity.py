@@ -296,12 +296,13 @@ def test_reuse_bytes_beyond_the_hbm_budget_fails_before_training(tmp_path):
     """An explicit reuse_bytes is honoured, not shrunk: when even the minimum working set plus the kept
     weights exceed the hbm budget, initialize refuses and names reuse_bytes."""
     from offload.placement import PlacementError, plan_placement
-    from offload.units import partition
+    from offload.units import forward_order, partition
     from offload.config import load_config
 
     cfg = config(tmp_path, "cpu", "cpu", "fp32", budgets={"hbm_bytes": 1})
-    c = load_config(cfg)
-    least = plan_placement(partition(MLP(), 512, ()), c, torch.device("cpu"), check=False).need["hbm"]
+    c, model = load_config(cfg), MLP()
+    units = partition(model, 512, ())
+    least = plan_placement(units, c, torch.device("cpu"), check=False, order=forward_order(model, units)).need["hbm"]
     cfg = config(tmp_path, "cpu", "cpu", "fp32", reuse_bytes=1 << 40, budgets={"hbm_bytes": least})
     with pytest.raises(PlacementError, match="reuse_bytes"):
         offload.initialize(MLP(), cfg)

@@ -1,13 +1,14 @@
 """One memory model: the plan the preflight checks is what the run measures.
 
-For each tier the measured peak (accountant peaks for hbm and dram, swap-file bytes for nvme) is at most
-the plan; dram and nvme at least 90% of it, hbm at least 60%: copy delays are injected so that the
-moments the plan is sized for (prefetches in flight, gradients on their way to dram) happen in a short
-run, but its worst case (the full fetch window while two gradients are in flight) depends on thread
-timing (80-86% measured on a quiet machine, less under load).
+For each tier the measured peak (accountant peaks for hbm and dram, swap-file bytes for nvme) lies
+within 10% below the plan. hbm's plan replays the residency policy over the model's unit order
+(offload.memory.working_set_peak): what is fetched when is decided on the compute thread and charged at
+once, so it is deterministic; the gradients' time in hbm is not, and the tests slow their way to dram
+down so that they are held until the reserve is full, the worst case the plan is sized for.
 """
 
 import json
+import time
 
 import pytest
 import torch
@@ -17,10 +18,24 @@ from offload.estimate import engine_plan
 from offload.models import build_model
 
 
+def _slow_d2h(monkeypatch) -> None:
+    """Each unit's gradients take 30 ms to reach dram (far longer than a unit's backward here), so they are
+    held in hbm until the reserve is full, the worst case the plan is sized for, in every step."""
+    from offload.optim import OptimState
+
+    accumulate = OptimState.accumulate
+
+    def slow(self, *a, **kw):
+        time.sleep(0.03)
+        return accumulate(self, *a, **kw)
+
+    monkeypatch.setattr(OptimState, "accumulate", slow)
+
+
 def _measure(model, cfg, vocab: int):
     ids = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0))
     with offload.initialize(model, cfg) as eng:
-        for _ in range(2):
+        for _ in range(3):  # the first records the trace; the next ones prefetch along it
             out = eng(ids, labels=ids)
             eng.backward(out if isinstance(out, torch.Tensor) else out.loss)
             eng.step()
@@ -30,7 +45,7 @@ def _measure(model, cfg, vocab: int):
 
 @pytest.mark.parametrize("param,optim", [("cpu", "cpu"), ("nvme", "nvme"), ("none", "cpu"), ("nvme", "cpu")])
 def test_measured_peaks_lie_within_10_percent_below_the_plan(tmp_path, monkeypatch, param, optim):
-    monkeypatch.setenv("OFFLOAD_TEST_COPY_DELAY_S", "0.02")
+    _slow_d2h(monkeypatch)
     cfg = {"precision": "bf16", "offload_param": {"device": param}, "offload_optimizer": {"device": optim},
            "nvme_path": str(tmp_path), "units": {"min_numel": 4096}, "reuse_bytes": 0, "chunk_bytes": 64 << 10,
            "budgets": {"hbm_bytes": 1 << 30, "dram_bytes": 1 << 30}}
@@ -40,12 +55,13 @@ def test_measured_peaks_lie_within_10_percent_below_the_plan(tmp_path, monkeypat
         p = plan[f"{tier}_bytes"]
         assert p == placement.need[tier]
         assert m <= p, (tier, m, p, placement.summary())
-        assert m >= (0.6 if tier == "hbm" else 0.9) * p, (tier, m, p, placement.summary())
+        assert m >= 0.9 * p, (tier, m, p, placement.summary())
+        print(f"{param}/{optim} {tier}: measured {m} of planned {p} ({m / p if p else 1:.1%})")
 
 
 def test_hf_model_directory_within_the_plan(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
-    monkeypatch.setenv("OFFLOAD_TEST_COPY_DELAY_S", "0.02")
+    _slow_d2h(monkeypatch)
     conf = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     d = tmp_path / "llama"
@@ -58,7 +74,8 @@ def test_hf_model_directory_within_the_plan(tmp_path, monkeypatch):
     measured, placement = _measure(build_model(str(d), device="meta"), cfg, 512)
     for tier, m in measured.items():
         p = plan[f"{tier}_bytes"]
-        assert (0.6 if tier == "hbm" else 0.9) * p <= m <= p, (tier, m, p, placement.summary())
+        assert 0.9 * p <= m <= p, (tier, m, p, placement.summary())
+        print(f"hf {tier}: measured {m} of planned {p} ({m / p if p else 1:.1%})")
 
 
 def test_a_budget_below_the_default_shrinks_the_optional_parts_and_still_holds(tmp_path, capsys):
@@ -106,7 +123,8 @@ def test_217m_class_model_trains_within_256mib_hbm_and_1gib_dram(tmp_path, capsy
     ids = torch.randint(0, 32000, (1, 64), generator=torch.Generator().manual_seed(0))
     losses = []
     with offload.initialize(model, cfg) as eng:
-        assert eng.placement.notes  # shrunk to fit, and said so
+        # the working set replayed over the model's order fits 256 MiB at the default knobs (the largest-units
+        # formula it replaced did not: prefetching was given up)
         for _ in range(4):
             loss = eng(ids, labels=ids)
             eng.backward(loss)
