@@ -102,6 +102,7 @@ class Engine(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self._check_open("forward")
         self._check_devices(args, kwargs)
         if not self._in_backward:
             self.trace.begin_step()
@@ -223,6 +224,7 @@ class Engine(nn.Module):
         self._grad_jobs.pop(0).wait()
 
     def backward(self, loss: torch.Tensor) -> None:
+        self._check_open("backward()")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("loss: backward() needs a scalar tensor that requires grad (the output of "
                              "the engine's forward reduced to one number)")
@@ -280,6 +282,7 @@ class Engine(nn.Module):
     def flush(self) -> None:
         """delayed_update: applies the accepted update that would land during the next backward, now
         (at the end of training, before reading or saving the weights). A no-op otherwise."""
+        self._check_open("flush()")
         if self._pending is not None:
             with record_function("offload::step"):
                 run_step(self, **self._pending)
@@ -294,6 +297,7 @@ class Engine(nn.Module):
     def step(self) -> bool:
         """The optimizer step at the accumulation boundary (a no-op between boundaries); clears grads.
         Returns True when parameters were updated (False: between boundaries, or an fp16 overflow)."""
+        self._check_open("step()")
         if self.micro_step == 0 or (self.micro_step % self.cfg.gradient_accumulation_steps != 0):
             if self.micro_step == 0:
                 raise RuntimeError("step() called before backward(): call engine.backward(loss) first")
@@ -350,6 +354,7 @@ class Engine(nn.Module):
     def state_items(self):
         """(name, fp32 tensor) for every parameter name, one unit at a time (full_state_dict's content
         without holding the whole model at once)."""
+        self._check_open("state_items()")
         names: dict = {}
         for n, p in self.module.named_parameters(remove_duplicate=False):
             names.setdefault(p, []).append(n)
@@ -382,23 +387,34 @@ class Engine(nn.Module):
         return {"step": self.step_count, "tiers": tiers, **snap, "last_step": self._last_step,
                 "loss_scale": self.loss_scale, "skipped_steps": self.skipped_steps}
 
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"engine is closed: {what} needs a live engine (its buffers and swap files are "
+                               "gone); create a new one with offload.initialize")
+
     def close(self) -> None:
-        """Frees pinned memory and removes the swap files. Idempotent."""
+        """Stops the engine's threads, returns its memory and budgets, removes its swap files. Idempotent.
+
+        Works after any error out of forward, backward or step: each part is closed even when another
+        fails, and such a failure is logged, not raised (the error that mattered was raised when it
+        happened). An interrupt arriving while closing (Ctrl-C, offload.Stopped) is not held back."""
         if self._closed:
             return
         self._closed = True
         for h in getattr(self, "_handles", []) + getattr(self, "_grad_hooks", []):
             h.remove()
-        for s in (getattr(self, "h2d", None), getattr(self, "d2h", None), getattr(self, "reader", None)):
-            if s is not None:
-                s.close()
-        for handle in self.weights + self.states:
-            if handle is not None:  # None: initialization stopped before this unit
-                handle.close()
-        if getattr(self, "staging", None) is not None:
-            self.staging.close()
-        if self.store is not None:
-            self.store.close()
+        # streams first: their queued jobs finish before the handles and the pool they use go away
+        parts = [getattr(self, name, None) for name in ("h2d", "d2h", "reader")]
+        parts += [h for h in self.weights + self.states if h is not None]  # None: initialization stopped there
+        parts += [getattr(self, "staging", None), getattr(self, "store", None)]
+        for part in parts:
+            if part is None:
+                continue
+            try:
+                part.close()
+            except Exception as e:  # noqa: BLE001  (the next parts must still close)
+                log.warning("offload: close: %s: %s: %s; closing the rest", getattr(part, "name", type(part).__name__),
+                            type(e).__name__, e)
 
     def __enter__(self) -> "Engine":
         return self
