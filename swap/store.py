@@ -25,6 +25,7 @@ import functools
 import logging
 import os
 import shutil
+import signal
 import threading
 import time
 import weakref
@@ -186,13 +187,31 @@ class Ticket(Pending):
         self.complete(error)
 
 
+# [Note: files at exit]
+# A store removes its files at close(); stores still open go at interpreter exit (atexit: also after an
+# uncaught exception or Ctrl-C's KeyboardInterrupt). SIGTERM ends a process without atexit, so a store
+# made in the main thread while SIGTERM has its default action installs a handler that removes the open
+# stores' files and then ends the process by SIGTERM as before (status 143). A handler someone else
+# installed (offload.stop_on_signals, the user's) is left alone: it is expected to close the engine. A
+# forked child (a DataLoader worker) forgets the parent's stores, so it never removes their files.
 _open_stores: "weakref.WeakSet[SwapStore]" = weakref.WeakSet()
+os.register_at_fork(after_in_child=_open_stores.clear)
 
 
 @atexit.register
 def _close_all_at_exit() -> None:
     for store in list(_open_stores):
         store.close()
+
+
+def _on_sigterm(signum, frame) -> None:
+    removed = [s.run_dir for s in list(_open_stores)]
+    for run_dir in removed:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if removed:  # os.write: a print here could re-enter a print the signal interrupted
+        os.write(2, f"swap: SIGTERM: removed {', '.join(map(str, removed))}\n".encode())
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class SwapStore:
@@ -232,6 +251,8 @@ class SwapStore:
         serial = checksum and getattr(self.engine, "serial_completions", False)
         self._digest_pool = ThreadPoolExecutor(2, thread_name_prefix="swap-digest") if serial else None
         _open_stores.add(self)
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)  # [Note: files at exit]
 
     def _choose_direct(self, direct: bool | None) -> bool:
         ok = supports_direct(self.run_dir)
