@@ -302,7 +302,7 @@ def train(args_or_config=None) -> dict:
     history = {"losses": [], "step_seconds": [], "lrs": [], "grad_norms": [], "stall_seconds": [], "samples": []}
     engine, init_s = None, None
     t0 = time.perf_counter()
-    with stop_on_signals():
+    with stop_on_signals() as check_stop:
         try:
             kernel_backend()  # build/load the CPU Adam kernel now, not inside the first timed step
             with offload.initialize(model, cfg, weights=weights) as engine:
@@ -310,12 +310,13 @@ def train(args_or_config=None) -> dict:
                 rep.print_header(run, cfg, info, engine, quiet=args.json)
                 if args.trace:
                     engine.start_trace()
-                _loop(engine, sampler, run, cfg, history, progress=not args.no_progress)
+                _loop(engine, sampler, run, cfg, history, check_stop, progress=not args.no_progress)
                 final = engine.stats()
                 if args.trace:
                     engine.save_trace(args.trace)
                     rep.plot_timeline(engine.telemetry.chrome_trace(), args.trace + ".png")
                 saved = save(engine, info, args.save) if args.save else None
+            check_stop()
         except Stopped as stop:  # the engine is closed: its swap files are gone
             stop.report = _stopped(stop, args, run, cfg, info, history, engine, init_s, out_dir)
             raise
@@ -364,8 +365,9 @@ def _stopped(stop: Stopped, args, run: dict, cfg: Config, info: dict, history: d
     return report
 
 
-def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, progress: bool) -> None:
-    """Trains run["steps"] steps, appending to `history` as each step ends (a stopped run keeps what it has)."""
+def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, check_stop, progress: bool) -> None:
+    """Trains run["steps"] steps, appending to `history` as each step ends (a stopped run keeps what it has);
+    check_stop() after each step raises a signal's Stopped that something swallowed (offload/signals.py)."""
     from offload.report import Progress, Sampler
 
     gas = cfg.gradient_accumulation_steps
@@ -392,6 +394,7 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, 
             history["grad_norms"].append(getattr(engine, "last_grad_norm", None))
             history["stall_seconds"].append(stats["stall_seconds"] - stall0)
             bar.update(loss_sum / gas, seconds, stats, stats["stall_seconds"] - stall0)
+            check_stop()
 
 
 def save(engine, info: dict, directory: str) -> str:

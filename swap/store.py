@@ -374,7 +374,9 @@ class SwapStore:
 
     def close(self) -> None:
         """Wait for in-flight I/O (up to the I/O timeout in all), stop the engine, remove the run's files.
-        Idempotent; errors of the transfers it waits for are their waiters' to raise, not close()'s."""
+        Idempotent; errors of the transfers it waits for are their waiters' to raise, not close()'s. A
+        transfer stuck past the timeout keeps its thread and the file descriptor (a late write must not
+        land in a reused fd); the files are removed all the same."""
         if self._closed:
             return
         self._closed = True
@@ -382,11 +384,16 @@ class SwapStore:
         deadline = time.monotonic() + io_timeout_s()
         with self._lock:
             tickets = [t for ts in self._pending.values() for t in ts]
+        stuck = False
         for t in tickets:
             try:
                 t.settle(max(0.0, deadline - time.monotonic()))
-            except PendingTimeout as e:  # a stuck transfer must not keep the files: remove them anyway
+            except PendingTimeout as e:
                 log.warning("swap: closing %s with I/O still pending: %s", self.run_dir, e)
+                stuck = True
+        if stuck:  # a thread may still be in the kernel with our fd: remove the files, leave fd and threads
+            self._remove_files()
+            return
         if self._owns_engine:
             self.engine.close()
         if self._digest_pool is not None:

@@ -16,22 +16,25 @@ import offload
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _default_signals():  # a CI runner's background job may ignore SIGINT; its children would inherit that
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, signal.SIG_DFL)
+# A CI runner's background job may ignore SIGINT, and its children inherit that: the child restores the
+# defaults first (in the child itself: a preexec_fn can deadlock after fork in a process with threads).
+RESET = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+RUN_OFFLOAD = RESET + "import runpy; runpy.run_module('offload', run_name='__main__')"
 
 
 def start(argv, tmp_path):
+    """python -c CODE ARGS..., its output into files (a pipe nobody reads could fill and block it)."""
     out, err = open(tmp_path / "stdout", "w"), open(tmp_path / "stderr", "w")
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.Popen([sys.executable, *argv], stdout=out, stderr=err, env=env, preexec_fn=_default_signals)
+    return subprocess.Popen([sys.executable, "-c", *argv], stdout=out, stderr=err, env=env)
 
 
-def wait_for(predicate, what, proc, seconds=120.0):
+def wait_for(predicate, what, proc, tmp_path, seconds=120.0):
     deadline = time.monotonic() + seconds
     while not predicate():
-        assert proc.poll() is None, f"exited with {proc.returncode} before {what}"
-        assert time.monotonic() < deadline, f"no {what} after {seconds} s"
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no {what} (exit code {proc.wait()}): {(tmp_path / 'stderr').read_text()[-3000:]}")
         time.sleep(0.05)
 
 
@@ -51,21 +54,20 @@ def swap_files(swap_dir):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_offload_train_stops_cleanly_on_a_signal(tmp_path, sig):
     swap_dir, out_dir, name = tmp_path / "swap", tmp_path / "run", signal.Signals(sig).name
-    proc = start(["-m", "offload", "train", "--model", "tiny", "--steps", "100000", "--batch-size", "2",
+    proc = start([RUN_OFFLOAD, "train", "--model", "tiny", "--steps", "100000", "--batch-size", "2",
                   "--seq-len", "32", "--offload-param", "nvme", "--offload-optimizer", "nvme",
                   "--nvme-path", str(swap_dir), "--out", str(out_dir), "--no-progress"], tmp_path)
-    wait_for(lambda: any(f.endswith("data.bin") for f in swap_files(swap_dir)), "swap files", proc)
-    wait_for(lambda: "steps x 64 tokens" in (tmp_path / "stdout").read_text(), "training (the header)", proc)
+    wait_for(lambda: any(f.endswith("data.bin") for f in swap_files(swap_dir)), "swap files", proc, tmp_path)
+    wait_for(lambda: "steps x 64 tokens" in (tmp_path / "stdout").read_text(), "training (the header)", proc, tmp_path)
     time.sleep(1.0)  # a few steps
     proc.send_signal(sig)
     stdout, stderr = finish(proc, tmp_path)
 
-    assert proc.returncode == 128 + sig, stderr
-    assert "Traceback" not in stderr
+    assert proc.returncode == 128 + sig and "Traceback" not in stderr, stderr
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith(f"offload train: stopped by {name} after step ") and " of 100000; " in last
+    assert last.startswith(f"offload train: stopped by {name} after step ") and " of 100000; " in last, stderr
     assert f"swap files removed; partial report in {out_dir}" in last
-    assert f"(stopped by {name} after step" in stdout and "report      " in stdout  # the summary table
+    assert f"(stopped by {name} after step" in stdout and "report      " in stdout, stdout  # the summary table
     report = json.loads((out_dir / "report.json").read_text())
     assert report["stopped"]["signal"] == name and report["steps"] == report["stopped"]["steps_done"]
     assert len(report["losses"]) == report["steps"]
@@ -103,8 +105,8 @@ def test_a_script_s_swap_files_go_on_sigterm(tmp_path, opt_in):
     """Without opt-in, SIGTERM still ends the process by SIGTERM, after the swap files are removed; with
     offload.stop_on_signals it raises Stopped, `with engine:` closes the engine and the script decides."""
     swap_dir = tmp_path / "swap"
-    proc = start(["-c", _SCRIPT, str(swap_dir), "opt-in" if opt_in else "default"], tmp_path)
-    wait_for(lambda: "training" in (tmp_path / "stdout").read_text(), "training", proc)
+    proc = start([RESET + _SCRIPT, str(swap_dir), "opt-in" if opt_in else "default"], tmp_path)
+    wait_for(lambda: "training" in (tmp_path / "stdout").read_text(), "training", proc, tmp_path)
     time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = finish(proc, tmp_path)
@@ -125,6 +127,21 @@ def test_stop_on_signals_raises_stopped_and_restores_the_handlers():
     assert isinstance(e.value, KeyboardInterrupt)  # `except Exception` does not swallow it
     assert (e.value.signum, e.value.name, e.value.exit_code) == (signal.SIGTERM, "SIGTERM", 143)
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_a_swallowed_stop_is_raised_again_by_check_and_at_the_end_of_the_block():
+    with pytest.raises(offload.Stopped):
+        with offload.stop_on_signals() as check:
+            check()  # nothing arrived yet
+            try:  # what a bare `except BaseException: pass` somewhere below would do
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+            except BaseException:
+                pass
+            with pytest.raises(offload.Stopped) as e:
+                check()
+            assert e.value.name == "SIGINT"
+    # and a block that ends normally after a signal still raises it on the way out
 
 
 def test_stop_on_signals_leaves_an_ignored_signal_ignored():
