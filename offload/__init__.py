@@ -1,11 +1,12 @@
 """offload: train PyTorch models whose weights and optimizer states live in hbm, dram or NVMe.
 
 The public surface is small on purpose (see API.md): `initialize`, `Config`, `CPUAdam`,
-`add_arguments`, `config_from_args`.
+`add_arguments`, `config_from_args`, and `stop_on_signals` / `Stopped` (README, "Failures and signals").
 """
 
 from offload.config import Config, add_arguments, config_from_args, load_config
 from offload.cpu_adam import CPUAdam
+from offload.signals import Stopped, stop_on_signals
 
 __version__ = "0.1.0"
 
@@ -23,4 +24,5 @@ def initialize(model, config=None, weights=None):
     return Engine(model, config, weights)
 
 
-__all__ = ["CPUAdam", "Config", "add_arguments", "config_from_args", "initialize", "load_config"]
+__all__ = ["CPUAdam", "Config", "Stopped", "add_arguments", "config_from_args", "initialize", "load_config",
+           "stop_on_signals"]

@@ -199,7 +199,8 @@ class Engine(nn.Module):
             h.remove()
         if getattr(self, "pipeline", None) is not None:
             self.pipeline.close()
-        self.rt.close(self.weights + self.states)
+        if getattr(self, "rt", None) is not None:
+            self.rt.close(self.weights + self.states)
 
     def __enter__(self) -> "Engine":
         return self

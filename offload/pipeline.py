@@ -101,8 +101,8 @@ class StepPipeline:
 
     def check_usable(self, what: str) -> None:
         if self.phase is P.CLOSED:
-            raise EngineClosed(f"offload: {what} on a closed engine (close() removed its swap files and "
-                               "freed its memory); initialize a new one")
+            raise EngineClosed(f"engine is closed: {what} needs a live engine (its buffers and swap files are "
+                               "gone); create a new one with offload.initialize")
         if self.phase is P.FAILED:
             raise StepFailed(f"offload: {what} refused: {self.failure}")
 

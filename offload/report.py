@@ -110,15 +110,15 @@ def build_report(run: dict, cfg, info: dict, history: dict, final: dict, init_s:
     tokens_per_step = run["batch_size"] * run["seq_len"] * cfg.gradient_accumulation_steps
     train_s = sum(history["step_seconds"])
     steady = history["step_seconds"][1:] or history["step_seconds"]  # step 1 also records the fetch trace
-    tail = history["losses"][-min(10, steps):]
+    tail = history["losses"][-min(10, steps):] if steps else []  # none: a run stopped before its first step
     return {
         "model": run["model"], "params": info["params"], "data": run["data"] or "bundled", "steps": steps,
         "tokenizer": "bytes" if info["tokenizer"] is None else type(info["tokenizer"]).__name__,
         "tokens_per_step": tokens_per_step, "tokens": steps * tokens_per_step,
-        "first_loss": history["losses"][0], "final_loss": history["losses"][-1],
-        "final_loss_mean10": sum(tail) / len(tail),
-        "tokens_per_s": len(steady) * tokens_per_step / sum(steady), "init_seconds": init_s, "train_seconds": train_s,
-        "stall_share": sum(history["stall_seconds"]) / train_s,
+        "first_loss": history["losses"][0] if steps else None, "final_loss": tail[-1] if tail else None,
+        "final_loss_mean10": sum(tail) / len(tail) if tail else None,
+        "tokens_per_s": len(steady) * tokens_per_step / sum(steady) if steady else 0.0, "init_seconds": init_s,
+        "train_seconds": train_s, "stall_share": sum(history["stall_seconds"]) / train_s if train_s else 0.0,
         **{k: history[k] for k in ("losses", "step_seconds", "lrs", "grad_norms", "stall_seconds")},
         "stats": final, "config": cfg.to_dict(), "run": run,
         "samples": {"columns": list(SAMPLE_COLUMNS), "rows": history["samples"]},
@@ -164,7 +164,7 @@ def plot(report: dict, path: str) -> None:
     ax_mem.set(title=f"offload train: {report['model']}, per-tier memory in use", xlabel="seconds",
                ylabel="MiB")
     ax_mem.legend()
-    window = max(1.0, 2 * (t[-1] - t[0]) / max(len(rows), 1))
+    window = max(1.0, 2 * (t[-1] - t[0]) / len(rows)) if rows else 1.0
     for i, link in enumerate(LINKS, start=1 + len(TIERS)):
         xs, ys = _rates(rows, i, window)
         ax_bw.plot(xs, ys, label=link)
@@ -179,16 +179,20 @@ def plot(report: dict, path: str) -> None:
 
 def summary_table(report: dict) -> str:
     st = report["stats"]
-    lines = [
-        f"offload train: {report['model']}, {report['steps']} steps x {report['tokens_per_step']} tokens",
-        f"  loss        {report['first_loss']:.3f} (step 1) -> {report['final_loss']:.3f} (last), "
-        f"{report['final_loss_mean10']:.3f} (mean of the last {min(10, report['steps'])})",
-        f"  step time   {statistics.mean(report['step_seconds']):.2f} s mean, "
-        f"{statistics.median(report['step_seconds']):.2f} s median; {report['tokens_per_s']:,.0f} tokens/s; "
-        f"set-up {report['init_seconds']:.1f} s",
-        f"  stall       {100 * report['stall_share']:.1f}% of step time waiting on transfers",
-        f"  {'tier':6s} {'used':>10s} {'peak':>10s} {'budget':>10s}",
-    ]
+    stopped = report.get("stopped")
+    lines = [f"offload train: {report['model']}, {report['steps']} steps x {report['tokens_per_step']} tokens"
+             + (f" (stopped by {stopped['signal']} after step {stopped['steps_done']} of {report['run']['steps']})"
+                if stopped else "")]
+    if report["steps"]:
+        lines += [
+            f"  loss        {report['first_loss']:.3f} (step 1) -> {report['final_loss']:.3f} (last), "
+            f"{report['final_loss_mean10']:.3f} (mean of the last {min(10, report['steps'])})",
+            f"  step time   {statistics.mean(report['step_seconds']):.2f} s mean, "
+            f"{statistics.median(report['step_seconds']):.2f} s median; {report['tokens_per_s']:,.0f} tokens/s; "
+            f"set-up {report['init_seconds'] or 0.0:.1f} s",
+            f"  stall       {100 * report['stall_share']:.1f}% of step time waiting on transfers",
+        ]
+    lines.append(f"  {'tier':6s} {'used':>10s} {'peak':>10s} {'budget':>10s}")
     for tier in TIERS:
         s = st["tiers"][tier]
         lines.append(f"  {tier:6s} {_mib(s['used_bytes']):>10s} {_mib(s['peak_bytes']):>10s} "

@@ -256,9 +256,22 @@ class WeightHandle(_Handle):
             raise error
 
     def close(self) -> None:
+        """Settles the transfers in flight and returns every byte charged for these weights (hbm-home
+        weights stay the module's parameters; the engine only stops counting them)."""
         if self.state in (R.NVME_TO_HBM, R.DRAM_TO_HBM):
-            _settle(self._pending)
-        self.wait_for_write()
+            _settle(self._pending)  # a failed fetch: its error was raised to the forward that waited
+        try:
+            self.wait_for_write()
+        finally:
+            if self.hbm.untyped_storage().nbytes():  # charged while it has storage (_alloc_hbm, _free_hbm)
+                if self.home == "hbm":
+                    self.rt.tiers.acct["hbm"].refund(self.nbytes)
+                else:
+                    self._detach()
+                    self._free_hbm()
+            if self.dram is not None:
+                self.rt.tiers.free("dram", self.dram)
+                self.dram = None
 
 
 def _read(store, key: str, buf: torch.Tensor, pool):

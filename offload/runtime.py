@@ -7,6 +7,7 @@ the reader thread, and the telemetry. The Engine builds it once and closes it la
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from offload.tiers import Tiers
 from scheduler.streams import CopyStream, Worker
 from scheduler.telemetry import Telemetry
 from swap import SwapStore
+
+log = logging.getLogger("offload")
 
 
 @dataclass
@@ -59,13 +62,16 @@ class Runtime:
                          threads=a.threads, checksum=cfg.swap_checksum)
 
     def close(self, handles=()) -> None:
-        """Stops the threads (each finishes what it runs), closes `handles` (their I/O settled, their
-        chunks returned), then the pool, and removes the swap files."""
-        for s in (self.h2d, self.d2h, self.reader):
-            s.close()
-        for h in handles:
-            if h is not None:  # None: initialization stopped before this unit
-                h.close()
-        self.staging.close()
-        if self.store is not None:
-            self.store.close()
+        """Stops the threads (their queued jobs finish first), closes `handles` (their I/O settled, their
+        chunks and budget charges returned), then the pool, and removes the swap files. Each part is
+        closed even when another fails; such a failure is logged, not raised (the error that mattered was
+        raised when it happened). An interrupt while closing (Ctrl-C, offload.Stopped) is not held back."""
+        parts = [self.h2d, self.d2h, self.reader, *(h for h in handles if h is not None), self.staging, self.store]
+        for part in parts:  # a None handle: initialization stopped before that unit
+            if part is None:
+                continue
+            try:
+                part.close()
+            except Exception as e:  # noqa: BLE001  (the next parts must still close)
+                log.warning("offload: close: %s: %s: %s; closing the rest", getattr(part, "name", type(part).__name__),
+                            type(e).__name__, e)

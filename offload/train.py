@@ -19,6 +19,7 @@ import copy
 import difflib
 import json
 import os
+import sys
 import time
 
 import torch
@@ -28,6 +29,7 @@ from offload.config import FLAG_KEYS, Config, _put, file_settings, load_config
 from offload.cpu_adam import kernel_backend
 from offload.data import BatchSampler, ByteTokenizer, load_tokens
 from offload.models import PRESETS, build_model, hf_llama_config, hf_name, loss_of
+from offload.signals import Stopped, stop_on_signals
 
 DEFAULT_SWAP_DIR = "./.offload-swap"
 
@@ -281,7 +283,11 @@ def build(run: dict, cfg: Config):
 
 
 def train(args_or_config=None) -> dict:
-    """Runs the job and returns its report (also written to --out). See the module docstring."""
+    """Runs the job and returns its report (also written to --out). See the module docstring.
+
+    SIGTERM or SIGINT ([Note: signals] in offload/signals.py) stop it: the engine closes (its swap files
+    go), the partial report is written and printed, one line on stderr says so, and offload.Stopped is
+    raised with the report as its `.report` (the CLI exits with 128 + the signal number)."""
     from offload import report as rep
 
     args = _as_namespace(args_or_config)
@@ -291,39 +297,82 @@ def train(args_or_config=None) -> dict:
     sampler = BatchSampler(tokens, run["batch_size"], run["seq_len"], seed=cfg.seed)
     out_dir = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)  # before training: an unwritable --out fails now, not after the run
+    history = {"losses": [], "step_seconds": [], "lrs": [], "grad_norms": [], "stall_seconds": [], "samples": []}
+    engine, init_s = None, None
     t0 = time.perf_counter()
-    kernel_backend()  # build/load the CPU Adam kernel now, not inside the first timed step
-    try:
-        with offload.initialize(model, cfg, weights=weights) as engine:
-            init_s = time.perf_counter() - t0
-            rep.print_header(run, cfg, info, engine, quiet=args.json)
-            if args.trace:
-                engine.start_trace()
-            history = _loop(engine, sampler, run, cfg, progress=not args.no_progress)
-            final = engine.stats()
-            if args.trace:
-                engine.save_trace(args.trace)
-                rep.plot_timeline(engine.telemetry.chrome_trace(), args.trace + ".png")
-            saved = save(engine, info, args.save) if args.save else None
-    finally:
-        if weights is not None:
-            weights.close()
+    with stop_on_signals() as check_stop:
+        try:
+            kernel_backend()  # build/load the CPU Adam kernel now, not inside the first timed step
+            with offload.initialize(model, cfg, weights=weights) as engine:
+                init_s = time.perf_counter() - t0
+                rep.print_header(run, cfg, info, engine, quiet=args.json)
+                if args.trace:
+                    engine.start_trace()
+                _loop(engine, sampler, run, cfg, history, check_stop, progress=not args.no_progress)
+                final = engine.stats()
+                if args.trace:
+                    engine.save_trace(args.trace)
+                    rep.plot_timeline(engine.telemetry.chrome_trace(), args.trace + ".png")
+                saved = save(engine, info, args.save) if args.save else None
+            check_stop()
+        except Stopped as stop:  # the engine is closed: its swap files are gone
+            stop.report = _stopped(stop, args, run, cfg, info, history, engine, init_s, out_dir)
+            raise
+        finally:
+            if weights is not None:
+                weights.close()
     report = rep.build_report(run, cfg, info, history, final, init_s, out_dir, saved)
-    rep.write(report, out_dir)
-    print(rep.summary_table(report))
-    if args.json:
-        print(json.dumps(report))
+    _publish(report, args)
     return report
 
 
-def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, progress: bool) -> dict:
+def _publish(report: dict, args) -> None:
+    from offload import report as rep
+
+    rep.write(report, report["out_dir"])
+    print(rep.summary_table(report), flush=True)
+    if args.json:
+        print(json.dumps(report), flush=True)
+
+
+def _stopped(stop: Stopped, args, run: dict, cfg: Config, info: dict, history: dict, engine, init_s,
+             out_dir: str) -> dict | None:
+    """After a signal: the partial report (none when training had not started) and the one-line message."""
+    from offload import report as rep
+    from swap import list_runs
+
+    done = min(len(v) for k, v in history.items() if k != "samples")  # the signal may split a step's appends
+    for k in history:
+        if k != "samples":
+            del history[k][done:]
+    report = None
+    if engine is not None:
+        report = rep.build_report(run, cfg, info, history, engine.stats(), init_s, out_dir, None)
+        report["stopped"] = {"signal": stop.name, "steps_done": done}
+        _publish(report, args)
+    left = [str(r.path) for r in list_runs(cfg.nvme_path) if r.pid == os.getpid()]
+    if left:  # not closed (stopped while the engine was being built): atexit still removes them
+        files = f"swap files still in {', '.join(left)}"
+    elif "nvme" in (cfg.offload_param.device, cfg.offload_optimizer.device):
+        files = "swap files removed"
+    else:
+        files = "no swap files"
+    where = "after" if engine is not None else "while setting up, before"
+    print(f"offload train: stopped by {stop.name} {where} step {done} of {run['steps']}; {files}"
+          + (f"; partial report in {out_dir}" if report else ""), file=sys.stderr, flush=True)
+    return report
+
+
+def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, check_stop, progress: bool) -> None:
+    """Trains run["steps"] steps, appending to `history` as each step ends (a stopped run keeps what it has);
+    check_stop() after each step raises a signal's Stopped that something swallowed (offload/signals.py)."""
     from offload.report import Progress, Sampler
 
     gas = cfg.gradient_accumulation_steps
     tokens_per_step = run["batch_size"] * run["seq_len"] * gas
-    history = {"losses": [], "step_seconds": [], "lrs": [], "grad_norms": [], "stall_seconds": []}
     engine.train()
     with Sampler(engine) as samples, Progress(run["steps"], tokens_per_step, enabled=progress) as bar:
+        history["samples"] = samples.rows
         for step in range(run["steps"]):
             t = time.perf_counter()
             stall0 = engine.telemetry.stall_seconds  # not stats(): that lists the swap directory
@@ -343,8 +392,7 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, progress: bool)
             history["grad_norms"].append(getattr(engine, "last_grad_norm", None))
             history["stall_seconds"].append(stats["stall_seconds"] - stall0)
             bar.update(loss_sum / gas, seconds, stats, stats["stall_seconds"] - stall0)
-    history["samples"] = samples.rows
-    return history
+            check_stop()
 
 
 def save(engine, info: dict, directory: str) -> str:

@@ -11,33 +11,40 @@ on that event, so its device reads (the gradient's copy to the host) follow the 
 them and not the ones queued after. The backends differ only in that copy primitive; on a CPU-only
 machine the "accelerator" is host memory, so the same jobs and waits are exercised by CI. A test may
 inject a random delay before each job (`delay_s`): a missing wait then shows up as a wrong number.
+
+Host jobs never hang their waiters ([Note: no wait without an end] in swap/pending.py): a job's error
+is raised by `wait()`, a job thread that dies fails every job it still owed, and a wait ends after the
+I/O timeout with an error naming the job. (A CUDA event's synchronize has no timeout.)
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import collections
 import random
+import threading
 import time
 from typing import Callable
 
 import torch
+
+from swap.pending import Pending, fail_all, io_timeout_s, start_thread
 
 
 class Completion:
     """A transfer in flight. `wait()` blocks the host until it finished; `wait_on_compute()` only makes the
     compute stream wait (CUDA), which is all a consumer on the accelerator needs."""
 
-    def __init__(self, future: concurrent.futures.Future | None = None, event=None):
-        self._future, self._event = future, event
+    def __init__(self, job: Pending | None = None, event=None):
+        self._job, self._event = job, event
 
     def done(self) -> bool:
-        if self._future is not None:
-            return self._future.done()
+        if self._job is not None:
+            return self._job.done()
         return self._event is None or self._event.query()
 
     def wait(self) -> None:
-        if self._future is not None:
-            self._future.result()
+        if self._job is not None:
+            self._job.wait()
         elif self._event is not None:
             self._event.synchronize()
 
@@ -48,26 +55,82 @@ class Completion:
             self.wait()
 
 
+class JobThread:
+    """One daemon thread running jobs in submission order; each job is a Pending its waiter waits on.
+    close() runs the jobs already queued, then stops the thread."""
+
+    def __init__(self, name: str, delay_s: float = 0.0):
+        self.name, self.delay_s = f"offload-{name}", delay_s
+        self._cond = threading.Condition()
+        self._jobs: collections.deque = collections.deque()  # (Pending, fn, args)
+        self._running: Pending | None = None
+        self._closing = False
+        self._dead: BaseException | None = None
+        self._thread = start_thread(self._run, self.name, self._died)
+
+    def submit(self, fn: Callable, *args) -> Pending:
+        job = Pending(f"{self.name} job {getattr(fn, '__qualname__', fn)}")
+        with self._cond:
+            if self._closing:
+                raise RuntimeError(f"{self.name}: submit after close()")
+            if self._dead is None:
+                self._jobs.append((job, fn, args))
+                self._cond.notify()
+                return job
+        job.complete(self._dead)
+        return job
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closing:
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                item = self._jobs.popleft()
+                self._running = item[0]
+            self._run_one(*item)
+            self._running = None
+
+    def _run_one(self, job: Pending, fn: Callable, args) -> None:
+        try:
+            if self.delay_s:
+                time.sleep(random.uniform(0, self.delay_s))
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001  (raised by the job's waiter)
+            job.complete(e)
+        else:
+            job.complete()
+
+    def _died(self, error: BaseException) -> None:
+        dead = RuntimeError(f"{self.name}: its thread died ({error!r}); the job was not run")
+        dead.__cause__ = error
+        with self._cond:
+            self._dead = dead
+            owed = [self._running, *(job for job, _, _ in self._jobs)]
+            self._jobs.clear()
+        fail_all(owed, dead)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(io_timeout_s())  # a job stuck past the I/O timeout is left behind (a daemon thread)
+
 
 class Worker:
     """One host thread running jobs in order, on every backend (the nvme reads of chunked fetches: a job
     waits on I/O tickets and copies, which must not block the compute thread). Test delays as CopyStream."""
 
     def __init__(self, name: str, delay_s: float = 0.0):
-        self.delay_s = delay_s
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"offload-{name}")
+        self.name, self.delay_s = name, delay_s
+        self._jobs = JobThread(name, delay_s)
 
     def submit(self, fn: Callable, *args) -> Completion:
-        return Completion(future=self._pool.submit(_delayed, self.delay_s, fn, args))
+        return Completion(job=self._jobs.submit(fn, *args))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-
-def _delayed(delay_s: float, fn: Callable, args) -> None:
-    if delay_s:
-        time.sleep(random.uniform(0, delay_s))
-    fn(*args)
+        self._jobs.close()
 
 
 class CopyStream:
@@ -76,7 +139,7 @@ class CopyStream:
     def __init__(self, name: str, device: torch.device, delay_s: float = 0.0):
         self.name, self.device, self.delay_s = name, device, delay_s
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # dedicated: see the note
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"offload-{name}")
+        self._pool = JobThread(name, delay_s)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Completion:
         """dst.copy_(src) on this stream. The caller keeps both alive until the completion is done."""
@@ -97,19 +160,19 @@ class CopyStream:
         stream current, after the work the calling stream has enqueued so far; `tensors` (accelerator
         memory the job reads) are not reused by the allocator before this stream is done with them."""
         if self._stream is None:
-            return Completion(future=self._pool.submit(_delayed, self.delay_s, fn, args))
+            return Completion(job=self._pool.submit(fn, *args))
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream())
         for t in tensors:
             t.record_stream(self._stream)
-        return Completion(future=self._pool.submit(self._on_stream, ready, fn, args))
+        return Completion(job=self._pool.submit(self._on_stream, ready, fn, args))
 
     def _on_stream(self, ready, fn: Callable, args) -> None:
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
-            _delayed(self.delay_s, fn, args)
+            fn(*args)
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.close()
             self._pool = None

@@ -8,6 +8,9 @@ One small Protocol, two engines:
 
 An engine knows nothing about keys, checksums or files' meaning: it gets `Block`s and calls each
 block's `done(block, result)` exactly once, with result = bytes moved or -errno, on its own thread.
+That holds on every path ([Note: no wait without an end] in swap/pending.py): `submit` never raises (a
+block it cannot take completes with -errno), and when an engine's thread dies or its worker meets an
+unexpected error, the blocks it owed complete with -EIO and `block.error` saying why.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
+
+from .pending import io_timeout_s, start_thread
 
 log = logging.getLogger("swap")
 
@@ -37,6 +42,7 @@ class Block:
     addr: int
     nbytes: int
     done: Callable[["Block", int], None]
+    error: BaseException | None = None  # set by the engine when it fails the block for a reason errno cannot say
 
 
 class IOEngine(Protocol):
@@ -44,7 +50,7 @@ class IOEngine(Protocol):
     serial_completions: bool  # True when every `done` runs on one thread (callers then keep it light)
 
     def submit(self, blocks: Sequence[Block]) -> None:
-        """Queue blocks; each one's `done` is called exactly once, later, from an engine thread."""
+        """Queue blocks; each one's `done` is called exactly once, later, from an engine thread. Never raises."""
 
     def close(self) -> None:
         """Finish everything in flight, then release the engine's threads and kernel context."""
@@ -58,8 +64,15 @@ def host_buffer(addr: int, nbytes: int):
 def _complete(block: Block, result: int) -> None:
     try:
         block.done(block, result)
-    except BaseException:  # a bad callback must not kill the engine thread
+    except BaseException:  # a bad callback must not kill the engine thread (the store's never raises)
         log.exception("swap: completion callback failed")
+
+
+def _fail_with(blocks, error: BaseException) -> None:
+    """Completes `blocks` with -EIO, `error` saying why (the engine cannot move them)."""
+    for b in blocks:
+        b.error = error
+        _complete(b, -errno.EIO)
 
 
 class ThreadsEngine:
@@ -73,8 +86,12 @@ class ThreadsEngine:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="swap-io")
 
     def submit(self, blocks: Sequence[Block]) -> None:
-        for b in blocks:
-            self._pool.submit(self._run, b)
+        for i, b in enumerate(blocks):
+            try:
+                self._pool.submit(self._run, b)
+            except RuntimeError as e:  # the pool is shut down (after close(), or at interpreter exit)
+                _fail_with(blocks[i:], e)
+                return
 
     @staticmethod
     def _run(b: Block) -> None:
@@ -88,6 +105,9 @@ class ThreadsEngine:
                 moved += n
         except OSError as e:
             _complete(b, -(e.errno or errno.EIO))
+            return
+        except BaseException as e:  # noqa: BLE001  (anything else: the block fails, its waiter says why)
+            _fail_with([b], e)
             return
         _complete(b, moved)
 
@@ -129,8 +149,9 @@ class LibaioEngine:
         self._cond = threading.Condition()
         self._waiting: collections.deque = collections.deque()
         self._closing = False
-        self._reaper = threading.Thread(target=self._reap, name="swap-libaio", daemon=True)
-        self._reaper.start()
+        self._dead: BaseException | None = None  # why the reaper died: every block then fails at once
+        self._ctx_live = True
+        self._reaper = start_thread(self._reap, "swap-libaio", self._reaper_died)
 
     @property
     def _in_flight(self) -> int:
@@ -138,10 +159,13 @@ class LibaioEngine:
 
     def submit(self, blocks: Sequence[Block]) -> None:
         with self._cond:
-            if self._closing:
-                raise RuntimeError("LibaioEngine.submit after close()")
-            self._waiting.extend(blocks)
-            refused = self._pump_locked()
+            gone = self._dead or (RuntimeError("LibaioEngine.submit after close()") if self._closing else None)
+            if gone is None:
+                self._waiting.extend(blocks)
+                refused = self._pump_locked()
+        if gone is not None:
+            _fail_with(blocks, gone)
+            return
         _fail(refused)
 
     def _pump_locked(self) -> list:
@@ -208,14 +232,35 @@ class LibaioEngine:
                 _complete(b, res)
             _fail(refused)
 
+    def _reaper_died(self, error: BaseException) -> None:
+        """Nothing reaps any more: destroying the context waits until the kernel is done with the blocks in
+        flight (so their buffers may be reused), then they, those still waiting and every later submit fail."""
+        dead = RuntimeError(f"the libaio reaper thread died ({error!r})")
+        dead.__cause__ = error
+        with self._cond:
+            self._dead = dead
+            owed = [b for b in self._slot_block if b is not None] + list(self._waiting)
+            self._slot_block = [None] * self.queue_depth
+            self._waiting.clear()
+        self._release_context()
+        _fail_with(owed, dead)
+
+    def _release_context(self) -> None:
+        if self._ctx_live:
+            self._ctx_live = False
+            self._aio.io_queue_release(self._ctx)
+
     def close(self) -> None:
         with self._cond:
             if self._closing:
                 return
             self._closing = True
             self._cond.notify_all()
-        self._reaper.join()
-        self._aio.io_queue_release(self._ctx)
+        self._reaper.join(io_timeout_s())
+        if self._reaper.is_alive():  # blocked on I/O the kernel never completes: leave the context to exit
+            log.warning("swap: libaio reaper still waiting for I/O after %.0f s; closing without it", io_timeout_s())
+            return
+        self._release_context()
 
 
 def _fail(refused: list) -> None:

@@ -25,7 +25,9 @@ import functools
 import logging
 import os
 import shutil
+import signal
 import threading
+import time
 import weakref
 from bisect import bisect_left
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +39,7 @@ import torch
 from .buffers import ALIGN_BYTES, aligned_empty, is_aligned, round_up
 from .engines import Block, IOEngine, host_buffer, open_engine
 from .errors import SwapCorruptionError, SwapIOError
+from .pending import Pending, PendingTimeout, io_timeout_s
 from .rundir import create_file, make_run_dir, supports_direct
 
 log = logging.getLogger("swap")
@@ -148,29 +151,22 @@ class Extents:
         self._free.insert(i, (off, padded))
 
 
-class Ticket:
-    """One asynchronous write or read. wait() raises SwapIOError / SwapCorruptionError."""
+class Ticket(Pending):
+    """One asynchronous write or read. wait() raises SwapIOError / SwapCorruptionError, or PendingTimeout
+    after the I/O timeout (swap.pending) naming the key, its bytes and the blocks still outstanding."""
 
     is_write = False
 
-    def __init__(self, nblocks: int, finish):
-        self._remaining = nblocks
+    def __init__(self, nblocks: int, finish, what: str = "swap transfer", nbytes: int = 0):
+        super().__init__(what, nbytes)
+        self._nblocks = self._remaining = nblocks
         self._finish = finish  # runs once, on the thread that completes the last block
         self._errors: list[BaseException] = []
-        self._lock = threading.Lock()
-        self._event = threading.Event()
-        self.error: BaseException | None = None
         if nblocks == 0:
             self._run_finish()
 
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout: float | None = None) -> None:
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"swap ticket not done after {timeout}s")
-        if self.error is not None:
-            raise self.error
+    def describe(self) -> str:
+        return f"{super().describe()}, {self._remaining} of {self._nblocks} blocks outstanding"
 
     def _block_done(self, err: BaseException | None) -> None:
         with self._lock:
@@ -182,21 +178,40 @@ class Ticket:
             self._run_finish()
 
     def _run_finish(self) -> None:
+        error = None
         try:
             self._finish(self._errors[0] if self._errors else None)
         except BaseException as e:  # noqa: BLE001  (delivered to wait(), not lost on a thread)
-            self.error = e
+            error = e
         self._finish = None  # drop buffers and tensors held by the closure
-        self._event.set()
+        self.complete(error)
 
 
+# [Note: files at exit]
+# A store removes its files at close(); stores still open go at interpreter exit (atexit: also after an
+# uncaught exception or Ctrl-C's KeyboardInterrupt). SIGTERM ends a process without atexit, so a store
+# made in the main thread while SIGTERM has its default action installs a handler that removes the open
+# stores' files and then ends the process by SIGTERM as before (status 143). A handler someone else
+# installed (offload.stop_on_signals, the user's) is left alone: it is expected to close the engine. A
+# forked child (a DataLoader worker) forgets the parent's stores, so it never removes their files.
 _open_stores: "weakref.WeakSet[SwapStore]" = weakref.WeakSet()
+os.register_at_fork(after_in_child=_open_stores.clear)
 
 
 @atexit.register
 def _close_all_at_exit() -> None:
     for store in list(_open_stores):
         store.close()
+
+
+def _on_sigterm(signum, frame) -> None:
+    removed = [s.run_dir for s in list(_open_stores)]
+    for run_dir in removed:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if removed:  # os.write: a print here could re-enter a print the signal interrupted
+        os.write(2, f"swap: SIGTERM: removed {', '.join(map(str, removed))}\n".encode())
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class SwapStore:
@@ -236,6 +251,8 @@ class SwapStore:
         serial = checksum and getattr(self.engine, "serial_completions", False)
         self._digest_pool = ThreadPoolExecutor(2, thread_name_prefix="swap-digest") if serial else None
         _open_stores.add(self)
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)  # [Note: files at exit]
 
     def _choose_direct(self, direct: bool | None) -> bool:
         ok = supports_direct(self.run_dir)
@@ -356,14 +373,27 @@ class SwapStore:
         return sum(f.lstat().st_blocks * 512 for f in self.run_dir.iterdir())
 
     def close(self) -> None:
-        """Wait for in-flight I/O, stop the engine, remove the run's files. Idempotent."""
+        """Wait for in-flight I/O (up to the I/O timeout in all), stop the engine, remove the run's files.
+        Idempotent; errors of the transfers it waits for are their waiters' to raise, not close()'s. A
+        transfer stuck past the timeout keeps its thread and the file descriptor (a late write must not
+        land in a reused fd); the files are removed all the same."""
         if self._closed:
             return
         self._closed = True
         _open_stores.discard(self)
-        for tickets in list(self._pending.values()):
-            for t in list(tickets):
-                t._event.wait()
+        deadline = time.monotonic() + io_timeout_s()
+        with self._lock:
+            tickets = [t for ts in self._pending.values() for t in ts]
+        stuck = False
+        for t in tickets:
+            try:
+                t.settle(max(0.0, deadline - time.monotonic()))
+            except PendingTimeout as e:
+                log.warning("swap: closing %s with I/O still pending: %s", self.run_dir, e)
+                stuck = True
+        if stuck:  # a thread may still be in the kernel with our fd: remove the files, leave fd and threads
+            self._remove_files()
+            return
         if self._owns_engine:
             self.engine.close()
         if self._digest_pool is not None:
@@ -398,7 +428,7 @@ class SwapStore:
             tickets = list(self._pending.get(key, ()))
         for t in tickets:
             if not writes_only or t.is_write:
-                t._event.wait()
+                t.settle()
 
     def _place(self, key: str, nbytes: int) -> tuple[int, SwapIOError | None]:
         """Drop `key` from the index and give it an extent (reused in place when the size matches)."""
@@ -456,7 +486,8 @@ class SwapStore:
                 buf[body:nbytes].copy_(tail_page[: nbytes - body])
             finish(first_err)
 
-        ticket = Ticket(len(spans) + (tail_page is not None), finish_with_tail)
+        ticket = Ticket(len(spans) + (tail_page is not None), finish_with_tail,
+                        f"swap {'write' if write else 'read'} of {key!r}", nbytes)
         ticket.is_write = write
         if ticket.done():
             return ticket
@@ -487,29 +518,49 @@ class SwapStore:
         return run
 
     def _block_done(self, ticket, i, valid, crcs, write, block: Block, result: int) -> None:
-        """Runs on an engine thread per block: length check, then the checksum (record or verify)."""
-        if result != block.nbytes:
-            what = f"short {'write' if write else 'read'}: {max(result, 0)} of {block.nbytes} bytes"
-            code = -result if result < 0 else errno.EIO
-            if result < 0:
-                what = f"swap {'write' if write else 'read'} failed"
-            ticket._block_done(SwapIOError(code, what, path=str(self.path), offset=block.offset, nbytes=block.nbytes))
-        elif crcs is None:
-            ticket._block_done(None)
-        elif self._digest_pool is not None:  # keep the single reaper thread free to reap and resubmit
-            self._digest_pool.submit(self._check_block, ticket, i, valid, crcs, write, block)
-        else:
-            self._check_block(ticket, i, valid, crcs, write, block)
+        """Runs on an engine thread per block: length check, then the checksum (record or verify).
+        Whatever fails in here reaches the ticket: a block that never reports would hang its waiter."""
+        try:
+            if result != block.nbytes:
+                err = self._transfer_error(block, result, write)
+            elif crcs is None:
+                err = None
+            elif self._digest_pool is not None:  # keep the single reaper thread free to reap and resubmit
+                self._digest_pool.submit(self._check_block, ticket, i, valid, crcs, write, block)
+                return
+            else:
+                err = self._verify(i, valid, crcs, write, block)
+        except BaseException as e:  # noqa: BLE001  (a bug or an injected fault: the waiter raises it)
+            err = e
+        ticket._block_done(err)
 
     def _check_block(self, ticket, i, valid, crcs, write, block: Block) -> None:
-        err = None
+        """_verify on a digest thread, its outcome (an error included) delivered to the ticket."""
+        try:
+            err = self._verify(i, valid, crcs, write, block)
+        except BaseException as e:  # noqa: BLE001
+            err = e
+        ticket._block_done(err)
+
+    def _transfer_error(self, block: Block, result: int, write: bool) -> SwapIOError:
+        what = f"short {'write' if write else 'read'}: {max(result, 0)} of {block.nbytes} bytes"
+        if result < 0:
+            what = f"swap {'write' if write else 'read'} failed"
+        if block.error is not None:  # why the engine failed it (e.g. its thread died)
+            what += f" ({block.error!r})"
+        err = SwapIOError(-result if result < 0 else errno.EIO, what, path=str(self.path), offset=block.offset,
+                          nbytes=block.nbytes)
+        err.__cause__ = block.error
+        return err
+
+    def _verify(self, i, valid, crcs, write, block: Block) -> SwapCorruptionError | None:
         digest = block_digest(block.addr, valid)
         if write:
             crcs[i] = digest
         elif digest != crcs[i]:
-            err = SwapCorruptionError(f"checksum mismatch (read {digest:#034x}, written {crcs[i]:#034x})",
-                                      path=str(self.path), offset=block.offset, nbytes=block.nbytes)
-        ticket._block_done(err)
+            return SwapCorruptionError(f"checksum mismatch (read {digest:#034x}, written {crcs[i]:#034x})",
+                                       path=str(self.path), offset=block.offset, nbytes=block.nbytes)
+        return None
 
     def _finish_write(self, key, offset, nbytes, crcs, first_err, src, staged) -> None:
         if first_err is None and not self.direct and nbytes:
@@ -530,7 +581,7 @@ class SwapStore:
     def _failed(err: BaseException) -> Ticket:
         def finish(_):
             raise err
-        return Ticket(0, finish)
+        return Ticket(0, finish, "failed swap write")
 
 
 def _check_key(key) -> None:

@@ -124,7 +124,7 @@ def test_an_error_after_units_were_stepped_fails_the_engine_and_close_still_work
                 call()
         assert eng.staging.lent == 0
     assert swap_files(tmp_path) == []
-    with pytest.raises(EngineClosed, match="closed engine"):
+    with pytest.raises(EngineClosed, match="engine is closed"):
         eng(*batches[2])
 
 

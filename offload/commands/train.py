@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import offload
 from offload import train as recipe
+from offload.signals import Stopped
 
 
 def register(subparsers) -> None:
@@ -16,5 +17,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    recipe.train(args)
+    try:
+        recipe.train(args)
+    except Stopped as stop:  # train() said so in one line and printed the partial report: no traceback
+        return stop.exit_code
     return 0

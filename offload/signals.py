@@ -1,0 +1,69 @@
+"""Stopping on SIGTERM and SIGINT with the swap files removed.
+
+[Note: signals]
+SLURM and Kubernetes stop a job with SIGTERM (and SIGKILL after a grace period); Ctrl-C sends SIGINT.
+Inside `stop_on_signals()` both raise `Stopped` in the main thread at its next Python instruction, so
+`with engine:` blocks and `finally` clauses run: engine.close() stops the engine's threads and removes
+its swap files, and the caller decides how to end (`offload train` prints its partial report and exits
+with 128 + the signal number). `Stopped` is a KeyboardInterrupt: code that treats Ctrl-C as "stop"
+treats SIGTERM the same way, and `except Exception` does not swallow it. An exception raised by a signal
+handler can still be lost (a bare `except BaseException: pass` that was running, a finalizer), so the
+signal is also recorded: the `check()` the block receives raises Stopped again (a loop calls it once a
+step), and so does the end of a block that finished normally after a signal.
+Outside it nothing changes, except that a SIGTERM nobody handles removes the swap files before it ends
+the process as before (swap/store.py, [Note: files at exit]); Ctrl-C raises KeyboardInterrupt as usual,
+and the swap files go at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Callable, Iterator
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stopped(KeyboardInterrupt):
+    """Raised by `stop_on_signals` when one of its signals arrives; `signum`, `name`, `exit_code` (128 + signum)."""
+
+    def __init__(self, signum: int):
+        self.signum = int(signum)
+        self.name = signal.Signals(signum).name
+        super().__init__(f"stopped by {self.name}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+@contextlib.contextmanager
+def stop_on_signals(signums=SIGNALS) -> Iterator[Callable[[], None]]:
+    """Inside the block, each of `signums` (default SIGTERM and SIGINT) raises Stopped in the main thread;
+    the previous handlers come back when it ends. Yields `check()`, which raises Stopped if a signal
+    arrived (see the Note: its exception may have been lost); a block that ends normally after a signal
+    raises it too. Catch Stopped outside the block. A signal the process ignores (nohup, a background
+    job's SIGINT) stays ignored, as Python itself leaves an ignored SIGINT alone. Python runs signal
+    handlers in the main thread only, so in another thread this changes nothing."""
+    received: list[int] = []
+
+    def check() -> None:
+        if received:
+            raise Stopped(received[0])
+
+    if threading.current_thread() is not threading.main_thread():
+        yield check
+        return
+
+    def handler(signum, frame):
+        received.append(signum)
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, handler) for s in signums if signal.getsignal(s) is not signal.SIG_IGN}
+    try:
+        yield check
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, signal.SIG_DFL if h is None else h)
+    check()
