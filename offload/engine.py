@@ -9,6 +9,7 @@ Adam unit by unit over states streamed from their tier, writing new weights stra
 from __future__ import annotations
 
 import logging
+import math
 import sys
 
 import torch
@@ -143,6 +144,15 @@ class Engine(nn.Module):
     def lr(self) -> float:
         """The learning rate of the next optimizer step."""
         return self.pipeline.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        """Sets the learning rate of the next optimizer steps in place of lr_schedule's, for a scheduler
+        outside the engine (Trainer's, a torch LR scheduler). Set it before the accumulation window's last
+        backward: with overlap_step, units are stepped during that backward."""
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"lr={value!r}: must be a finite number >= 0; pass the learning rate to use")
+        self.pipeline.lr_value = float(value)
 
     step_count = property(lambda self: self.pipeline.step_count, doc="optimizer steps taken")
     micro_step = property(lambda self: self.pipeline.micro_step, doc="backwards since the last step")

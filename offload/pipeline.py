@@ -82,6 +82,7 @@ class StepPipeline:
         self.loss_scale = rt.cfg.loss_scale.initial if rt.cfg.precision == "fp16" else 1.0
         self.good_steps = self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        self.lr_value: float | None = None          # set through Engine.lr: replaces lr_schedule from then on
         self.grad_reserve = rt.placement.grad_reserve
         self._jobs: list[tuple] = []                # (completion, hbm bytes) of gradient jobs in flight
         self._waiting = {u.index: [] for u in units}  # a unit's parameters whose gradient is final
@@ -285,6 +286,8 @@ class StepPipeline:
     @property
     def lr(self) -> float:
         """The learning rate of the next optimizer step."""
+        if self.lr_value is not None:
+            return self.lr_value
         return self.rt.cfg.optimizer.lr * lr_factor(self.rt.cfg.lr_schedule, self.step_count)
 
     def step(self) -> bool:

@@ -131,6 +131,23 @@ def test_lr_schedule_warmup_then_cosine(tmp_path):
         assert seen == pytest.approx([0.1, 0.1, 0.05])
 
 
+@pytest.mark.parametrize("clip", [0.0, 1.0])  # 0: units stepped during backward (overlap_step); 1: in step()
+def test_lr_set_from_outside_replaces_the_schedule(tmp_path, clip):
+    """engine.lr = x (a scheduler outside the engine: Trainer's) is the lr of the next steps, schedule or not."""
+    c = cfg(tmp_path, "cpu", "cpu", optimizer={"lr": 0.1}, gradient_clipping=clip,
+            lr_schedule={"type": "linear", "warmup_steps": 1, "total_steps": 3})
+    with offload.initialize(MLP(), c) as eng:
+        before = eng.full_state_dict()
+        eng.lr = 0.0
+        for x, y in mlp_batches(2):
+            eng.backward(eng(x, y))
+            eng.step()
+        assert eng.lr == 0.0 and eng.step_count == 2
+        assert all(torch.equal(before[n], t) for n, t in eng.full_state_dict().items())
+        with pytest.raises(ValueError, match="lr=-1: must be a finite number >= 0"):
+            eng.lr = -1
+
+
 def test_close_removes_swap_files_and_is_idempotent(tmp_path):
     eng = offload.initialize(MLP(), cfg(tmp_path))
     x, y = mlp_batches(1)[0]

@@ -1,0 +1,204 @@
+"""Hugging Face Trainer through the offload engine: `OffloadTrainer`, a transformers.Trainer subclass.
+
+    args = TrainingArguments(output_dir, learning_rate=3e-4, warmup_steps=10, gradient_accumulation_steps=2,
+                             bf16=True, save_strategy="no")
+    trainer = OffloadTrainer(model=model, args=args, train_dataset=ds, offload_config={
+        "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}, "nvme_path": "/mnt/nvme"})
+    trainer.train(); trainer.save_model(out_dir); trainer.close()
+
+Everything else of Trainer stays as it is (data loading, the LR scheduler, logging, evaluation, callbacks).
+TrainingArguments own the learning rate and its schedule, Adam's betas/eps, weight decay, gradient
+accumulation, max_grad_norm and bf16/fp16; the offload config says where states live (and may be a
+DeepSpeed JSON config; offload/integrations/common.py says how the two meet).
+
+[Note: where Trainer meets the engine]
+Each hook is a method Trainer documents for subclassing or calls at one place:
+- __init__: the engine is built over the model; Trainer's move of the whole model to the device is
+  skipped (_move_model_to_device): the engine places each weight in its tier.
+- _wrap_model: the model Trainer calls in training, evaluation and prediction is the engine. Accelerate
+  never prepares it: Trainer prepares only a model that _wrap_model returned as is.
+- create_optimizer: an EngineOptimizer (offload/integrations/accelerate.py). Trainer's create_scheduler
+  builds its LR scheduler over it as over any optimizer; the lr reaches the engine at every backward.
+- accelerator.backward, which Trainer.training_step calls, goes to engine.backward (accelerate.route).
+  Trainer's loss is already divided for gradient accumulation (by the window's item count, or the step
+  count) and its Accelerator counts one step; the engine divides by gradient_accumulation_steps itself,
+  so the route multiplies by it: the gradients are Trainer's.
+- _clip_grad_norm, _get_grad_norm: the engine clips in its step (gradient_clipping = max_grad_norm); the
+  logged grad_norm is the engine's, known after that step (_maybe_log_save_evaluate).
+- _save (save_model): HF weights from the engine's fp32 masters in the model's dtype, streamed.
+- Checkpoints that resume need engine checkpoints (issue #15): refused until they exist.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import transformers
+from transformers import Trainer
+
+from offload.integrations import common
+from offload.integrations.accelerate import NO_CHECKPOINTS, EngineOptimizer, route
+
+if int(transformers.__version__.split(".")[0]) < 5:  # the hooks below are Trainer 5's methods
+    raise ImportError(f"offload.integrations.transformers needs transformers 5 or later (found "
+                      f"{transformers.__version__}); pip install -U 'transformers>=5'")
+
+ADAMW = ("adamw_torch", "adamw_torch_fused")  # torch's AdamW: the update the engine's CPU Adam computes
+
+
+class OffloadTrainer(Trainer):
+    """transformers.Trainer training through an offload Engine. offload_config: an offload.Config, a dict,
+    the path of a .json/.yaml config, or a DeepSpeed JSON config (a path or a dict). Call close() at the
+    end: it removes the swap files and frees pinned memory."""
+
+    def __init__(self, *args, offload_config=None, **kwargs):
+        self.engine = None
+        super().__init__(*args, **kwargs)
+        _refuse_unsupported(self)
+        if self.args.weight_decay > 0:
+            warnings.warn(f"OffloadTrainer: weight_decay={self.args.weight_decay} applies to every parameter, "
+                          "biases and norm weights included (Trainer's own optimizer exempts those; the engine "
+                          "has one weight decay)", stacklevel=2)
+        # save_model writes the dtype the model came in (the engine's placeholders have the compute dtype)
+        self.save_dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        cfg = common.with_owned(common.settings(offload_config), trainer_settings(self.args), owner="Trainer",
+                                lr_from="TrainingArguments' learning_rate, lr_scheduler_type and warmup")
+        import offload
+
+        self.engine = offload.initialize(self.model, config=cfg)
+        self.model_wrapped = self.engine
+
+    def close(self) -> None:
+        """Closes the engine: removes its swap files and frees its memory. The trainer trains no further."""
+        if self.engine is not None:
+            self.engine.close()
+
+    # -- the hooks (module note) -------------------------------------------------------------------------
+    def _move_model_to_device(self, model, device):
+        pass  # the engine places each weight in its tier; moving the whole model would defeat the offload
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        return self.engine
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            self.optimizer = EngineOptimizer(self.engine)
+            route(self.accelerator, self.optimizer)
+        return self.optimizer
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if torch.is_tensor(num_items_in_batch):
+            # a count as a float tensor: the engine casts floating inputs to its compute dtype, and bf16
+            # rounds counts above 256. A number passes as it is.
+            num_items_in_batch = num_items_in_batch.item()
+        return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+
+    def _clip_grad_norm(self, model):
+        return None  # the engine clips in its step, at gradient_clipping = max_grad_norm
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return None  # known after the engine's step: see _maybe_log_save_evaluate
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        # None when the engine stepped during backward (overlap_step: no clipping), which computes no norm
+        return super()._maybe_log_save_evaluate(tr_loss, self.engine.last_grad_norm, *args, **kwargs)
+
+    def set_initial_training_values(self, args, dataloader):
+        values = super().set_initial_training_values(args, dataloader)
+        _, per_epoch, _, _, _, batches, max_steps = values
+        gas = args.gradient_accumulation_steps
+        if batches % gas and max_steps >= per_epoch:
+            raise ValueError(f"gradient_accumulation_steps={gas}: an epoch has {batches} batches, so Trainer would "
+                             f"step its last window after {batches % gas}; the engine steps full windows only. Use "
+                             f"a batch count per epoch that {gas} divides, or max_steps below {per_epoch}")
+        return values
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint:
+            raise NotImplementedError(f"OffloadTrainer: resume_from_checkpoint: {NO_CHECKPOINTS}; start a new run "
+                                      "(from_pretrained loads weights that save_model wrote)")
+        return super().train(None, *args, **kwargs)
+
+    def _save(self, output_dir=None, state_dict=None):
+        """Trainer's save: the engine's fp32 masters in the model's dtype, streamed one shard at a time (a
+        model larger than RAM can be saved), config.json saying that dtype, then the generation config,
+        the processing class and training_args.bin as Trainer writes them."""
+        from offload.hf import save_hf_directory
+
+        if not self.args.should_save:
+            return
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        self.engine.flush()  # delayed_update: the last accepted update is not in the weights before this
+        dtype = self.save_dtype
+        config = self.model.config.to_dict() if hasattr(self.model, "config") else {}  # a plain nn.Module: none
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        save_hf_directory(((n, t.to(dtype)) for n, t in self.engine.state_items()), config, output_dir)
+        if getattr(self.model, "generation_config", None) is not None and self.model.can_generate():
+            self.model.generation_config.save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))  # as Trainer's TRAINING_ARGS_NAME
+
+
+def trainer_settings(args) -> dict:
+    """The Config keys TrainingArguments own: {key: (value, where it is set)} (common.with_owned)."""
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    return {
+        "optimizer.type": ("adamw", f"optim={_name(args.optim)!r}"),
+        "optimizer.lr": (args.learning_rate, f"learning_rate={args.learning_rate}"),
+        "optimizer.betas": ((args.adam_beta1, args.adam_beta2), f"adam_beta1={args.adam_beta1}, "
+                            f"adam_beta2={args.adam_beta2}"),
+        "optimizer.eps": (args.adam_epsilon, f"adam_epsilon={args.adam_epsilon}"),
+        "optimizer.weight_decay": (args.weight_decay, f"weight_decay={args.weight_decay}"),
+        "gradient_accumulation_steps": (args.gradient_accumulation_steps,
+                                        f"gradient_accumulation_steps={args.gradient_accumulation_steps}"),
+        "gradient_clipping": (max(float(args.max_grad_norm or 0), 0.0), f"max_grad_norm={args.max_grad_norm}"),
+        "precision": (precision, f"bf16={args.bf16}, fp16={args.fp16}"),
+    }
+
+
+def _name(value) -> str:
+    return getattr(value, "value", value)  # TrainingArguments' enums (SaveStrategy.STEPS) as the user wrote them
+
+
+def _refuse_unsupported(t: Trainer) -> None:
+    """Names every setting the engine cannot honour, rather than training something else than asked."""
+    a = t.args
+    optim = _name(a.optim)
+    checks = [
+        (t.is_deepspeed_enabled or a.deepspeed, "deepspeed=...: the offload engine replaces DeepSpeed here; pass "
+         "the DeepSpeed JSON as offload_config=PATH (read as Config.from_deepspeed reads it) instead"),
+        (t.is_fsdp_enabled or a.fsdp, "fsdp=...: FSDP and the offload engine both own the parameters; use one"),
+        (a.torch_compile, "torch_compile=True: not supported with the offload engine (its hooks fetch each "
+         "unit's weights around the compiled code); set it False"),
+        (a.n_gpu > 1, f"n_gpu={a.n_gpu}: Trainer would wrap the model in DataParallel; the engine trains on one "
+         "device: make one GPU visible (CUDA_VISIBLE_DEVICES=0)"),
+        (a.world_size > 1, f"world_size={a.world_size}: the engine trains on one process (ZeRO over ranks is not "
+         "implemented yet); launch one process"),
+        (optim not in ADAMW, f"optim={optim!r}: the engine steps with its own AdamW; use 'adamw_torch' "
+         "(the default)"),
+        (t.optimizer is not None or t.lr_scheduler is not None or t.optimizer_cls_and_kwargs is not None,
+         "optimizers=/optimizer_cls_and_kwargs=: the engine steps with its own AdamW, set by TrainingArguments "
+         "(lr_scheduler_type for the schedule); leave them out"),
+        (t.model_init is not None, "model_init=: hyperparameter search rebuilds the model per trial, which the "
+         "engine does not follow; pass model="),
+        (a.auto_find_batch_size, "auto_find_batch_size=True: retrying after an out-of-memory error is not "
+         "supported with the offload engine; set the batch size"),
+        (a.bf16_full_eval or a.fp16_full_eval, "bf16_full_eval/fp16_full_eval: evaluation runs through the engine "
+         "in its own precision (bf16/fp16 of TrainingArguments); leave them False"),
+        (a.label_smoothing_factor != 0, f"label_smoothing_factor={a.label_smoothing_factor}: not supported with "
+         "the offload engine yet (Trainer would not see a causal LM through it and smooth unshifted labels); "
+         "set it 0"),
+        (a.save_strategy != "no" and not a.save_only_model, f"save_strategy={_name(a.save_strategy)!r}: Trainer "
+         f"checkpoints that resume need engine checkpoints, and {NO_CHECKPOINTS}; set save_strategy='no', or "
+         "save_only_model=True for checkpoints of the weights only (from_pretrained loads them; they do not "
+         "resume training)"),
+        (a.load_best_model_at_end, "load_best_model_at_end=True: loading weights back into the engine is not "
+         "implemented yet; leave it False and load the best checkpoint with from_pretrained"),
+    ]
+    problems = [why for failed, why in checks if failed]
+    if problems:
+        raise ValueError("OffloadTrainer: " + "\n  ".join(problems))
