@@ -1,6 +1,6 @@
 """Checkpoints (offload.checkpoint): exact resume for every placement and step path, into another
 placement and in a new process; damaged files detected; interrupted saves harmless to the previous
-checkpoint; engine.state_dict() with real values."""
+checkpoint; engine.state_dict() with real values; `offload train --resume`; export to Hugging Face."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import torch
 import offload
 from offload import checkpoint
 from offload.checkpoint import CheckpointError
-from tests.engine_util import MLP, llama, mlp_batches
+from offload.cli import main
+from tests.engine_util import MLP, llama, llama_batches, mlp_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("none", "cpu", "nvme")  # weights and optimizer states both there
@@ -153,7 +154,7 @@ def _load_fails(model, cfg, path, match):
         assert all(torch.equal(before[n], after[n]) for n in before) and eng.step_count == 0
 
 
-def test_a_flipped_byte_names_file_tensor_and_range(saved):
+def test_a_flipped_byte_names_file_tensor_and_range(saved, capsys):
     model, cfg, path = saved
     r = checkpoint.read_manifest(path)["tensors"]["blocks.1.fc2.weight"]["exp_avg_sq"]["ranges"][0]
     with open(os.path.join(path, "rank0.bin"), "r+b") as f:
@@ -163,6 +164,8 @@ def test_a_flipped_byte_names_file_tensor_and_range(saved):
         f.write(bytes([byte[0] ^ 0x10]))
     _load_fails(model, cfg, path, r"rank0\.bin: bytes \[\d+, \d+\) \(blocks\.1\.fc2\.weight exp_avg_sq elements "
                                   r"\[0, 8192\)\): crc32 .* damaged")
+    assert main(["checkpoint", "inspect", path, "--verify"]) == 2
+    assert "the file is damaged" in capsys.readouterr().err
 
 
 def test_a_truncated_file_is_detected(saved):
@@ -387,3 +390,72 @@ def test_load_state_dict_writes_the_homes(tmp_path, before, after):
         assert result.missing_keys == ["head.bias"] and result.unexpected_keys == ["extra"]
         after_sd = eng.state_dict()
         assert torch.equal(after_sd["head.bias"], sd["head.bias"]) and not after_sd["head.weight"].any()
+
+
+# --- offload train and the checkpoint command ------------------------------------------------------------------
+
+def test_offload_train_resume_continues_the_loss_curve(tmp_path, capsys):
+    from offload import train as recipe
+
+    d = str(tmp_path / "ckpts")
+    settings = {"model": "tiny", "steps": 4, "batch_size": 2, "seq_len": 32, "nvme_path": str(tmp_path / "swap"),
+                "no_progress": True, "save_every": 2, "checkpoint_dir": d, "keep_checkpoints": 3, "clip": 0.5}
+    straight = recipe.train({**settings, "out": str(tmp_path / "run1"), "resume": "latest"})  # none yet: step 0
+    assert "no checkpoint in" in capsys.readouterr().err
+    assert checkpoint.list_checkpoints(d) == ["step00000002", "step00000004"]
+    resumed = recipe.train({**settings, "out": str(tmp_path / "run2"), "resume": os.path.join(d, "step00000002")})
+    assert resumed["losses"] == straight["losses"][2:] and resumed["run"]["start_step"] == 2
+    with pytest.raises(ValueError, match=r"trained with batch_size=2 \(here batch_size=4\)"):
+        recipe.train({**settings, "batch_size": 4, "resume": "latest"})
+    with pytest.raises(ValueError, match="nothing is left to train"):
+        recipe.train({**settings, "resume": "latest"})
+
+    assert main(["checkpoint", "inspect", d, "--verify", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert info["step_count"] == 4 and info["verified"] and info["precision"] == "bf16"
+    assert info["extra"] == ["hf_config", "hf_names", "train"]
+    transformers = pytest.importorskip("transformers")
+    assert main(["checkpoint", "export", d, str(tmp_path / "hf"), "--dtype", "bf16"]) == 0
+    hf, loading = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"]
+    assert hf.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+
+
+def test_export_loads_with_from_pretrained_and_gives_the_engines_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    batches = llama_batches(3)
+    with offload.initialize(llama(tied=True), config(tmp_path, "nvme", precision="fp32")) as eng:
+        for ids, labels in batches[:2]:
+            eng.backward(eng(ids, labels=labels).loss)
+            eng.step()
+        path = eng.save_checkpoint(str(tmp_path / "ckpts"))
+        eng.eval()
+        with torch.no_grad():
+            logits = eng(batches[2][0]).logits
+    assert main(["checkpoint", "export", path, str(tmp_path / "hf")]) == 0
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(batches[2][0]).logits, logits)
+
+
+def test_offload_train_saves_on_sigterm_and_stops(tmp_path, monkeypatch):
+    from offload import train as recipe
+
+    calls = []
+
+    def preempted(output):  # SIGTERM arrives during the first step's forward
+        if not calls:
+            os.kill(os.getpid(), signal.SIGTERM)
+        calls.append(1)
+        return recipe_loss_of(output)
+
+    recipe_loss_of = recipe.loss_of
+    monkeypatch.setattr(recipe, "loss_of", preempted)
+    d = str(tmp_path / "ckpts")
+    settings = {"model": "tiny", "steps": 3, "batch_size": 2, "seq_len": 32, "nvme_path": str(tmp_path / "swap"),
+                "no_progress": True, "save_every": 100, "checkpoint_dir": d, "offload_param": "cpu"}
+    report = recipe.train({**settings, "out": str(tmp_path / "run1")})
+    assert len(report["losses"]) == 1 and checkpoint.list_checkpoints(d) == ["step00000001"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+    resumed = recipe.train({**settings, "out": str(tmp_path / "run2"), "resume": "latest"})
+    assert resumed["run"]["start_step"] == 1 and len(resumed["losses"]) == 2
