@@ -318,6 +318,51 @@ def test_checkpoint_refused_mid_step(tmp_path):
         assert os.path.isdir(eng.save_checkpoint(str(tmp_path / "c")))
 
 
+class PeakRSS:
+    """The process's peak resident memory above its level at entry, sampled every 2 ms."""
+
+    def __enter__(self):
+        import threading
+
+        import psutil
+
+        proc = psutil.Process()
+        self.base = self.peak = proc.memory_info().rss
+        self._stop = threading.Event()
+
+        def sample():
+            while not self._stop.is_set():
+                self.peak = max(self.peak, proc.memory_info().rss)
+                self._stop.wait(0.002)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.extra_bytes = self.peak - self.base
+
+
+def test_saving_and_loading_nvme_states_stays_within_a_bound(tmp_path):
+    """States (fp32 master, exp_avg, exp_avg_sq) of 4x the bound and more pass through a few pool chunks."""
+    bound = 64 << 20
+    with torch.device("meta"):
+        model = MLP(d=1024, n_blocks=6)  # 25M parameters: 300 MB of fp32 states on nvme
+    states_bytes = 12 * sum(p.numel() for p in model.parameters())
+    assert states_bytes >= 4 * bound
+    with offload.initialize(model, {**config(tmp_path, "nvme"), "chunk_bytes": 4 << 20}) as eng:
+        eng.backward(eng(torch.randn(8, 16), torch.randn(8, 4)))
+        eng.step()
+        with PeakRSS() as save:
+            path = eng.save_checkpoint(str(tmp_path / "ckpts"))
+        with PeakRSS() as load:
+            eng.load_checkpoint(path)
+    assert os.path.getsize(os.path.join(path, "rank0.bin")) >= states_bytes
+    assert save.extra_bytes < bound and load.extra_bytes < bound, (save.extra_bytes, load.extra_bytes)
+
+
 # --- state_dict ----------------------------------------------------------------------------------------------
 
 class WithBuffers(MLP):
