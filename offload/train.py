@@ -422,18 +422,18 @@ class Checkpoints:
 def _resume_point(args, run: dict, cfg: Config) -> tuple[str, int] | None:
     """(checkpoint path, the step to continue at) for --resume, checked against this run before anything
     is built; None without --resume, or for `latest` when the directory holds no checkpoint yet."""
-    from offload import checkpoint
+    from offload import checkpoint_format as fmt
 
     if args.resume is None:
         return None
     path = args.resume
     if path == "latest":
         path = args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR
-        if not os.path.isfile(os.path.join(path, checkpoint.LATEST)):
+        if not os.path.isfile(os.path.join(path, fmt.LATEST)):
             print(f"offload train: no checkpoint in {path} yet; starting at step 0", file=sys.stderr, flush=True)
             return None
-    ckpt = checkpoint.resolve(path)
-    position = checkpoint.read_manifest(ckpt)["extra"].get("train")
+    ckpt = fmt.resolve(path)
+    position = fmt.read_manifest(ckpt)["extra"].get("train")
     if position is None:
         raise ValueError(f"--resume={args.resume}: {ckpt} was not saved by offload train (it has no data position); "
                          "load it with engine.load_checkpoint() in your own loop")

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import offload
-from offload import checkpoint
-from offload.checkpoint import CheckpointError
+from offload import checkpoint_format as fmt
+from offload.checkpoint_format import CheckpointError
 from offload.cli import main
 from tests.engine_util import MLP, llama, llama_batches, mlp_batches
 
@@ -57,7 +57,7 @@ def train(model, cfg, batches, save_to, load=None):
 def state(path) -> dict:
     """Everything a checkpoint says about the run: every tensor's ranges with their crc32 (masters, moments,
     accumulator, frozen weights), step counts, and the counters."""
-    m = checkpoint.read_manifest(path)
+    m = fmt.read_manifest(path)
     return {"tensors": m["tensors"], **{k: m[k] for k in COUNTERS}}
 
 
@@ -79,7 +79,7 @@ def test_exact_resume(tmp_path, mode, path):
     gas = extra.get("gradient_accumulation_steps", 1)
     cfg = config(tmp_path, mode, **extra)
     mid = check_resume(tmp_path, MLP(), cfg, cfg, mlp_batches(6 * gas), k=3 * gas)
-    m = checkpoint.read_manifest(mid)
+    m = fmt.read_manifest(mid)
     assert m["step_count"] == (1 if path == "fp16" else 3) and m["accumulator"] == (path == "delayed+clipping")
     if path == "fp16":  # saved between a good step and the growth after the next
         assert (m["skipped_steps"], m["loss_scale"], m["good_steps"]) == (2, 2.0**16, 1)
@@ -91,7 +91,7 @@ def test_exact_resume_inside_an_accumulation_window(tmp_path, mode):
     torch.manual_seed(0)
     cfg = config(tmp_path, mode, gradient_accumulation_steps=2, gradient_clipping=0.05)
     mid = check_resume(tmp_path, MLP(frozen=True), cfg, cfg, mlp_batches(8), k=3)
-    m = checkpoint.read_manifest(mid)
+    m = fmt.read_manifest(mid)
     assert m["micro_step"] == 1 and m["accumulator"] and os.path.basename(mid) == "step00000001-micro1"
     assert m["tensors"]["inp.weight"]["trainable"] is False and "weight" in m["tensors"]["inp.weight"]
 
@@ -156,7 +156,7 @@ def _load_fails(model, cfg, path, match):
 
 def test_a_flipped_byte_names_file_tensor_and_range(saved, capsys):
     model, cfg, path = saved
-    r = checkpoint.read_manifest(path)["tensors"]["blocks.1.fc2.weight"]["exp_avg_sq"]["ranges"][0]
+    r = fmt.read_manifest(path)["tensors"]["blocks.1.fc2.weight"]["exp_avg_sq"]["ranges"][0]
     with open(os.path.join(path, "rank0.bin"), "r+b") as f:
         f.seek(r["offset"] + 100)
         byte = f.read(1)
@@ -206,9 +206,9 @@ def _fail_on_call(n: int, fn):
 
 
 INTERRUPTIONS = {  # where a save stops: (object, attribute, failing call)
-    "data write": (checkpoint._DataFile, "write", 5),
+    "data write": (fmt.DataFile, "write", 5),
     "data fsync": (os, "fsync", 1),
-    "manifest": (checkpoint, "_write_synced", 1),
+    "manifest": (fmt, "_write_synced", 1),
     "directory rename": (os, "rename", 1),
     "latest": (os, "replace", 1),
 }
@@ -230,7 +230,7 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint(tmp_path, monkeypatc
         with pytest.raises(Interrupted):
             eng.save_checkpoint(str(d))
         monkeypatch.undo()
-    assert checkpoint.resolve(str(d)) == previous
+    assert fmt.resolve(str(d)) == previous
     assert not [n for n in os.listdir(d) if n.startswith(".tmp-")]  # the partial save removed itself
     if point == "latest":  # renamed into place, complete; only `latest` still names the previous one
         assert sorted(os.listdir(d)) == ["latest", "step00000002", "step00000003"]
@@ -243,7 +243,7 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint(tmp_path, monkeypatc
 
 KILL_SCRIPT = """
 import os, sys, time, torch, offload
-from offload import checkpoint
+from offload import checkpoint_format
 from tests.engine_util import MLP, mlp_batches
 from tests.test_checkpoint import config
 torch.manual_seed(0)
@@ -259,7 +259,7 @@ with offload.initialize(MLP(), cfg) as eng:
         print("saving", flush=True)
         time.sleep(60)
     if sys.argv[3] == "data":
-        checkpoint._DataFile.write = stall   # killed while writing the data file
+        checkpoint_format.DataFile.write = stall   # killed while writing the data file
     else:
         os.rename = stall                    # killed with data and manifest written, before the rename
     eng.save_checkpoint(sys.argv[2])
@@ -279,7 +279,7 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint(tmp_path, point):
     finally:
         proc.kill()
         proc.wait()
-    assert os.path.basename(checkpoint.resolve(str(d))) == "step00000002"
+    assert os.path.basename(fmt.resolve(str(d))) == "step00000002"
     assert os.path.isdir(d / ".tmp-step00000003")  # the killed save's leftover: never read
     torch.manual_seed(0)
     with offload.initialize(MLP(), config(tmp_path / "b", "cpu")) as eng:
@@ -303,7 +303,7 @@ def test_keep_prunes_the_oldest(tmp_path):
             eng.save_checkpoint(d)
         eng.save_checkpoint(d, name="final", keep=1)
     assert sorted(os.listdir(d)) == ["final", "latest"]
-    assert checkpoint.list_checkpoints(d) == ["final"] and checkpoint.resolve(d).endswith("final")
+    assert fmt.list_checkpoints(d) == ["final"] and fmt.resolve(d).endswith("final")
 
 
 def test_checkpoint_refused_mid_step(tmp_path):
@@ -447,7 +447,7 @@ def test_offload_train_resume_continues_the_loss_curve(tmp_path, capsys):
                 "no_progress": True, "save_every": 2, "checkpoint_dir": d, "keep_checkpoints": 3, "clip": 0.5}
     straight = recipe.train({**settings, "out": str(tmp_path / "run1"), "resume": "latest"})  # none yet: step 0
     assert "no checkpoint in" in capsys.readouterr().err
-    assert checkpoint.list_checkpoints(d) == ["step00000002", "step00000004"]
+    assert fmt.list_checkpoints(d) == ["step00000002", "step00000004"]
     resumed = recipe.train({**settings, "out": str(tmp_path / "run2"), "resume": os.path.join(d, "step00000002")})
     assert resumed["losses"] == straight["losses"][2:] and resumed["run"]["start_step"] == 2
     with pytest.raises(ValueError, match=r"trained with batch_size=2 \(here batch_size=4\)"):
@@ -500,7 +500,7 @@ def test_offload_train_saves_on_sigterm_and_stops(tmp_path, monkeypatch):
     settings = {"model": "tiny", "steps": 3, "batch_size": 2, "seq_len": 32, "nvme_path": str(tmp_path / "swap"),
                 "no_progress": True, "save_every": 100, "checkpoint_dir": d, "offload_param": "cpu"}
     report = recipe.train({**settings, "out": str(tmp_path / "run1")})
-    assert len(report["losses"]) == 1 and checkpoint.list_checkpoints(d) == ["step00000001"]
+    assert len(report["losses"]) == 1 and fmt.list_checkpoints(d) == ["step00000001"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
     resumed = recipe.train({**settings, "out": str(tmp_path / "run2"), "resume": "latest"})
     assert resumed["run"]["start_step"] == 1 and len(resumed["losses"]) == 2

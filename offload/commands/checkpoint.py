@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from offload import checkpoint as ck
+from offload import checkpoint_format as ck
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
