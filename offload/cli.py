@@ -14,6 +14,7 @@ _COMMAND_MODULES = (
     "offload.commands.nvme",
     "offload.commands.estimate",
     "offload.commands.train",
+    "offload.commands.checkpoint",
 )
 
 # What `offload --help` says: for users, so no internals (the docstring above is for developers).
@@ -27,7 +28,9 @@ examples:
   offload train                                 fine-tune the small preset
   offload train --model ./my-llama --deepspeed ds_config.json --steps 100
   offload estimate --params 7e9 --offload-optimizer nvme
-  offload bench nvme --dir /mnt/nvme --size 4G  how fast the drive swaps"""
+  offload bench nvme --dir /mnt/nvme --size 4G  how fast the drive swaps
+  offload train --save-every 50 --resume        checkpoints, continued after a crash
+  offload checkpoint export checkpoints ./hf    the latest checkpoint as a HF directory"""
 
 
 class _Parser(argparse.ArgumentParser):

@@ -17,7 +17,7 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from offload import hooks
+from offload import checkpoint, hooks
 from offload.config import Config, LossScaleConfig, load_config
 from offload.materialize import materialize, unit_values
 from offload.optim import OptimState
@@ -66,6 +66,7 @@ class Engine(nn.Module):
                          for h in hooks.register(self, u, m)]
         self._grad_hooks = [s.param.register_post_accumulate_grad_hook(self.pipeline.grad_hook(u))
                             for u in self.units for s in u.slots if s.trainable]
+        self._guards = checkpoint.guard_module(model)  # model.state_dict() would read placeholders: kept after close
         log.info("%s", self.placement.describe())
         print("offload: memory plan (per tier: need of budget; the runtime's parts)\n" + self.placement.summary(),
               file=sys.stderr, flush=True)  # where a user sees it: a training script's logging may show no INFO
@@ -180,6 +181,36 @@ class Engine(nn.Module):
             for slot, value in unit_values(self, unit):
                 for n in names[slot.param]:
                     yield n, value
+
+    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
+        """The wrapped module's state_dict() keys (no "module." prefix) with real CPU tensors from every
+        tier: fp32 masters (frozen parameters upcast), like FSDP's full state dict; persistent buffers.
+        Holds the whole model in memory: for a large one use save_checkpoint(). keep_vars: no effect."""
+        sd = checkpoint.state_dict(self, prefix)
+        if destination is None:
+            return sd
+        destination.update(sd)
+        return destination
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Writes the values into the weights' and masters' homes (optimizer moments untouched), with
+        torch's `strict` semantics; checks names and shapes before writing anything. assign: no effect."""
+        return checkpoint.load_state_dict(self, state_dict, strict)
+
+    def save_checkpoint(self, directory: str, name: str | None = None, keep: int | None = None,
+                        extra: dict | None = None) -> str:
+        """Writes everything needed to continue exactly to <directory>/<name> (default step<N>), atomically,
+        then points <directory>/latest at it and keeps the newest `keep`; `extra`: your JSON state, returned
+        by load_checkpoint. With delayed_update the pending update is saved, not applied. Between steps
+        only (also between the micro-steps of an accumulation window). Returns the path. See
+        offload.checkpoint for the format."""
+        return checkpoint.save(self, directory, name, keep, extra)
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Loads a checkpoint (a checkpoint directory, or a directory whose `latest` names one) into this
+        engine, whatever its placement; verifies names, shapes and checksums before changing anything.
+        Returns the checkpoint's `extra`."""
+        return checkpoint.load(self, path)
 
     def start_trace(self) -> None:
         """Starts recording a timeline (compute, copy streams, NVMe I/O, CPU Adam); see save_trace."""

@@ -90,7 +90,7 @@ def save_hf_directory(state_dict_iter: Iterable[tuple[str, torch.Tensor]], confi
                       max_shard_bytes: int = 2 << 30) -> list[str]:
     """Write (name, tensor) pairs as safetensors shards + index + config.json that from_pretrained loads.
 
-    config: a dict or a transformers PretrainedConfig. One shard -> model.safetensors; several ->
+    config: a dict or a transformers PretrainedConfig (None: no config.json). One shard -> model.safetensors; several ->
     model-0000i-of-0000n.safetensors and model.safetensors.index.json. Shards are written under
     temporary names and renamed when all are complete; weight files of an earlier save that the new one
     does not use are removed last. Returns the paths of the weight files.
@@ -132,8 +132,9 @@ def _finish(shards: list[tuple[str, list[str], int]], config, directory: str) ->
         weight_map = {key: name for (_, keys, _), name in zip(shards, final) for key in keys}
         _atomic_json({"metadata": {"total_size": sum(b for _, _, b in shards)}, "weight_map": weight_map},
                      index_path)
-    config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    _atomic_json(config_dict, os.path.join(directory, "config.json"))
+    if config is not None:  # None: weights only
+        config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        _atomic_json(config_dict, os.path.join(directory, "config.json"))
     stale = [f for f in os.listdir(directory) if (f == SINGLE_FILE or _SHARD_RE.match(f)) and f not in final]
     if n == 1 and os.path.exists(index_path):
         stale.append(INDEX_FILE)

@@ -389,6 +389,29 @@ class StepPipeline:
         self.last_step = _delta(now, self._step_mark)
         self._step_mark = now
 
+    # -- checkpoints (offload.checkpoint) -------------------------------------------------------------
+    def checkpoint_state(self) -> dict:
+        """The counters, the loss scaler and the accepted update not applied yet (delayed_update), as a
+        checkpoint saves them. Only between steps (a forward without its backward changes no state): after the
+        last backward of an accumulation window and before its step() the step is half taken (or, overlapped,
+        taken and not counted)."""
+        self.check_usable("checkpoint")
+        gas = self.rt.cfg.gradient_accumulation_steps
+        if self.phase not in (P.IDLE, P.FORWARD) or (self.micro_step and self.micro_step % gas == 0):
+            raise RuntimeError(f"offload: checkpoint while {self.phase.value}, {self.micro_step} backward(s) since "
+                               "the last step: save or load between steps (after engine.step())")
+        return {"step_count": self.step_count, "micro_step": self.micro_step, "loss_scale": self.loss_scale,
+                "good_steps": self.good_steps, "skipped_steps": self.skipped_steps,
+                "last_grad_norm": self.last_grad_norm, "pending_update": self._pending}
+
+    def restore(self, state: dict) -> None:
+        """Sets what checkpoint_state() returned, once the units' states hold the checkpoint's."""
+        self.checkpoint_state()  # the same precondition
+        self.step_count, self.micro_step = state["step_count"], state["micro_step"]
+        self.loss_scale, self.good_steps = state["loss_scale"], state["good_steps"]
+        self.skipped_steps, self.last_grad_norm = state["skipped_steps"], state["last_grad_norm"]
+        self._pending = state["pending_update"]
+
     # -- close ---------------------------------------------------------------------------------------
     def close(self) -> None:
         """Settles the jobs in flight and returns the optimizer pipeline's chunks; always succeeds."""

@@ -19,7 +19,9 @@ import copy
 import difflib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 import torch
@@ -29,9 +31,11 @@ from offload.config import FLAG_KEYS, Config, _put, file_settings, load_config
 from offload.cpu_adam import kernel_backend
 from offload.data import BatchSampler, ByteTokenizer, load_tokens
 from offload.models import PRESETS, build_model, hf_llama_config, hf_name, loss_of
-from offload.signals import Stopped, stop_on_signals
+from offload.signals import SIGNALS, Stopped, stop_on_signals
 
 DEFAULT_SWAP_DIR = "./.offload-swap"
+DEFAULT_CHECKPOINT_DIR = "./checkpoints"
+DEFAULT_KEEP_CHECKPOINTS = 2
 
 # What `make demo` runs: about 2-3 minutes of training on 2 quiet CPU cores (7.5 on a loaded one) (README, "Quick start").
 RECIPE = {"model": "small", "steps": 200, "batch_size": 8, "seq_len": 128, "lr": 3e-3,
@@ -66,6 +70,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--trace", default=None, metavar="PATH",
                    help="write a Chrome/Perfetto trace of the run (and PATH.png: the last step's timeline)")
+    c = parser.add_argument_group("checkpoints")
+    c.add_argument("--save-every", type=int, default=None, metavar="N",
+                   help="save a checkpoint every N steps, at the last step and on SIGTERM (in --checkpoint-dir)")
+    c.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help=f"where checkpoints go and `--resume latest` looks (default {DEFAULT_CHECKPOINT_DIR})")
+    c.add_argument("--keep-checkpoints", type=int, default=None, metavar="K",
+                   help=f"keep the newest K checkpoints (default {DEFAULT_KEEP_CHECKPOINTS})")
+    c.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH|latest",
+                   help="continue from a checkpoint (its directory, or a directory of checkpoints); `latest` (or "
+                        "no value): the newest in --checkpoint-dir, or step 0 when there is none yet")
     return parser
 
 
@@ -295,20 +309,26 @@ def train(args_or_config=None) -> dict:
     model, weights, info = build(run, cfg)
     tokens = load_token_ids(run["data"], info["tokenizer"])
     sampler = BatchSampler(tokens, run["batch_size"], run["seq_len"], seed=cfg.seed)
+    checkpoints = Checkpoints.from_args(args, run, cfg, model, info)
+    resume = _resume_point(args, run, cfg)
     out_dir = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)  # before training: an unwritable --out fails now, not after the run
     history = {"losses": [], "step_seconds": [], "lrs": [], "grad_norms": [], "stall_seconds": [], "samples": []}
     engine, init_s = None, None
     t0 = time.perf_counter()
-    with stop_on_signals() as check_stop:
+    with stop_on_signals((signal.SIGINT,) if checkpoints else SIGNALS) as check_stop:  # SIGTERM: saved first
         try:
             kernel_backend()  # build/load the CPU Adam kernel now, not inside the first timed step
             with offload.initialize(model, cfg, weights=weights) as engine:
+                if resume is not None:
+                    engine.load_checkpoint(resume[0])
+                    run = {**run, "start_step": resume[1], "resumed_from": resume[0]}
                 init_s = time.perf_counter() - t0
                 rep.print_header(run, cfg, info, engine, quiet=args.json)
                 if args.trace:
                     engine.start_trace()
-                _loop(engine, sampler, run, cfg, history, check_stop, progress=not args.no_progress)
+                _loop(engine, sampler, run, cfg, history, check_stop, progress=not args.no_progress,
+                      checkpoints=checkpoints)
                 final = engine.stats()
                 if args.trace:
                     engine.save_trace(args.trace)
@@ -363,17 +383,22 @@ def _stopped(stop: Stopped, args, run: dict, cfg: Config, info: dict, history: d
     return report
 
 
-def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, check_stop, progress: bool) -> None:
-    """Trains run["steps"] steps, appending to `history` as each step ends (a stopped run keeps what it has);
-    check_stop() after each step raises a signal's Stopped that something swallowed (offload/signals.py)."""
+def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, check_stop, progress: bool,
+          checkpoints: "Checkpoints | None" = None) -> None:
+    """Trains from run["start_step"] (0, or where --resume continues) to run["steps"], appending to
+    `history` as each step ends (a stopped run keeps what it has); check_stop() after each step raises a
+    signal's Stopped that something swallowed (offload/signals.py). With checkpoints, a SIGTERM is held
+    until the step ends, the checkpoint is saved, and then the run stops as for any signal."""
     from offload.report import Progress, Sampler
 
     gas = cfg.gradient_accumulation_steps
     tokens_per_step = run["batch_size"] * run["seq_len"] * gas
+    start = run.get("start_step", 0)
     engine.train()
-    with Sampler(engine) as samples, Progress(run["steps"], tokens_per_step, enabled=progress) as bar:
+    with Sampler(engine) as samples, Progress(run["steps"] - start, tokens_per_step, enabled=progress) as bar, \
+            _SaveOnSigterm(checkpoints is not None) as sigterm:
         history["samples"] = samples.rows
-        for step in range(run["steps"]):
+        for step in range(start, run["steps"]):
             t = time.perf_counter()
             stall0 = engine.telemetry.stall_seconds  # not stats(): that lists the swap directory
             lr, loss_sum = engine.lr, 0.0
@@ -392,7 +417,106 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, 
             history["grad_norms"].append(getattr(engine, "last_grad_norm", None))
             history["stall_seconds"].append(stats["stall_seconds"] - stall0)
             bar.update(loss_sum / gas, seconds, stats, stats["stall_seconds"] - stall0)
+            if checkpoints is not None and (checkpoints.due(step + 1) or sigterm.received):
+                path = checkpoints.save(engine, step + 1)
+                if sigterm.received:
+                    print(f"offload train: SIGTERM: saved {path} after step {step + 1}; continue with --resume",
+                          file=sys.stderr, flush=True)
+                    raise Stopped(signal.SIGTERM)
             check_stop()
+
+
+# --- checkpoints ---------------------------------------------------------------------------------------
+
+
+def _identity(run: dict, cfg: Config) -> dict:
+    """What fixes the batch sequence: a resumed run must have the same."""
+    return {"model": run["model"], "data": run["data"], "batch_size": run["batch_size"], "seq_len": run["seq_len"],
+            "seed": cfg.seed, "grad_accum": cfg.gradient_accumulation_steps}
+
+
+class Checkpoints:
+    """offload train's checkpoints: every `every` steps and at the last one, in `directory`, the newest
+    `keep` kept. Each holds the data position (the next step: batch i depends only on (seed, i)), what
+    fixes the batch sequence, and for a preset its Hugging Face config and names (for export)."""
+
+    def __init__(self, directory: str, every: int, keep: int, steps: int, extra: dict):
+        self.directory, self.every, self.keep, self.steps, self.extra = directory, every, keep, steps, extra
+
+    @classmethod
+    def from_args(cls, args, run: dict, cfg: Config, model, info: dict) -> "Checkpoints | None":
+        for flag in ("save_every", "keep_checkpoints"):
+            if getattr(args, flag) is not None and getattr(args, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be a positive integer")
+        if args.save_every is None:
+            return None
+        extra = {"train": {"run": _identity(run, cfg)}}
+        if info["kind"] == "preset":  # a HF model records its own config (offload.checkpoint)
+            extra["hf_config"] = info["hf_config"]
+            extra["hf_names"] = {n: hf_name(n) for n, _ in model.named_parameters(remove_duplicate=False)}
+        keep = DEFAULT_KEEP_CHECKPOINTS if args.keep_checkpoints is None else args.keep_checkpoints
+        return cls(args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR, args.save_every, keep, run["steps"], extra)
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.steps
+
+    def save(self, engine, step: int) -> str:
+        extra = {**self.extra, "train": {**self.extra["train"], "step": step}}
+        name, again = f"step{step:08d}", 0
+        while os.path.lexists(os.path.join(self.directory, name)):  # resumed from an earlier one: never overwrite
+            again += 1
+            name = f"step{step:08d}-{again}"
+        return engine.save_checkpoint(self.directory, name=name, keep=self.keep, extra=extra)
+
+
+def _resume_point(args, run: dict, cfg: Config) -> tuple[str, int] | None:
+    """(checkpoint path, the step to continue at) for --resume, checked against this run before anything
+    is built; None without --resume, or for `latest` when the directory holds no checkpoint yet."""
+    from offload import checkpoint_format as fmt
+
+    if args.resume is None:
+        return None
+    path = args.resume
+    if path == "latest":
+        path = args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR
+        if not os.path.isfile(os.path.join(path, fmt.LATEST)):
+            print(f"offload train: no checkpoint in {path} yet; starting at step 0", file=sys.stderr, flush=True)
+            return None
+    ckpt = fmt.resolve(path)
+    position = fmt.read_manifest(ckpt)["extra"].get("train")
+    if position is None:
+        raise ValueError(f"--resume={args.resume}: {ckpt} was not saved by offload train (it has no data position); "
+                         "load it with engine.load_checkpoint() in your own loop")
+    ours = _identity(run, cfg)
+    differ = [k for k in ours if position["run"].get(k) != ours[k]]
+    if differ:
+        raise ValueError(f"--resume={args.resume}: {ckpt} was trained with " + ", ".join(
+            f"{k}={position['run'].get(k)!r}" for k in differ) + " (here " + ", ".join(f"{k}={ours[k]!r}" for k in differ)
+            + "), so the batches would not continue its sequence; resume with the same settings")
+    if position["step"] >= run["steps"]:
+        raise ValueError(f"--steps={run['steps']}: {ckpt} is at step {position['step']}, nothing is left to train; "
+                         "raise --steps")
+    return ckpt, position["step"]
+
+
+class _SaveOnSigterm:
+    """With checkpoints on, SIGTERM (a preempted job) makes the loop save after the step it is in and stop."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.received = False
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def __enter__(self) -> "_SaveOnSigterm":
+        if self.enabled:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
 
 
 def save(engine, info: dict, directory: str) -> str:

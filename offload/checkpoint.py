@@ -1,0 +1,435 @@
+"""Checkpoints: everything a run needs to continue exactly, streamed chunk by chunk from whichever tier
+holds it, written atomically, verified on load, loadable at another placement: `engine.save_checkpoint`,
+`engine.load_checkpoint`; also `engine.state_dict()` / `load_state_dict()` with real values. The files
+and the manifest are offload.checkpoint_format's ([Note: the format], [Note: atomic saves]).
+
+[Note: what a checkpoint holds]
+Per parameter, by name: its fp32 master, exp_avg and exp_avg_sq and its own Adam step count (trainable),
+or its weight in the compute dtype (frozen). The compute-dtype weights of trainable parameters are not
+stored: they are their masters rounded to nearest even, which is exactly what CPU Adam writes. The
+model's persistent buffers. The step pipeline's counters: step_count (also the lr schedule's position),
+micro_step, loss_scale, good_steps, skipped_steps. With delayed_update, the accepted update not applied
+yet is saved as it is (its lr, its grad scale and the gradient in the accumulator), not flushed:
+flushing would change the run that saves (its next forward would see that update one step early).
+Saved between the micro-steps of an accumulation window, the fp32 gradient accumulator is saved too
+(with micro_step), so the window completes after the load. RNG states (torch CPU, CUDA when present,
+python's random, numpy's global generator), the config's essentials (precision must match on load; other
+differences are named in a warning) and `extra`, the caller's JSON state (offload train keeps its data
+position there; `hf_config` and `hf_names` there feed `offload checkpoint export`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import random
+import sys
+import time
+from collections import OrderedDict
+
+import torch
+from torch.nn.modules.module import _IncompatibleKeys
+
+from offload import checkpoint_format as fmt
+from offload.checkpoint_format import CheckpointError
+from offload.chunks import chunk_key
+
+log = logging.getLogger("offload")
+
+STATES = ("master", "exp_avg", "exp_avg_sq")
+# Compared on load: a difference is named in a warning (precision must match: it is an error)
+CONFIG_KEYS = ("optimizer", "gradient_accumulation_steps", "gradient_clipping", "loss_scale", "lr_schedule",
+               "delayed_update", "zero_stage")
+
+
+# -- save ----------------------------------------------------------------------------------------------
+
+def save(engine, directory: str, name: str | None = None, keep: int | None = None, extra: dict | None = None) -> str:
+    """Writes a checkpoint of `engine` to <directory>/<name> atomically, points <directory>/latest at it
+    and keeps the newest `keep`. Returns its path."""
+    counters = engine.pipeline.checkpoint_state()
+    accumulator = counters["pending_update"] is not None or counters["micro_step"] > 0
+    if name is None:
+        name = f"step{counters['step_count']:08d}" + (f"-micro{counters['micro_step']}" if counters["micro_step"] else "")
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep={keep}: must be >= 1 (or None: keep every checkpoint)")
+    manifest = _manifest_head(engine, counters, accumulator, extra)
+    with fmt.writing(directory, name) as tmp:
+        with fmt.DataFile(tmp, fmt.DATA_FILE) as out:
+            manifest["tensors"] = _save_parameters(engine, out, accumulator)
+            manifest["buffers"] = _save_buffers(engine, out)
+            out.sync()
+        manifest["files"] = {out.name: {"rank": engine.rank, "nbytes": out.nbytes}}
+        fmt.write_manifest(tmp, manifest)
+    fmt.point_latest(directory, name)
+    if keep is not None:
+        fmt.prune(directory, keep)
+    return os.path.join(directory, name)
+
+
+def _manifest_head(engine, counters: dict, accumulator: bool, extra: dict | None) -> dict:
+    cfg = engine.cfg
+    extra = dict(extra or {})
+    pretrained = getattr(sys.modules.get("transformers"), "PreTrainedModel", None)
+    if pretrained is not None and isinstance(engine.module, pretrained) and "hf_config" not in extra:
+        extra["hf_config"] = json.loads(json.dumps(engine.module.config.to_dict(), default=str))
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"extra: not JSON-serializable ({e}); pass plain dicts, lists, numbers and strings") from e
+    essentials = json.loads(json.dumps(cfg.to_dict()))
+    return {"format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "world_size": 1, "zero_stage": cfg.zero_stage,
+            "precision": cfg.precision, **counters, "accumulator": accumulator, "saved_at": time.time(),
+            "config": {k: essentials[k] for k in CONFIG_KEYS}, "rng": {str(engine.rank): _rng_state()},
+            "extra": extra}
+
+
+def _save_parameters(engine, out: fmt.DataFile, accumulator: bool) -> dict:
+    """Every parameter's entry, unit by unit, each of its buffers chunk by chunk ([Note: the format])."""
+    names = param_names(engine.module)
+    tensors: dict = {}
+    for unit in engine.units:
+        st = engine.states[unit.index]
+        steps = {s.offset: n for s, n in zip(st.slots, st.slot_steps)} if st is not None else {}
+        got = {st.slots[k].offset for k in st.got_grad} if st is not None else set()
+        entry = {}
+        for s in unit.slots:
+            name, *aliases = names[s.param]
+            meta = entry[s.offset] = tensors[name] = {"shape": list(s.shape), "dtype": fmt.dtype_name(engine.dtype),
+                                                      "trainable": s.trainable, "aliases": aliases}
+            if s.trainable:
+                meta["step"] = steps[s.offset]
+                if accumulator:
+                    meta["has_grad"] = s.offset in got
+        kinds = (*STATES, *("grad",) * accumulator) if st is not None else ()
+        if any(not s.trainable for s in unit.slots):
+            kinds = (*kinds, "weight")
+        for kind in kinds:
+            slots = [s for s in unit.slots if s.trainable == (kind != "weight")]
+            for b, e, t in _windows(engine, unit, kind):
+                for s in slots:
+                    lo, hi = max(b, s.offset), min(e, s.offset + s.numel)
+                    if lo < hi:
+                        piece = t[lo - b:hi - b]
+                        if kind == "grad":
+                            piece = piece.float()  # a one-micro-step accumulator may hold the compute dtype
+                        where = entry[s.offset].setdefault(kind, {"dtype": fmt.dtype_name(piece.dtype), "ranges": []})
+                        where["ranges"].append(out.write(piece, lo - s.offset, hi - s.offset))
+    return tensors
+
+
+def _save_buffers(engine, out: fmt.DataFile) -> dict:
+    buffers = {}
+    for name, b, _ in state_entries(engine.module, params=False):
+        t = b.detach().reshape(-1).cpu()
+        buffers[name] = {"shape": list(b.shape), "dtype": fmt.dtype_name(b.dtype),
+                         "ranges": [out.write(t, 0, t.numel())] if t.numel() else []}
+    return buffers
+
+
+# -- the units' buffers at their homes, chunk by chunk -----------------------------------------------------
+
+def _windows(engine, unit, kind: str, write: bool = False, keep: bool = True):
+    """(begin, end, host tensor) over one of the unit's flat buffers (master, exp_avg, exp_avg_sq, grad, or
+    weight in the compute dtype), one chunk at a time, from its home: nvme chunks through a pool chunk (a
+    key never written reads as zeros: moments before the first step), accelerator-resident ones through a
+    host copy, host-resident ones as views. write: the tensor goes back to its home when the caller asks
+    for the next one (not after an exception). keep=False: it starts zeroed instead of read."""
+    st, w = engine.states[unit.index], engine.weights[unit.index]
+    if kind == "weight":
+        w.wait_for_write()  # new weights written behind by the last step
+        spans, home, key, dtype = w.chunks, w.home, w.key, w.dtype
+        flat = w.hbm if w.home == "hbm" else w.dram
+    else:
+        spans, home, key, dtype = st.windows, st.home, unit.key(kind, engine.rank), torch.float32
+        flat = st.t.get(kind)
+    for i, (b, e) in enumerate(spans):
+        if home != "nvme":
+            at_home = st.grad(i) if kind == "grad" else flat[b:e]  # grad: in the accumulator's dtype
+            t = at_home.cpu()
+            if not keep:
+                t.zero_()
+            yield b, e, t
+            if write and t is not at_home:
+                at_home.copy_(t)
+            continue
+        k = chunk_key(key, i)
+        buf = engine.staging.acquire(e - b, dtype, f"checkpoint {k}")
+        try:
+            if keep and k in engine.store:
+                engine.store.read(k, into=buf).wait()
+            else:
+                buf.zero_()
+            yield b, e, buf
+            if write:
+                engine.store.write(k, buf).wait()
+        finally:
+            engine.staging.release(buf)
+
+
+def _write_unit(engine, unit, kind: str, slots, fill, keep: bool) -> None:
+    """fill(dst, slot, lo, hi) writes elements [lo, hi) of `slot` into dst, for each slot in `slots`,
+    into the unit's `kind` buffer at its home."""
+    for b, e, buf in _windows(engine, unit, kind, write=True, keep=keep):
+        for s in slots:
+            lo, hi = max(b, s.offset), min(e, s.offset + s.numel)
+            if lo < hi:
+                fill(buf[lo - b:hi - b], s, lo - s.offset, hi - s.offset)
+
+
+# -- load ------------------------------------------------------------------------------------------------
+
+def load(engine, path: str) -> dict:
+    """Loads the checkpoint at `path` (or the one `path/latest` names) into `engine`, whatever its
+    placement; returns the checkpoint's `extra`. Everything is checked (format, names, shapes, ranges,
+    every checksum) before anything in the engine changes."""
+    ckpt = fmt.resolve(path)
+    manifest = fmt.read_manifest(ckpt)
+    engine.pipeline.checkpoint_state()  # between steps, engine usable
+    _check_config(engine.cfg, manifest, ckpt)
+    plan = _match_parameters(engine, manifest, ckpt)
+    buffers = _match_buffers(engine.module, manifest, ckpt)
+    with fmt.Reader(ckpt, manifest) as files:
+        files.verify_all(manifest)
+        engine.pipeline.release_all()  # no fetched copy may outlive the update of its home
+        for unit in engine.units:
+            _load_unit(engine, unit, {s.offset: plan[(unit.index, s.offset)] for s in unit.slots}, files,
+                       manifest["accumulator"])
+        for name, (b, entry) in buffers.items():
+            value = torch.empty(b.numel(), dtype=fmt.dtype_of(entry["dtype"]))
+            files.read_elements(entry, 0, b.numel(), value, f"buffer {name}")
+            b.copy_(value.view(b.shape))
+    engine.pipeline.restore(manifest)
+    _set_rng_state(manifest["rng"].get(str(engine.rank)))
+    return manifest["extra"]
+
+
+def _load_unit(engine, unit, entries: dict, files: fmt.Reader, accumulator: bool) -> None:
+    def source(*kinds):
+        """Fills from the first of `kinds` the parameter's entry has (a parameter frozen in the checkpoint
+        and trainable here takes its master from its weight, and zero moments)."""
+        def fill(dst, slot, lo, hi):
+            name, entry = entries[slot.offset]
+            kind = next((k for k in kinds if k in entry), None)
+            if kind is None:
+                dst.zero_()
+            else:
+                files.read_elements(entry[kind], lo, hi, dst, f"{name} {kind}")
+        return fill
+
+    st = engine.states[unit.index]
+    if st is not None:
+        if accumulator:
+            st.grad_dtype = torch.float32  # the accumulator's own dtype (see OptimState.accumulate)
+        for kind in (*STATES, *("grad",) * accumulator):
+            _write_unit(engine, unit, kind, st.slots, source(kind, "weight") if kind == "master" else source(kind),
+                        keep=False)
+        st.slot_steps = [entries[s.offset][1].get("step", 0) for s in st.slots]
+        if accumulator:
+            st.got_grad = {k for k, s in enumerate(st.slots) if entries[s.offset][1].get("has_grad")}
+    trainable, frozen = source("master", "weight"), source("weight", "master")
+    _write_unit(engine, unit, "weight", unit.slots,
+                lambda dst, s, lo, hi: (trainable if s.trainable else frozen)(dst, s, lo, hi), keep=False)
+
+
+def _check_config(cfg, manifest: dict, ckpt: str) -> None:
+    ours = json.loads(json.dumps(cfg.to_dict()))
+    theirs = manifest["config"]
+    if manifest["precision"] != cfg.precision:
+        raise CheckpointError(f"precision={cfg.precision!r}: the checkpoint {ckpt} was trained in "
+                              f"{manifest['precision']!r} (its weights and loss scale); resume with that precision")
+    if manifest["pending_update"] is not None and not cfg.delayed_update:
+        raise CheckpointError(f"delayed_update=False: the checkpoint {ckpt} holds a delayed update not applied "
+                              "yet; resume with delayed_update: true")
+    gas = theirs["gradient_accumulation_steps"]
+    if manifest["micro_step"] and ours["gradient_accumulation_steps"] != gas:
+        raise CheckpointError(f"gradient_accumulation_steps={ours['gradient_accumulation_steps']}: the checkpoint "
+                              f"{ckpt} was saved after {manifest['micro_step']} of {gas} micro-steps; resume with {gas}")
+    differ = [k for k in CONFIG_KEYS if theirs.get(k) != ours[k]]
+    if differ:
+        log.warning("offload: %s differ from the checkpoint %s (%s); training goes on with this config",
+                    ", ".join(differ), ckpt, "; ".join(f"{k}: {theirs.get(k)} -> {ours[k]}" for k in differ))
+
+
+def _match_parameters(engine, manifest: dict, ckpt: str) -> dict:
+    """{(unit index, slot offset): (name, entry)}; raises naming every parameter that does not fit."""
+    tensors = manifest["tensors"]
+    by_name = {n: name for name, e in tensors.items() for n in (name, *e.get("aliases", []))}
+    names = param_names(engine.module)
+    plan, used, missing, errors = {}, set(), [], []
+    for unit in engine.units:
+        for s in unit.slots:
+            name = next((by_name[n] for n in names[s.param] if n in by_name), None)
+            if name is None:
+                missing.append(names[s.param][0])
+                continue
+            used.add(name)
+            entry = tensors[name]
+            if list(entry["shape"]) != list(s.shape):
+                errors.append(f"{name}: shape {tuple(entry['shape'])} in the checkpoint, {tuple(s.shape)} here")
+            for kind in ("master", "exp_avg", "exp_avg_sq", "grad", "weight"):
+                if kind in entry:
+                    errors += fmt.check_ranges(f"{name} {kind}", entry[kind], s.numel, manifest["files"])
+            if s.numel and "master" not in entry and "weight" not in entry:
+                errors.append(f"{name}: neither master nor weight in the checkpoint")
+            plan[(unit.index, s.offset)] = (name, entry)
+    if missing:
+        errors.append(f"absent from the checkpoint: {_few(missing)}")
+    if set(tensors) - used:
+        errors.append(f"absent from this model: {_few(sorted(set(tensors) - used))}")
+    if errors:
+        raise CheckpointError(f"{ckpt}: does not match this model: " + "; ".join(errors))
+    return plan
+
+
+def _match_buffers(model, manifest: dict, ckpt: str) -> dict:
+    ours = {name: b for name, b, _ in state_entries(model, params=False)}
+    theirs = manifest["buffers"]
+    errors = []
+    if set(ours) != set(theirs):
+        errors.append(f"buffers differ: absent from the checkpoint {_few(sorted(set(ours) - set(theirs)))}; "
+                      f"absent from this model {_few(sorted(set(theirs) - set(ours)))}")
+    for name in set(ours) & set(theirs):
+        if list(theirs[name]["shape"]) != list(ours[name].shape):
+            errors.append(f"buffer {name}: shape {tuple(theirs[name]['shape'])} in the checkpoint, "
+                          f"{tuple(ours[name].shape)} here")
+        errors += fmt.check_ranges(f"buffer {name}", theirs[name], ours[name].numel(), manifest["files"])
+    if errors:
+        raise CheckpointError(f"{ckpt}: does not match this model: " + "; ".join(errors))
+    return {name: (ours[name], theirs[name]) for name in ours}
+
+
+# -- state_dict --------------------------------------------------------------------------------------------
+
+def param_names(model) -> dict:
+    """parameter -> every name it has in `model` (tied parameters: several), in named_parameters order."""
+    names: dict = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(p, []).append(n)
+    return names
+
+
+def state_entries(model, params: bool = True):
+    """(name, tensor, is_parameter) in model.state_dict()'s order: parameters (tied ones under each name)
+    and persistent buffers."""
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        p = f"{prefix}." if prefix else ""
+        if params:
+            yield from ((p + n, t, True) for n, t in m._parameters.items() if t is not None)
+        yield from ((p + n, t, False) for n, t in m._buffers.items()
+                    if t is not None and n not in m._non_persistent_buffers_set)
+
+
+def state_dict(engine, prefix: str = "") -> dict:
+    """The wrapped module's state_dict() keys with real values on the CPU, from every tier: fp32 masters of
+    trainable parameters, frozen ones upcast to fp32 (as FSDP's full state dict gives the original fp32
+    parameters), tied names sharing one tensor, persistent buffers as they are."""
+    values = dict(engine.state_items())
+    return OrderedDict((prefix + name, values[name] if is_param else t.detach().cpu())
+                       for name, t, is_param in state_entries(engine.module))
+
+
+def load_state_dict(engine, sd: dict, strict: bool = True) -> _IncompatibleKeys:
+    """Writes parameters into their homes (masters, and weights in the compute dtype) and buffers in place,
+    with torch's strict semantics; optimizer moments and step counts are untouched. Everything is checked
+    before anything is written."""
+    engine.pipeline.checkpoint_state()  # between steps, engine usable
+    shapes = {s.param: s.shape for u in engine.units for s in u.slots}
+    entries = list(state_entries(engine.module))
+    missing = [n for n, _, _ in entries if n not in sd]
+    expected = {n for n, _, _ in entries}
+    unexpected = [k for k in sd if k not in expected]
+    errors = []
+    if strict and unexpected:
+        errors.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ". ")
+    if strict and missing:
+        errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ". ")
+    for n, t, is_param in entries:
+        shape = shapes[t] if is_param else t.shape
+        if n in sd and tuple(sd[n].shape) != tuple(shape):
+            errors.append(f"size mismatch for {n}: copying a param with shape {tuple(sd[n].shape)} from checkpoint, "
+                          f"the shape in current model is {tuple(shape)}.")
+    if errors:
+        raise RuntimeError("Error(s) in loading state_dict for Engine:\n\t" + "\n\t".join(errors))
+    names = param_names(engine.module)
+    value = {p: sd[next(n for n in ns if n in sd)].detach().reshape(-1) for p, ns in names.items()
+             if any(n in sd for n in ns)}
+
+    def fill(dst, slot, lo, hi):
+        dst.copy_(value[slot.param][lo:hi])
+
+    engine.pipeline.release_all()
+    for unit in engine.units:
+        st, given = engine.states[unit.index], [s for s in unit.slots if s.param in value]
+        if st is not None:
+            _write_unit(engine, unit, "master", [s for s in given if s.trainable], fill, keep=True)
+        _write_unit(engine, unit, "weight", given, fill, keep=True)
+    with torch.no_grad():
+        for n, t, is_param in entries:
+            if not is_param and n in sd:
+                t.copy_(sd[n])
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def guard_module(model) -> list:
+    """model.state_dict() would return the empty placeholders of released parameters, and
+    model.load_state_dict() would write around the tiers: on every module holding parameters both raise,
+    pointing at the engine's own. Returns the hook handles."""
+    def refuse_save(module, *args):
+        raise RuntimeError(f"{type(module).__name__}.state_dict(): this model is wrapped by offload, whose "
+                           "parameters live in the engine's tiers (here: empty placeholders); use engine.state_dict() "
+                           "(real fp32 values from every tier) or engine.save_checkpoint(dir)")
+
+    def refuse_load(module, *args):
+        raise RuntimeError(f"{type(module).__name__}.load_state_dict(): this model is wrapped by offload, whose "
+                           "parameters live in the engine's tiers; use engine.load_state_dict(state_dict) or "
+                           "engine.load_checkpoint(path)")
+
+    return [h for m in model.modules() if any(True for _ in m.parameters())
+            for h in (m.register_state_dict_pre_hook(refuse_save), m.register_load_state_dict_pre_hook(refuse_load))]
+
+
+# -- small helpers -------------------------------------------------------------------------------------------
+
+def _rng_state() -> dict:
+    version, internal, gauss = random.getstate()
+    state = {"python": [version, list(internal), gauss], "torch": _b64(torch.get_rng_state())}
+    if torch.cuda.is_available():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    return state
+
+
+def _set_rng_state(state: dict | None) -> None:
+    if state is None:
+        return
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        for i, s in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(_unb64(s), i)
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def _few(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")

@@ -1,0 +1,319 @@
+"""The checkpoint format on disk: a manifest and data files, written atomically and read back verified.
+It knows manifests, files and tensors, not the engine: offload.checkpoint fills them from the units'
+homes and writes them back; `offload checkpoint inspect|export` read them alone.
+
+[Note: the format] (format_version 1)
+    <dir>/<name>/manifest.json   describes every tensor, below
+    <dir>/<name>/rank0.bin       raw little-endian bytes (one data file per rank; one rank today)
+    <dir>/latest                 the name of the newest complete checkpoint
+manifest.json: {"format": "offload-checkpoint", "format_version", "world_size", "zero_stage", "precision",
+the step pipeline's counters (offload.checkpoint, [Note: what a checkpoint holds]), "pending_update", "accumulator", "config", "rng": {rank: ...}, "files": {file: {"rank",
+"nbytes"}}, "extra", "tensors": {name: {"shape", "dtype" (compute dtype), "trainable", "aliases" (the tied
+names of the same parameter), "step", "has_grad", and per kind (master, exp_avg, exp_avg_sq, grad; or
+weight when frozen) {"dtype", "ranges": [{"begin", "end", "file", "offset", "nbytes", "crc32"}]}}},
+"buffers": {name: {"shape", "dtype", "ranges"}}}. A range holds elements [begin, end) of the flattened
+tensor at bytes [offset, offset + nbytes) of `file`, with the crc32 of those bytes; it is at most one
+chunk. The engine's flat buffers, their padding and (later) their shards are not part of the format, so
+any placement, and any world size, reads a tensor by name and element range.
+
+[Note: atomic saves]
+Everything is written under <dir>/.tmp-<name> and fsynced; the directory is renamed to <dir>/<name> and
+the parent directory fsynced; only then is `latest` replaced (a temporary file, fsynced, renamed). A save
+interrupted at any point (an exception, SIGKILL, power loss) leaves the previous checkpoint and `latest`
+as they were; a later save of the same name removes the leftover. `keep` prunes the oldest complete
+checkpoints (by the time they were written), never the one `latest` names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import zlib
+
+import torch
+
+FORMAT, FORMAT_VERSION = "offload-checkpoint", 1
+MANIFEST, LATEST, DATA_FILE = "manifest.json", "latest", "rank0.bin"
+VERIFY_BYTES = 8 << 20  # checksums are verified reading this much at a time
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not load; the message names the file, the tensor and the range."""
+
+
+# -- writing ---------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def writing(directory: str, name: str):
+    """The temporary directory to write checkpoint `name` into ([Note: atomic saves]): when the block ends
+    it is fsynced and renamed to <directory>/<name>; if the block raises, it is removed."""
+    if not name or name.startswith(".") or os.sep in name or name == LATEST:
+        raise ValueError(f"name={name!r}: a checkpoint name is one path component, not {LATEST!r}, not hidden")
+    final, tmp = os.path.join(directory, name), os.path.join(directory, f".tmp-{name}")
+    if os.path.lexists(final):
+        raise FileExistsError(errno.EEXIST, "a checkpoint of this name exists; pass another name or remove it", final)
+    os.makedirs(directory, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save of this name
+    os.mkdir(tmp)
+    try:
+        yield tmp
+        _fsync_dir(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+class DataFile:
+    """One rank's data file, written front to back; every range gets its crc32."""
+
+    def __init__(self, directory: str, name: str):
+        self.name, self.nbytes = name, 0
+        self.f = open(os.path.join(directory, name), "wb")
+
+    def write(self, t: torch.Tensor, begin: int, end: int) -> dict:
+        data = as_bytes(t)
+        self.f.write(data)
+        r = {"begin": begin, "end": end, "file": self.name, "offset": self.nbytes, "nbytes": len(data),
+             "crc32": zlib.crc32(data)}
+        self.nbytes += len(data)
+        return r
+
+    def sync(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def __enter__(self) -> "DataFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.f.close()
+
+
+def write_manifest(directory: str, manifest: dict) -> None:
+    _write_synced(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1).encode())
+
+
+def point_latest(directory: str, name: str) -> None:
+    """<directory>/latest names `name`, replaced atomically: readers see the old or the new name."""
+    path, tmp = os.path.join(directory, LATEST), os.path.join(directory, f".{LATEST}.tmp")
+    try:
+        _write_synced(tmp, f"{name}\n".encode())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    _fsync_dir(directory)
+
+
+def list_checkpoints(directory: str) -> list[str]:
+    """Names of the complete checkpoints in `directory`, oldest first (by when their manifest was written)."""
+    found = []
+    for name in os.listdir(directory):
+        manifest = os.path.join(directory, name, MANIFEST)
+        if not name.startswith(".") and os.path.isfile(manifest):
+            found.append((os.stat(manifest).st_mtime_ns, name))
+    return [name for _, name in sorted(found)]
+
+
+def prune(directory: str, keep: int) -> None:
+    """Removes all but the newest `keep` checkpoints, never the one `latest` names."""
+    with open(os.path.join(directory, LATEST)) as f:
+        latest = f.read().strip()
+    for name in os.listdir(directory):
+        if name.startswith(".del-"):  # a prune interrupted earlier
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    for name in list_checkpoints(directory)[:-keep]:
+        if name != latest:
+            trash = os.path.join(directory, f".del-{name}")  # renamed first: never a half-removed checkpoint
+            os.rename(os.path.join(directory, name), trash)
+            shutil.rmtree(trash, ignore_errors=True)
+
+
+def _write_synced(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- reading ---------------------------------------------------------------------------------------------------
+
+def resolve(path: str) -> str:
+    """The checkpoint at `path`: a checkpoint directory itself, or the one `path/latest` names."""
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return path
+    latest = os.path.join(path, LATEST)
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            ckpt = os.path.join(path, f.read().strip())
+        if not os.path.isfile(os.path.join(ckpt, MANIFEST)):
+            raise CheckpointError(f"{latest}: names {ckpt}, which holds no {MANIFEST}")
+        return ckpt
+    raise FileNotFoundError(errno.ENOENT, f"neither a checkpoint (no {MANIFEST}) nor a directory of checkpoints "
+                            f"(no {LATEST})", path)
+
+
+def read_manifest(ckpt: str) -> dict:
+    path = os.path.join(ckpt, MANIFEST)
+    with open(path) as f:
+        try:
+            m = json.load(f)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); the manifest is damaged") from e
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not an offload checkpoint manifest (format is not {FORMAT!r})")
+    version = m.get("format_version")
+    if version != FORMAT_VERSION:
+        newer = isinstance(version, int) and version > FORMAT_VERSION
+        raise CheckpointError(f"{path}: format_version={version!r}; this offload reads version {FORMAT_VERSION}"
+                              + ("; written by a newer offload: upgrade offload to load it" if newer else ""))
+    return m
+
+
+def check_ranges(what: str, where: dict, numel: int, files: dict) -> list[str]:
+    """The ranges must cover elements [0, numel) once, each its bytes in a known file."""
+    try:
+        itemsize = dtype_of(where["dtype"]).itemsize
+    except ValueError as e:
+        return [f"{what}: {e}"]
+    pos = 0
+    for r in sorted(where["ranges"], key=lambda r: r["begin"]):
+        if r["begin"] != pos or r["end"] <= pos or r["nbytes"] != (r["end"] - pos) * itemsize or r["file"] not in files:
+            return [f"{what}: range {r} does not continue at element {pos} in a file of the manifest"]
+        pos = r["end"]
+    return [] if pos == numel else [f"{what}: ranges cover {pos} of {numel} elements"]
+
+
+def all_ranges(manifest: dict):
+    """(what, range) for every range of the manifest, in file order."""
+    found = [(f"{name} {kind} elements [{r['begin']}, {r['end']})", r)
+             for name, e in manifest["tensors"].items() for kind, where in e.items() if isinstance(where, dict)
+             for r in where["ranges"]]
+    found += [(f"buffer {name}", r) for name, e in manifest["buffers"].items() for r in e["ranges"]]
+    return sorted(found, key=lambda wr: (wr[1]["file"], wr[1]["offset"]))
+
+
+class Reader:
+    """A checkpoint's data files, open for reading; each one's size checked against the manifest."""
+
+    def __init__(self, ckpt: str, manifest: dict):
+        self.fds: dict[str, tuple[int, str]] = {}
+        try:
+            for name, info in manifest["files"].items():
+                path = os.path.join(ckpt, name)
+                fd = os.open(path, os.O_RDONLY)
+                self.fds[name] = (fd, path)
+                size = os.fstat(fd).st_size
+                if size != info["nbytes"]:
+                    raise CheckpointError(f"{path}: {size} bytes, the manifest says {info['nbytes']} ("
+                                          + ("truncated: an interrupted copy or a full disk" if size < info["nbytes"]
+                                             else "longer than written") + "); load another checkpoint")
+        except BaseException:
+            self.close()
+            raise
+
+    def verify(self, r: dict, what: str) -> None:
+        fd, path = self.fds[r["file"]]
+        crc, pos = 0, 0
+        while pos < r["nbytes"]:
+            data = os.pread(fd, min(VERIFY_BYTES, r["nbytes"] - pos), r["offset"] + pos)
+            if not data:
+                raise CheckpointError(f"{path}: ends at byte {r['offset'] + pos}, inside {what} (truncated)")
+            crc, pos = zlib.crc32(data, crc), pos + len(data)
+        if crc != r["crc32"]:
+            raise CheckpointError(f"{path}: bytes [{r['offset']}, {r['offset'] + r['nbytes']}) ({what}): crc32 "
+                                  f"{crc:#010x}, the manifest says {r['crc32']:#010x}; the file is damaged, load "
+                                  "another checkpoint")
+
+    def verify_all(self, manifest: dict) -> None:
+        for what, r in all_ranges(manifest):
+            self.verify(r, what)
+
+    def read_elements(self, where: dict, lo: int, hi: int, dst: torch.Tensor, what: str) -> None:
+        """Elements [lo, hi) of a tensor's `where` ({"dtype", "ranges"}) into dst (any dtype: cast)."""
+        dtype = dtype_of(where["dtype"])
+        for r in where["ranges"]:
+            a, z = max(lo, r["begin"]), min(hi, r["end"])
+            if a >= z:
+                continue
+            out = dst[a - lo:z - lo]
+            into = out if out.dtype == dtype else torch.empty(z - a, dtype=dtype)
+            fd, path = self.fds[r["file"]]
+            offset = r["offset"] + (a - r["begin"]) * dtype.itemsize
+            view = as_bytes(into)
+            if os.preadv(fd, [view], offset) != len(view):
+                raise CheckpointError(f"{path}: short read at byte {offset} ({what} elements [{a}, {z})); truncated")
+            if into is not out:
+                out.copy_(into)
+
+    def close(self) -> None:
+        for fd, _ in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def verify(ckpt: str, manifest: dict) -> None:
+    """Reads every range of the checkpoint and checks its crc32 (and every file's size)."""
+    with Reader(ckpt, manifest) as files:
+        files.verify_all(manifest)
+
+
+def iter_weights(ckpt: str, manifest: dict, dtype: torch.dtype):
+    """(name, tensor) for every parameter name (tied names too) and persistent buffer of a checkpoint,
+    one at a time, checksums verified: masters of trainable parameters, weights of frozen ones, floating
+    values as `dtype` (what `offload checkpoint export` writes)."""
+    with Reader(ckpt, manifest) as files:
+        entries = [(n, e, e.get("master") or e.get("weight"), [n, *e["aliases"]]) for n, e in manifest["tensors"].items()]
+        entries += [(n, e, e, [n]) for n, e in manifest["buffers"].items()]
+        for name, entry, where, names in entries:
+            numel = 1
+            for d in entry["shape"]:
+                numel *= d
+            for r in where["ranges"] if where else []:
+                files.verify(r, name)
+            value = torch.empty(numel, dtype=dtype_of(where["dtype"]) if where else dtype)
+            if where:
+                files.read_elements(where, 0, numel, value, name)
+            value = value.view(entry["shape"])
+            if value.is_floating_point():
+                value = value.to(dtype)
+            for n in names:
+                yield n, value
+
+
+# -- bytes and dtypes ----------------------------------------------------------------------------------------
+
+def as_bytes(t: torch.Tensor):
+    """The bytes of a contiguous tensor, without a copy (numpy shares its memory; writable)."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype {name!r} is not a torch dtype")
+    return dtype
