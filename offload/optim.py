@@ -226,7 +226,7 @@ class OptimState(_Handle):
         for t in w.tickets:
             try:
                 t.wait()
-            except BaseException:  # reported by whoever waited first
+            except Exception:  # reported by whoever waited first (an interrupt is not held back)
                 pass
         w.tickets = []
         for kind in list(w.t):

@@ -185,7 +185,11 @@ class StepPipeline:
                 grads.clear()
                 hbm.refund(nbytes)
 
-        self._jobs.append((self.rt.d2h.submit(job, tensors=[g for _, g in grads]), nbytes))
+        try:
+            self._jobs.append((self.rt.d2h.submit(job, tensors=[g for _, g in grads]), nbytes))
+        except BaseException:  # not queued (a closed or dead thread): the job's own refund will not run
+            hbm.refund(nbytes)
+            raise
 
     def wait_oldest_grad_job(self) -> bool:
         """Waits for the oldest gradient job in flight (its hbm bytes are free after); False if none."""
@@ -255,7 +259,7 @@ class StepPipeline:
         for completion, _ in self._jobs:
             try:
                 completion.wait()
-            except BaseException:  # the error raised is the first one
+            except Exception:  # the error raised is the first one (an interrupt is not held back)
                 pass
         self._jobs = []
 

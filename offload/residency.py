@@ -286,5 +286,5 @@ def _settle(completion) -> None:
     """Waits for a transfer whose result no longer matters (its error was or will be reported elsewhere)."""
     try:
         completion.wait()
-    except BaseException:
+    except Exception:  # an interrupt (Ctrl-C, offload.Stopped) is not held back
         pass

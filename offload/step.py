@@ -53,7 +53,7 @@ class WindowPipeline:
         self.ahead = None
         try:
             self._land_last()
-        except BaseException:  # the first error is the one reported
+        except Exception:  # the first error is the one reported (an interrupt is not held back)
             pass
         for st in self.ctx.states:
             for i in range(len(st.windows) if st is not None else 0):
