@@ -18,16 +18,8 @@ import torch
 from accelerate import Accelerator
 from transformers import LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
-from offload.data import ByteTokenizer, load_tokens, split_tokens
+from offload.data import ByteTokenizer, causal_lm_windows, load_tokens, split_tokens
 from offload.integrations import accelerate as offload_accelerate
-
-
-def windows(tokens: torch.Tensor, n: int, seq_len: int, seed: int) -> list[dict]:
-    """n random windows of the token stream as causal-LM examples (the model shifts the labels)."""
-    g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(tokens) - seq_len, (n,), generator=g)
-    rows = [tokens[s:s + seq_len].long() for s in starts.tolist()]
-    return [{"input_ids": r, "labels": r} for r in rows]
 
 
 def main() -> None:
@@ -39,7 +31,7 @@ def main() -> None:
     gas = 2
     accelerator = Accelerator(gradient_accumulation_steps=gas)
     train_tokens, _ = split_tokens(load_tokens())   # the bundled corpus, byte-level tokens
-    loader = torch.utils.data.DataLoader(windows(train_tokens, 8 * gas * args.steps, 64, seed=0), batch_size=8)
+    loader = torch.utils.data.DataLoader(causal_lm_windows(train_tokens, 8 * gas * args.steps, 64, seed=0), batch_size=8)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=ByteTokenizer.vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))

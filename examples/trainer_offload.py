@@ -16,16 +16,8 @@ import tempfile
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from offload.data import ByteTokenizer, load_tokens, split_tokens
+from offload.data import ByteTokenizer, causal_lm_windows, load_tokens, split_tokens
 from offload.integrations.transformers import OffloadTrainer
-
-
-def windows(tokens: torch.Tensor, n: int, seq_len: int, seed: int) -> list[dict]:
-    """n random windows of the token stream as causal-LM examples (the model shifts the labels)."""
-    g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(tokens) - seq_len, (n,), generator=g)
-    rows = [tokens[s:s + seq_len].long() for s in starts.tolist()]
-    return [{"input_ids": r, "labels": r} for r in rows]
 
 
 def main() -> None:
@@ -54,8 +46,8 @@ def main() -> None:
             "units": {"classes": ["LlamaDecoderLayer"]},   # one unit (moved as one buffer) per decoder layer
         }
         trainer = OffloadTrainer(model=model, args=training_args, offload_config=offload_config,
-                                 train_dataset=windows(train_tokens, 16 * args.steps, 64, seed=0),
-                                 eval_dataset=windows(val_tokens, 32, 64, seed=1))
+                                 train_dataset=causal_lm_windows(train_tokens, 16 * args.steps, 64, seed=0),
+                                 eval_dataset=causal_lm_windows(val_tokens, 32, 64, seed=1))
         try:
             trainer.train()
             eval_loss = trainer.evaluate()["eval_loss"]

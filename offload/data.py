@@ -116,3 +116,12 @@ class BatchSampler:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self.iter_from(0)
+
+
+def causal_lm_windows(tokens: torch.Tensor, n: int, seq_len: int, seed: int) -> list[dict]:
+    """n random windows of a token stream as causal-LM examples for Hugging Face loops (`input_ids` ==
+    `labels`: the model shifts them), as the examples' Trainer and Accelerate loops take them."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(tokens) - seq_len, (n,), generator=g)
+    rows = [tokens[s:s + seq_len].long() for s in starts.tolist()]
+    return [{"input_ids": r, "labels": r} for r in rows]
