@@ -41,13 +41,14 @@ class Engine(nn.Module):
         cfg = load_config(config)
         if not any(True for _ in model.parameters()):
             raise ValueError("model: has no parameters; offload trains parameters, pass the model to train")
-        self.cfg, self.module, self.rank = cfg, model, 0
-        _check_unsupported(cfg)
+        self.cfg, self.module = cfg, model
+        self.rank, self.world = _check_unsupported(cfg)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.dtype = cfg.compute_dtype
         self.units: list[Unit] = partition(model, cfg.units.min_numel, cfg.units.classes)
-        self.placement: Placement = plan_placement(self.units, cfg, self.device, order=forward_order(model, self.units))
-        self.rt = rt = Runtime.open(cfg, self.device, self.placement, self.rank)
+        self.placement: Placement = plan_placement(self.units, cfg, self.device, order=forward_order(model, self.units),
+                                                   world=self.world)
+        self.rt = rt = Runtime.open(cfg, self.device, self.placement, self.rank, self.world)
         self.tiers, self.telemetry, self.staging, self.store = rt.tiers, rt.telemetry, rt.staging, rt.store
         self.chunk_numel = rt.chunk_numel
         self.trace = ExecutionTrace(self.placement.knobs.prefetch_units)
@@ -203,8 +204,16 @@ class Engine(nn.Module):
         then points <directory>/latest at it and keeps the newest `keep`; `extra`: your JSON state, returned
         by load_checkpoint. With delayed_update the pending update is saved, not applied. Between steps
         only (also between the micro-steps of an accumulation window). Returns the path. See
-        offload.checkpoint for the format."""
-        return checkpoint.save(self, directory, name, keep, extra)
+        offload.checkpoint for the format. Over several ranks (zero_stage 0, every rank holding the same
+        states) call it on every rank: rank 0 writes, the others wait for it."""
+        if self.world == 1:
+            return checkpoint.save(self, directory, name, keep, extra)
+        import torch.distributed as dist
+
+        dist.barrier()  # every rank finished the step being saved
+        path = [checkpoint.save(self, directory, name, keep, extra) if self.rank == 0 else None]
+        dist.broadcast_object_list(path, src=0)  # also: nobody goes on before the checkpoint is complete
+        return path[0]
 
     def load_checkpoint(self, path: str) -> dict:
         """Loads a checkpoint (a checkpoint directory, or a directory whose `latest` names one) into this
@@ -250,13 +259,19 @@ class Engine(nn.Module):
         self.close()
 
 
-def _check_unsupported(cfg: Config) -> None:
-    """Say so, rather than train something else than asked."""
+def _check_unsupported(cfg: Config) -> tuple[int, int]:
+    """Say so, rather than train something else than asked. Returns (rank, world size) of the default
+    process group (0, 1 without one)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ValueError(f"zero_stage={cfg.zero_stage}: training over {dist.get_world_size()} ranks is not "
-                         "implemented yet (each rank would train alone); run a single process")
+    rank, world = 0, 1
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    if world > 1 and cfg.zero_stage != 0:
+        raise ValueError(f"zero_stage={cfg.zero_stage}: partitioning states over {world} ranks is not implemented "
+                         "yet; zero_stage 0 (data parallel: every rank holds all states, gradients are averaged "
+                         "over the ranks) is, or run a single process")
     if cfg.precision != "fp16" and cfg.loss_scale != LossScaleConfig():
         log.warning("offload: loss_scale is ignored with precision=%s (it applies to fp16 only)", cfg.precision)
+    return rank, world
 

@@ -170,6 +170,8 @@ class StepPipeline:
                 if delayed:  # the previous step's update, before the accumulator takes this step's gradient
                     self._pipe.step_unit(unit)
                 t0 = time.perf_counter()
+                if self.rt.world > 1:
+                    average_over_ranks(grads, self.rt)
                 if not first:
                     self._touched.add(unit.index)  # holds earlier micro-steps' gradients: changed from here
                 sq = state.accumulate(grads, first, last, keep=overlap)
@@ -426,11 +428,41 @@ class StepPipeline:
         self.phase = P.CLOSED
 
 
+def average_over_ranks(grads: list, rt) -> None:
+    """zero_stage 0 over several ranks (data parallel): each gradient becomes the mean over the ranks, in
+    place, before it enters the accumulator, so every rank holds the same accumulators, takes the same
+    global decisions (norm, clipping, fp16 overflow) and applies the same update, as DDP does. Summed in
+    fp32 and divided (gloo's AVG and its bf16 sums are missing or slow in some torch versions), one
+    parameter at a time: the fp32 copy of a low-precision gradient is at most the largest parameter, charged
+    to hbm while it exists (the placement plans it). Runs on the d2h thread, in the same unit order on
+    every rank, which keeps the collectives matched."""
+    import torch.distributed as dist
+
+    t0, nbytes, hbm = time.perf_counter(), 0, rt.tiers.acct["hbm"]
+    for _, g in grads:
+        copy = g.dtype != torch.float32
+        if copy:
+            hbm.charge(g.numel() * 4, "gradient all-reduce buffer")
+        try:
+            buf = g.float() if copy else g
+            dist.all_reduce(buf)
+            buf.div_(rt.world)
+            if copy:
+                g.copy_(buf)
+        finally:
+            if copy:
+                hbm.refund(g.numel() * 4)
+        nbytes += g.numel() * 4
+    rt.telemetry.collective("all_reduce", nbytes, time.perf_counter() - t0)
+
+
 def _delta(now: dict, before: dict) -> dict:
     links = {k: {"bytes": v["bytes"] - before["links"][k]["bytes"], "seconds": v["seconds"] - before["links"][k]["seconds"]}
              for k, v in now["links"].items()}
     stall = now["stall_seconds"] - before["stall_seconds"]
-    return {"links": links, "stall_seconds": stall, "overlap_fraction": overlap_fraction(links, stall)}
+    zero = {"bytes": 0, "seconds": 0.0, "calls": 0}
+    coll = {k: {f: v[f] - before["collectives"].get(k, zero)[f] for f in zero} for k, v in now["collectives"].items()}
+    return {"links": links, "collectives": coll, "stall_seconds": stall, "overlap_fraction": overlap_fraction(links, stall)}
 
 
 def lr_factor(sched, step: int) -> float:

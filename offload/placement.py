@@ -83,7 +83,7 @@ def _default_budgets(device: torch.device) -> tuple[int, int]:
 
 
 def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = True,
-                   order: list[int] | None = None) -> Placement:
+                   order: list[int] | None = None, world: int = 1) -> Placement:
     """Homes per unit and the bytes each tier needs; `check` runs the preflight (raises PlacementError).
     order: the units of a forward (offload.units.forward_order), for hbm's working set (offload.memory)."""
     itemsize = cfg.compute_dtype.itemsize
@@ -111,6 +111,10 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     def plan(knobs: Knobs) -> tuple[list[dict], dict[str, int]]:
         parts = runtime_parts(fetched, trainable, itemsize, w_home, s_home, device.type, p.chunk_bytes, knobs,
                               order, [u.numel for u in units], [u.trainable_numel for u in units])
+        if world > 1 and itemsize < 4:  # offload.pipeline.average_over_ranks
+            largest = max((s.numel for u in units for s in u.slots if s.trainable), default=0)
+            parts.append({"name": "gradient all-reduce buffer", "tier": "hbm", "bytes": largest * 4,
+                          "formula": f"the largest trainable parameter ({largest}) x 4 B, over {world} ranks"})
         need = totals(parts)
         return parts, {t: states[t] + need[t] for t in states}
 

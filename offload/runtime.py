@@ -30,6 +30,7 @@ class Runtime:
     device: torch.device
     dtype: torch.dtype          # the compute dtype of weights and gradients
     rank: int
+    world: int                  # ranks of the default process group averaging gradients (zero_stage 0)
     placement: Placement
     tiers: Tiers
     telemetry: Telemetry
@@ -41,7 +42,7 @@ class Runtime:
     reader: Worker              # fetches from nvme, chunk by chunk
 
     @classmethod
-    def open(cls, cfg: Config, device: torch.device, placement: Placement, rank: int = 0) -> "Runtime":
+    def open(cls, cfg: Config, device: torch.device, placement: Placement, rank: int = 0, world: int = 1) -> "Runtime":
         tiers = Tiers(device, placement.hbm_budget, placement.dram_budget, placement.nvme_budget,
                       pin=device.type == "cuda")
         staging = ChunkPool(tiers, placement.chunk_bytes, placement.pool_chunks)
@@ -51,7 +52,7 @@ class Runtime:
             staging.close()
             raise
         delay = float(os.environ.get("OFFLOAD_TEST_COPY_DELAY_S", "0"))  # tests: a missing wait shows
-        return cls(cfg, device, cfg.compute_dtype, rank, placement, tiers, Telemetry(),
+        return cls(cfg, device, cfg.compute_dtype, rank, world, placement, tiers, Telemetry(),
                    placement.chunk_bytes // 4, staging, store, CopyStream("h2d", device, delay),
                    CopyStream("d2h", device, delay), Worker("nvme-read", delay))
 

@@ -305,10 +305,16 @@ def train(args_or_config=None) -> dict:
     from offload import report as rep
 
     args = _as_namespace(args_or_config)
+    rank, world = _join_torchrun()
+    if rank:  # one voice: rank 0 prints; the others write their reports under <out>/.rank<r>
+        args.quiet_rank, args.no_progress = True, True
+        args.out = os.path.join(args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")), f".rank{rank}")
     cfg, run = resolve(args)
+    if world > 1:
+        run = {**run, "ranks": world}  # each step trains ranks x batch_size sequences; losses are their mean
     model, weights, info = build(run, cfg)
     tokens = load_token_ids(run["data"], info["tokenizer"])
-    sampler = BatchSampler(tokens, run["batch_size"], run["seq_len"], seed=cfg.seed)
+    sampler = _RankSlice(BatchSampler(tokens, run["batch_size"], run["seq_len"], seed=cfg.seed), rank, world)
     checkpoints = Checkpoints.from_args(args, run, cfg, model, info)
     resume = _resume_point(args, run, cfg)
     out_dir = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
@@ -324,7 +330,7 @@ def train(args_or_config=None) -> dict:
                     engine.load_checkpoint(resume[0])
                     run = {**run, "start_step": resume[1], "resumed_from": resume[0]}
                 init_s = time.perf_counter() - t0
-                rep.print_header(run, cfg, info, engine, quiet=args.json)
+                rep.print_header(run, cfg, info, engine, quiet=args.json or getattr(args, "quiet_rank", False))
                 if args.trace:
                     engine.start_trace()
                 _loop(engine, sampler, run, cfg, history, check_stop, progress=not args.no_progress,
@@ -346,10 +352,45 @@ def train(args_or_config=None) -> dict:
     return report
 
 
+def _join_torchrun() -> tuple[int, int]:
+    """Under torchrun (WORLD_SIZE > 1 in the environment): joins the default process group from its
+    environment (gloo on CPUs, NCCL on GPUs) and returns (rank, world size); (0, 1) otherwise. The engine
+    then trains data parallel (zero_stage 0) or refuses what is not built yet; never N copies."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _mean_over_ranks(x: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+class _RankSlice:
+    """Each rank trains its own batches: micro-batch i of rank r is the stream's batch i x world + r, so the
+    global batch is world x batch_size and no two ranks see the same one."""
+
+    def __init__(self, sampler: BatchSampler, rank: int, world: int):
+        self.sampler, self.rank, self.world = sampler, rank, world
+
+    def batch(self, i: int):
+        return self.sampler.batch(i * self.world + self.rank)
+
+
 def _publish(report: dict, args) -> None:
     from offload import report as rep
 
     rep.write(report, report["out_dir"])
+    if getattr(args, "quiet_rank", False):  # not rank 0 under torchrun: its report is written, not printed
+        return
     print(rep.summary_table(report), flush=True)
     if args.json:
         print(json.dumps(report), flush=True)
@@ -408,6 +449,8 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, 
                 engine.backward(loss)
                 loss_sum += loss.item()
             engine.step()
+            if getattr(engine, "world", 1) > 1:  # the global batch's loss (the d2h thread is idle now)
+                loss_sum = _mean_over_ranks(loss_sum)
             seconds = time.perf_counter() - t
             engine.telemetry.span("step", f"step {step + 1}", t, t + seconds)
             stats = engine.stats()

@@ -21,6 +21,7 @@ class Telemetry:
     def __init__(self):
         self._lock = threading.Lock()
         self.links = {name: {"bytes": 0, "seconds": 0.0} for name in LINKS}
+        self.collectives: dict[str, dict] = {}  # over ranks: name -> bytes handed in, seconds, calls
         self.stall_seconds = 0.0
         self._spans: list[tuple[str, str, float, float]] | None = None
         self._t0 = time.perf_counter()
@@ -33,6 +34,16 @@ class Telemetry:
             end = time.perf_counter()
             self.span("nvme" if "nvme" in name else ("h2d" if name == "dram_to_hbm" else "d2h"),
                       f"{name} {nbytes / 2**20:.1f} MiB", end - seconds, end)
+
+    def collective(self, name: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            c = self.collectives.setdefault(name, {"bytes": 0, "seconds": 0.0, "calls": 0})
+            c["bytes"] += int(nbytes)
+            c["seconds"] += seconds
+            c["calls"] += 1
+        if self._spans is not None and seconds > 0:
+            end = time.perf_counter()
+            self.span("d2h", f"{name} {nbytes / 2**20:.1f} MiB", end - seconds, end)
 
     def stall(self, seconds: float, what: str = "wait") -> None:
         with self._lock:
@@ -73,7 +84,8 @@ class Telemetry:
     def snapshot(self) -> dict:
         with self._lock:
             links = {k: dict(v) for k, v in self.links.items()}
-            return {"links": links, "stall_seconds": self.stall_seconds,
+            return {"links": links, "collectives": {k: dict(v) for k, v in self.collectives.items()},
+                    "stall_seconds": self.stall_seconds,
                     "overlap_fraction": overlap_fraction(links, self.stall_seconds)}
 
 
