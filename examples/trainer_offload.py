@@ -38,7 +38,7 @@ def main() -> None:
             gradient_accumulation_steps=2, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=5,
             max_grad_norm=1.0, bf16=args.bf16, use_cpu=not torch.cuda.is_available(), logging_steps=5,
             eval_strategy="steps", eval_steps=max(1, args.steps // 2), per_device_eval_batch_size=8,
-            save_strategy="no",      # checkpoints that resume come with engine checkpoints (README)
+            save_strategy="no",      # or save_steps=N: checkpoint-N dirs that resume_from_checkpoint continues
             report_to=[], dataloader_pin_memory=False)
         offload_config = {
             "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"},

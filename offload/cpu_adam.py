@@ -2,7 +2,8 @@
 
 Two backends compute the same update:
 - "compiled": offload/csrc/cpu_adam.cpp, built on first use with torch.utils.cpp_extension into a cache
-  directory ($OFFLOAD_CACHE_DIR, else $XDG_CACHE_HOME/offload, else ~/.cache/offload). One pass per element
+  directory ($OFFLOAD_CACHE_DIR, else $XDG_CACHE_HOME/offload, else ~/.cache/offload) named by a hash of
+  what the binary depends on (_build_key), and loaded from there directly afterwards. One pass per element
   reads the fp32 master/exp_avg/exp_avg_sq and the bf16/fp16/fp32 gradient and writes the states back plus
   the new weight in bf16/fp16. AVX-512 (with AVX512_BF16 when present) or AVX2 is chosen at run time (cap
   it with $OFFLOAD_CPU_ADAM_ISA or `set_isa`); multi-threaded over 64 Ki-element chunks.
@@ -19,8 +20,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -36,6 +39,8 @@ __all__ = ["CPUAdam", "StepDigests", "adam_step", "grad_sq_sum", "kernel_backend
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_adam.cpp"
+_NAME = "offload_cpu_adam"  # the extension module (TORCH_EXTENSION_NAME) and its library, <_NAME>.so
+_CFLAGS = ("-O3",)
 _BACKENDS = ("auto", "compiled", "torch")
 _ISAS = ("scalar", "avx2", "avx512", "avx512bf16")  # index = the kernel's ISA code (avx512bf16: AVX-512
 # plus vcvtneps2bf16 for the bf16 weight output)
@@ -58,41 +63,66 @@ _isa_cap = None         # None: the best the CPU supports (or $OFFLOAD_CPU_ADAM_
 
 # ---------------------------------------------------------------------------------------------- building
 
+def _build_key(source: bytes, compiler: str, flags: tuple[str, ...] = _CFLAGS) -> str:
+    """What the built library depends on: the source, the compiler (its --version), torch, the Python ABI
+    and the flags. Not PATH, not ninja, not the checkout: the cache is reused whatever else changes."""
+    h = hashlib.sha256()
+    for part in (source, compiler, torch.__version__, sys.implementation.cache_tag, " ".join(flags)):
+        h.update(hashlib.sha256(part if isinstance(part, bytes) else part.encode()).digest())
+    return h.hexdigest()[:16]
+
+
+def _compiler_version() -> str:
+    cxx = os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension compiles with
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH (install g++ or set CXX)")
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"the C++ compiler {cxx!r} does not run: {e}") from e
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("OFFLOAD_CACHE_DIR")
     if root is None:
         root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "offload"
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
-    return Path(root) / "cpu_adam" / f"{tag}-{digest}"
+    key = _build_key(_SOURCE.read_bytes(), _compiler_version())
+    tag = f"torch{torch.__version__.replace('+', '_')}-{sys.implementation.cache_tag}"
+    return Path(root) / "cpu_adam" / f"{tag}-{key}"
 
 
-def _check_toolchain() -> None:
+def _import(library: Path) -> object:
+    """The extension module from its built library, as cpp_extension.load would import it (without ninja)."""
+    spec = importlib.util.spec_from_file_location(_NAME, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build() -> object:
+    """Load the kernel built for this key, or compile it first (once per key: the build directory is named
+    by _build_key, so a cached build never runs ninja again). Raises RuntimeError saying what failed."""
     from torch.utils import cpp_extension
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH (install g++ or set CXX)")
+    build_dir = _cache_dir()
+    library = build_dir / f"{_NAME}.so"
+    if library.exists():
+        try:
+            return _import(library)
+        except ImportError as e:  # a build in progress in another process, or a broken file: build
+            log.info("offload: %s does not load (%s); building it again", library, e)
     try:
         cpp_extension.verify_ninja_availability()
     except RuntimeError as e:
         raise RuntimeError("ninja is not installed (pip install ninja)") from e
-
-
-def _build() -> object:
-    """Compile (first use) or load (cached) the kernel. Raises RuntimeError saying what failed."""
-    from torch.utils import cpp_extension
-    _check_toolchain()
-    build_dir = _cache_dir()
+    print(f"offload: building the CPU Adam kernel (once, ~25 s) in {build_dir}", file=sys.stderr, flush=True)
     build_dir.mkdir(parents=True, exist_ok=True)
-    if not (build_dir / "offload_cpu_adam.so").exists():
-        log.warning("offload: building the CPU Adam kernel (first use only, about a minute) in %s", build_dir)
     # Compile a copy inside the cache directory: ninja records the source path, so building the package's
     # own file from two checkouts (worktrees, venvs) with the same contents would rebuild on every load.
     source = build_dir / _SOURCE.name
     if not source.exists() or source.read_bytes() != _SOURCE.read_bytes():
         shutil.copyfile(_SOURCE, source)
     try:
-        return cpp_extension.load(name="offload_cpu_adam", sources=[str(source)], extra_cflags=["-O3"],
+        return cpp_extension.load(name=_NAME, sources=[str(source)], extra_cflags=list(_CFLAGS),
                                   build_directory=str(build_dir), verbose=False)
     except Exception as e:  # compiler errors surface as RuntimeError/CalledProcessError/ImportError
         raise RuntimeError(f"building/loading {_SOURCE} in {build_dir} failed: {e}") from e

@@ -30,18 +30,21 @@ def print_header(run: dict, cfg, info: dict, engine, quiet: bool = False) -> Non
 
 
 class Progress:
-    """A tqdm bar: loss, tokens/s, per-tier used bytes at the end of the step, stall share of the step."""
+    """A tqdm bar: loss (and the latest evaluation loss, once there is one), tokens/s, per-tier used bytes at
+    the end of the step, stall share of the step."""
 
     def __init__(self, steps: int, tokens_per_step: int, enabled: bool = True):
         from tqdm import tqdm
 
         self.tokens_per_step = tokens_per_step
+        self.eval_loss = None  # set by the loop after an evaluation
         self.bar = tqdm(total=steps, disable=not enabled, unit="step", dynamic_ncols=True)
 
     def update(self, loss: float, seconds: float, stats: dict, stall_seconds: float) -> None:
         used = " ".join(f"{t} {_mib(stats['tiers'][t]['used_bytes'])}" for t in TIERS)
-        self.bar.set_postfix_str(f"loss {loss:.3f} | {self.tokens_per_step / seconds:,.0f} tok/s | {used} | "
-                                 f"stall {100 * stall_seconds / seconds:.0f}%", refresh=False)
+        evaluated = f" | eval {self.eval_loss:.3f}" if self.eval_loss is not None else ""
+        self.bar.set_postfix_str(f"loss {loss:.3f}{evaluated} | {self.tokens_per_step / seconds:,.0f} tok/s | "
+                                 f"{used} | stall {100 * stall_seconds / seconds:.0f}%", refresh=False)
         self.bar.update(1)
 
     def __enter__(self) -> "Progress":
@@ -120,6 +123,7 @@ def build_report(run: dict, cfg, info: dict, history: dict, final: dict, init_s:
         "tokens_per_s": len(steady) * tokens_per_step / sum(steady) if steady else 0.0, "init_seconds": init_s,
         "train_seconds": train_s, "stall_share": sum(history["stall_seconds"]) / train_s if train_s else 0.0,
         **{k: history[k] for k in ("losses", "step_seconds", "lrs", "grad_norms", "stall_seconds")},
+        "eval_losses": history.get("eval_losses", []),  # [{"step", "loss"}]: --eval-data, every --eval-every steps
         "stats": final, "config": cfg.to_dict(), "run": run,
         "samples": {"columns": list(SAMPLE_COLUMNS), "rows": history["samples"]},
         "out_dir": out_dir, "saved": saved,
@@ -170,8 +174,12 @@ def plot(report: dict, path: str) -> None:
         ax_bw.plot(xs, ys, label=link)
     ax_bw.set(title=f"link bandwidth (bytes moved per {window:.1f} s window)", xlabel="seconds", ylabel="GB/s")
     ax_bw.legend()
-    ax_loss.plot(range(1, len(report["losses"]) + 1), report["losses"])
-    ax_loss.set(title="training loss", xlabel="step", ylabel="loss")
+    ax_loss.plot(range(1, len(report["losses"]) + 1), report["losses"], label="training")
+    if report["eval_losses"]:
+        ax_loss.plot([e["step"] for e in report["eval_losses"]], [e["loss"] for e in report["eval_losses"]], "o-",
+                     label="evaluation")
+        ax_loss.legend()
+    ax_loss.set(title="loss", xlabel="step", ylabel="loss")
     fig.savefig(path + ".tmp.png", dpi=90)
     plt.close(fig)
     os.replace(path + ".tmp.png", path)
@@ -192,6 +200,12 @@ def summary_table(report: dict) -> str:
             f"set-up {report['init_seconds'] or 0.0:.1f} s",
             f"  stall       {100 * report['stall_share']:.1f}% of step time waiting on transfers",
         ]
+    evals = report["eval_losses"]
+    if evals:
+        first, last = evals[0], evals[-1]
+        trend = f"{first['loss']:.3f} (step {first['step']}) -> " if len(evals) > 1 else ""
+        ev = report["run"]["eval"]
+        lines.append(f"  eval loss   {trend}{last['loss']:.3f} (step {last['step']}); {ev['batches']} batches of {ev['data']}")
     lines.append(f"  {'tier':6s} {'used':>10s} {'peak':>10s} {'budget':>10s}")
     for tier in TIERS:
         s = st["tiers"][tier]

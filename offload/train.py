@@ -36,6 +36,8 @@ from offload.signals import SIGNALS, Stopped, stop_on_signals
 DEFAULT_SWAP_DIR = "./.offload-swap"
 DEFAULT_CHECKPOINT_DIR = "./checkpoints"
 DEFAULT_KEEP_CHECKPOINTS = 2
+DEFAULT_EVAL_BATCHES = 8
+PER_STEP = ("losses", "step_seconds", "lrs", "grad_norms", "stall_seconds")  # history: one entry per step
 
 # What `make demo` runs: about 2-3 minutes of training on 2 quiet CPU cores (7.5 on a loaded one) (README, "Quick start").
 RECIPE = {"model": "small", "steps": 200, "batch_size": 8, "seq_len": 128, "lr": 3e-3,
@@ -70,6 +72,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--trace", default=None, metavar="PATH",
                    help="write a Chrome/Perfetto trace of the run (and PATH.png: the last step's timeline)")
+    e = parser.add_argument_group("evaluation")
+    e.add_argument("--eval-data", default=None, metavar="PATH",
+                   help="a local .txt or .jsonl file to evaluate on: the loss over the same --eval-batches batches "
+                        "(forward only), every --eval-every steps and after the last")
+    e.add_argument("--eval-every", type=int, default=None, metavar="N", help="evaluate every N steps (default: "
+                   "after the last step only)")
+    e.add_argument("--eval-batches", type=int, default=None, metavar="B",
+                   help=f"batches of --batch-size x --seq-len per evaluation (default {DEFAULT_EVAL_BATCHES})")
     c = parser.add_argument_group("checkpoints")
     c.add_argument("--save-every", type=int, default=None, metavar="N",
                    help="save a checkpoint every N steps, at the last step and on SIGTERM (in --checkpoint-dir)")
@@ -143,6 +153,7 @@ def resolve(args: argparse.Namespace) -> tuple[Config, dict]:
 
         run["batch_size"] = micro_batch_size(args.deepspeed) or run["batch_size"]
     run["data"] = args.data
+    run["eval"] = _eval_settings(args)
     for dest, (path, default) in CONFIG_FLAGS.items():
         value = getattr(args, dest)
         if dest == "warmup_steps" and isinstance(run["steps"], int):
@@ -153,6 +164,21 @@ def resolve(args: argparse.Namespace) -> tuple[Config, dict]:
     if "type" not in data.get("lr_schedule", {}):  # cosine over the run, down to 10%
         data["lr_schedule"].update(type="cosine", total_steps=run["steps"], min_ratio=0.1)
     return load_config(data), run
+
+
+def _eval_settings(args) -> dict | None:
+    """{data, every, batches} of the --eval-* flags, or None without --eval-data."""
+    for flag in ("eval_every", "eval_batches"):
+        value = getattr(args, flag)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"--{flag.replace('_', '-')}={value}: must be a positive integer")
+    if args.eval_data is None:
+        if args.eval_every is not None or args.eval_batches is not None:
+            raise ValueError("--eval-every/--eval-batches: need --eval-data PATH (a local .txt or .jsonl file "
+                             "to evaluate on)")
+        return None
+    batches = DEFAULT_EVAL_BATCHES if args.eval_batches is None else args.eval_batches
+    return {"data": args.eval_data, "every": args.eval_every, "batches": batches}
 
 
 def _check_run(run: dict, data: dict) -> None:
@@ -315,11 +341,12 @@ def train(args_or_config=None) -> dict:
     model, weights, info = build(run, cfg)
     tokens = load_token_ids(run["data"], info["tokenizer"])
     sampler = _RankSlice(BatchSampler(tokens, run["batch_size"], run["seq_len"], seed=cfg.seed), rank, world)
+    evaluator = Evaluator.from_run(run, cfg, info["tokenizer"])  # every rank: the same batches, the same loss
     checkpoints = Checkpoints.from_args(args, run, cfg, model, info)
     resume = _resume_point(args, run, cfg)
     out_dir = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)  # before training: an unwritable --out fails now, not after the run
-    history = {"losses": [], "step_seconds": [], "lrs": [], "grad_norms": [], "stall_seconds": [], "samples": []}
+    history = {**{k: [] for k in PER_STEP}, "eval_losses": [], "samples": []}
     engine, init_s = None, None
     t0 = time.perf_counter()
     with stop_on_signals((signal.SIGINT,) if checkpoints else SIGNALS) as check_stop:  # SIGTERM: saved first
@@ -334,7 +361,7 @@ def train(args_or_config=None) -> dict:
                 if args.trace:
                     engine.start_trace()
                 _loop(engine, sampler, run, cfg, history, check_stop, progress=not args.no_progress,
-                      checkpoints=checkpoints)
+                      checkpoints=checkpoints, evaluator=evaluator)
                 final = engine.stats()
                 if args.trace:
                     engine.save_trace(args.trace)
@@ -402,10 +429,9 @@ def _stopped(stop: Stopped, args, run: dict, cfg: Config, info: dict, history: d
     from offload import report as rep
     from swap import list_runs
 
-    done = min(len(v) for k, v in history.items() if k != "samples")  # the signal may split a step's appends
-    for k in history:
-        if k != "samples":
-            del history[k][done:]
+    done = min(len(history[k]) for k in PER_STEP)  # the signal may split a step's appends
+    for k in PER_STEP:
+        del history[k][done:]
     report = None
     if engine is not None:
         report = rep.build_report(run, cfg, info, history, engine.stats(), init_s, out_dir, None)
@@ -425,11 +451,12 @@ def _stopped(stop: Stopped, args, run: dict, cfg: Config, info: dict, history: d
 
 
 def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, check_stop, progress: bool,
-          checkpoints: "Checkpoints | None" = None) -> None:
+          checkpoints: "Checkpoints | None" = None, evaluator: "Evaluator | None" = None) -> None:
     """Trains from run["start_step"] (0, or where --resume continues) to run["steps"], appending to
     `history` as each step ends (a stopped run keeps what it has); check_stop() after each step raises a
     signal's Stopped that something swallowed (offload/signals.py). With checkpoints, a SIGTERM is held
-    until the step ends, the checkpoint is saved, and then the run stops as for any signal."""
+    until the step ends, the checkpoint is saved, and then the run stops as for any signal. The evaluator's
+    loss (when due) is taken after the step's timing, so step times and stalls are training's alone."""
     from offload.report import Progress, Sampler
 
     gas = cfg.gradient_accumulation_steps
@@ -459,6 +486,9 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, 
             history["lrs"].append(lr)
             history["grad_norms"].append(getattr(engine, "last_grad_norm", None))
             history["stall_seconds"].append(stats["stall_seconds"] - stall0)
+            if evaluator is not None and evaluator.due(step + 1):
+                history["eval_losses"].append({"step": step + 1, "loss": evaluator.loss(engine)})
+                bar.eval_loss = history["eval_losses"][-1]["loss"]
             bar.update(loss_sum / gas, seconds, stats, stats["stall_seconds"] - stall0)
             if checkpoints is not None and (checkpoints.due(step + 1) or sigterm.received):
                 path = checkpoints.save(engine, step + 1)
@@ -467,6 +497,45 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, 
                           file=sys.stderr, flush=True)
                     raise Stopped(signal.SIGTERM)
             check_stop()
+
+
+class Evaluator:
+    """The loss on --eval-data: the mean over the same `batches` batches at every evaluation (batch i of a
+    sampler over the eval tokens, seeded as training's), forward only, through the engine under no_grad
+    with the model in eval mode."""
+
+    def __init__(self, sampler: BatchSampler, every: int | None, batches: int, last_step: int):
+        self.sampler, self.every, self.batches, self.last_step = sampler, every, batches, last_step
+
+    @classmethod
+    def from_run(cls, run: dict, cfg: Config, tokenizer) -> "Evaluator | None":
+        ev = run["eval"]
+        if ev is None:
+            return None
+        if not os.path.isfile(ev["data"]):
+            raise FileNotFoundError(2, "eval data file not found; pass --eval-data with a local .txt or .jsonl file",
+                                    ev["data"])
+        tokens = load_token_ids(ev["data"], tokenizer)
+        try:
+            sampler = BatchSampler(tokens, run["batch_size"], run["seq_len"], seed=cfg.seed)
+        except ValueError as e:
+            raise ValueError(f"--eval-data={ev['data']}: {e}") from e
+        return cls(sampler, ev["every"], ev["batches"], run["steps"])
+
+    def due(self, step: int) -> bool:
+        return step == self.last_step or (self.every is not None and step % self.every == 0)
+
+    @torch.no_grad()
+    def loss(self, engine) -> float:
+        engine.eval()
+        try:
+            total = 0.0
+            for i in range(self.batches):
+                ids, labels = self.sampler.batch(i)
+                total += loss_of(engine(ids.to(engine.device), labels=labels.to(engine.device))).item()
+            return total / self.batches
+        finally:
+            engine.train()
 
 
 # --- checkpoints ---------------------------------------------------------------------------------------

@@ -1,8 +1,12 @@
-"""CPU Adam API: CPUAdam against torch.optim, input validation, and what a failed build says."""
+"""CPU Adam API: CPUAdam against torch.optim, input validation, what a failed build says, and where a
+build is cached."""
 
 import copy
 import logging
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -163,3 +167,40 @@ def test_backend_env_override(fresh_kernel_state, monkeypatch):
     monkeypatch.setenv("OFFLOAD_CPU_ADAM_BACKEND", "torch")
     assert cpu_adam.kernel_backend() == "torch"
     assert cpu_adam._kernel is None  # forcing torch never builds
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _failing_ninja_first_on_path(tmp_path) -> str:
+    """PATH with a `ninja` that fails if it ever runs in front (as a venv's ninja replacing the system's)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    ninja = bin_dir / "ninja"
+    ninja.write_text("#!/bin/sh\necho 'this ninja must not run' >&2\nexit 1\n")
+    ninja.chmod(0o755)
+    return f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+
+
+def test_the_build_directory_is_named_by_sources_compiler_torch_and_flags_not_by_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
+    here = cpu_adam._cache_dir()
+    monkeypatch.setenv("PATH", _failing_ninja_first_on_path(tmp_path))
+    assert cpu_adam._cache_dir() == here
+    source, compiler = cpu_adam._SOURCE.read_bytes(), cpu_adam._compiler_version()
+    key = cpu_adam._build_key(source, compiler)
+    assert here.name.endswith(key) and here.parent == tmp_path / "cache" / "cpu_adam"
+    assert cpu_adam._build_key(source + b"\n", compiler) != key
+    assert cpu_adam._build_key(source, compiler + "(another version)") != key
+    assert cpu_adam._build_key(source, compiler, flags=("-O2",)) != key
+
+
+@pytest.mark.compiled_kernel
+def test_a_cached_kernel_loads_in_a_new_process_without_running_ninja(tmp_path):
+    """Built once (by the marker's check, in this process): a new process with another ninja first on PATH
+    loads it from its directory, never runs ninja and never says it builds."""
+    code = "from offload import cpu_adam; assert cpu_adam._get_kernel() is not None, cpu_adam._kernel_error"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PATH": _failing_ninja_first_on_path(tmp_path), "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "building the CPU Adam kernel" not in proc.stderr and "must not run" not in proc.stderr

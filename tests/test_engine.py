@@ -1,6 +1,7 @@
 """Engine behaviour beyond parity: memory budgets, the meta device, fp16, schedules, errors, cleanup."""
 
 import os
+import pathlib
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import offload
 from offload.placement import PlacementError
 from offload.residency import R
 from tests.engine_util import MLP, Reference, max_state_err, mlp_batches
+from tests.unprivileged import reachable_tmp, run_unprivileged
 
 
 def cfg(tmp_path, param="nvme", optim="nvme", **extra):
@@ -184,17 +186,16 @@ def test_bad_values_say_how_to_fix():
         offload.load_config({"offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}})
 
 
+def expect_oserror_from_initialize(parent: str) -> None:
+    with pytest.raises(OSError):
+        offload.initialize(MLP(), cfg(pathlib.Path(parent)))  # nvme_path: parent/swap
+
+
 def test_unwritable_nvme_path(tmp_path):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o500)
-    try:
-        if os.access(ro, os.W_OK):
-            pytest.skip("running as a user that can write anywhere is tested with a file path below")
-        with pytest.raises(OSError):
-            offload.initialize(MLP(), cfg(tmp_path, nvme_path=str(ro / "swap")))
-    finally:
-        ro.chmod(0o700)
+    with reachable_tmp(tmp_path) as base:
+        ro = base / "ro"
+        ro.mkdir(mode=0o500)
+        run_unprivileged(expect_oserror_from_initialize, str(ro))  # as root: as the user nobody
 
 
 def test_nvme_path_that_is_a_file(tmp_path):

@@ -211,7 +211,8 @@ def test_a_setting_in_both_places_must_agree(tmp_path):
 
 
 @pytest.mark.parametrize("kw, message", [
-    ({"save_strategy": "steps"}, "save_strategy='steps': .*issue #15.*save_only_model=True"),
+    ({"load_best_model_at_end": True, "save_strategy": "steps", "eval_strategy": "steps"},
+     "load_best_model_at_end=True"),
     ({"torch_compile": True}, "torch_compile=True"),
     ({"optim": "adafactor"}, "optim='adafactor'"),
     ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1"),
@@ -219,7 +220,8 @@ def test_a_setting_in_both_places_must_agree(tmp_path):
 ])
 def test_unsupported_settings_are_refused_by_name(tmp_path, kw, message):
     with pytest.raises(ValueError, match=message):
-        OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path, **kw), train_dataset=dataset())
+        OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path, **kw), train_dataset=dataset(),
+                       eval_dataset=dataset(4))
 
 
 def test_unsupported_trainer_arguments_are_refused(tmp_path):
@@ -229,11 +231,40 @@ def test_unsupported_trainer_arguments_are_refused(tmp_path):
         OffloadTrainer(model=model, args=training_args(tmp_path), train_dataset=dataset(), optimizers=(opt, None))
 
 
-def test_resume_and_a_partial_accumulation_window_are_refused(offload_run, tmp_path):
+def test_save_steps_write_trainer_checkpoints_that_resume_exactly(tmp_path):
+    """10 straight steps (saving every 4) equal 4 steps, then a new trainer resumed from checkpoint-4 for the
+    other 6: the same losses, learning rates and weights, bit for bit (fp32, nvme, accumulation, warmup,
+    clipping). checkpoint-N is Trainer's, with the engine checkpoint in place of the weights and optimizer.pt."""
+    out = tmp_path / "out"
+    runs = []
+    for resume in (None, str(out / "checkpoint-4")):
+        t = OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path, save_strategy="steps", save_steps=4),
+                           train_dataset=dataset(), offload_config=nvme(tmp_path))
+        try:
+            t.train(resume_from_checkpoint=resume)
+            runs.append((logged(t, "loss"), logged(t, "learning_rate"), t.engine.full_state_dict()))
+        finally:
+            t.close()
+    (losses, lrs, weights), (resumed_losses, resumed_lrs, resumed_weights) = runs
+    assert len(losses) == STEPS and resumed_losses == losses and resumed_lrs == lrs
+    assert all(torch.equal(weights[n], resumed_weights[n]) for n in weights)
+    files = set(os.listdir(out / "checkpoint-4"))
+    assert {"trainer_state.json", "scheduler.pt", "rng_state.pth", "latest", "step00000004"} <= files
+    assert not files & {"optimizer.pt", "model.safetensors", "config.json"}
+    assert sorted(os.listdir(out)) == ["checkpoint-10", "checkpoint-4", "checkpoint-8"]
+
+
+def test_weights_only_checkpoints_do_not_resume(offload_run, tmp_path):
+    trainer, _ = offload_run(max_steps=2, save_strategy="steps", save_steps=2, save_only_model=True)
+    ckpt = tmp_path / "out" / "checkpoint-2"
+    assert (ckpt / "model.safetensors").exists() and not (ckpt / "latest").exists()
+    with pytest.raises(ValueError, match="holds no offload engine checkpoint"):
+        trainer.train(resume_from_checkpoint=str(ckpt))
+
+
+def test_optimizer_state_dict_and_a_partial_accumulation_window_are_refused(offload_run, tmp_path):
     trainer, _ = offload_run(max_steps=1)
-    with pytest.raises(NotImplementedError, match="resume_from_checkpoint: engine checkpoints"):
-        trainer.train(resume_from_checkpoint=True)
-    with pytest.raises(NotImplementedError, match="issue #15"):
+    with pytest.raises(NotImplementedError, match=r"engine.save_checkpoint\(dir\)"):
         trainer.optimizer.state_dict()
     t = OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path, max_steps=-1, num_train_epochs=1),
                        train_dataset=dataset(6), offload_config=nvme(tmp_path))
@@ -270,9 +301,10 @@ def accelerate_loop(cfg: dict, data, steps: int, state_dir):
         assert engine.step_count == steps
         with pytest.raises(ValueError, match="set gradient_clipping in the offload config"):
             accelerator.clip_grad_norm_(engine.parameters(), 1.0)
-        with pytest.raises(NotImplementedError, match="save_state/load_state: engine checkpoints"):
-            accelerator.save_state(str(state_dir))
-        assert not any(state_dir.iterdir())  # refused before anything was written
+        for call in (accelerator.save_state, accelerator.load_state):
+            with pytest.raises(NotImplementedError, match=r"save_state/load_state: .*engine.save_checkpoint\(dir\)"):
+                call(str(state_dir))
+        assert not state_dir.exists()  # refused before anything was written
         return losses, engine.cfg
     finally:
         engine.close()

@@ -14,10 +14,10 @@ import torch
 
 import swap.store
 from scheduler.streams import CopyStream, JobThread, Worker
-from swap import SwapIOError, SwapStore, libaio_available, open_engine
+from swap import SwapIOError, SwapStore, open_engine
 from swap.pending import PendingTimeout, io_timeout_s
 
-ENGINES = ["threads"] + (["libaio"] if libaio_available() else [])
+ENGINES = ["threads", pytest.param("libaio", marks=pytest.mark.libaio)]  # libaio: tests/conftest.py
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -96,7 +96,7 @@ def test_a_failing_completion_callback_fails_the_ticket(tmp_path, monkeypatch, e
     assert not store.run_dir.exists()
 
 
-@pytest.mark.skipif(not libaio_available(), reason="needs libaio")
+@pytest.mark.libaio
 def test_a_dead_libaio_reaper_fails_what_it_owed_and_every_later_block(tmp_path, monkeypatch, caplog):
     from libaio import libaio as aio
 

@@ -9,7 +9,7 @@ import torch
 
 from swap import ALIGN_BYTES, Block, aligned_empty, libaio_available, open_engine
 
-ENGINES = ["threads"] + (["libaio"] if libaio_available() else [])
+ENGINES = ["threads", pytest.param("libaio", marks=pytest.mark.libaio)]  # libaio: tests/conftest.py
 
 
 def _run(engine, blocks_spec):

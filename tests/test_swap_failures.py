@@ -14,10 +14,11 @@ import torch
 
 import swap
 import swap.store
-from swap import SwapCorruptionError, SwapIOError, SwapStore, clean, libaio_available, list_runs, open_engine
+from swap import SwapCorruptionError, SwapIOError, SwapStore, clean, list_runs, open_engine
 from swap.rundir import RUN_PREFIX, create_file
+from tests.unprivileged import reachable_tmp, run_unprivileged
 
-ENGINES = ["threads"] + (["libaio"] if libaio_available() else [])
+ENGINES = ["threads", pytest.param("libaio", marks=pytest.mark.libaio)]  # libaio: tests/conftest.py
 
 
 class FaultyEngine:
@@ -139,13 +140,17 @@ def test_permission_bits_and_no_symlink_following(tmp_path):
         assert not (tmp_path / "elsewhere").exists()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores permission bits")
-def test_unwritable_directory_raises_swap_io_error(tmp_path):
-    locked = tmp_path / "locked"
-    locked.mkdir(mode=0o500)
+def expect_eacces_from_swap_store(path: str) -> None:
     with pytest.raises(SwapIOError) as e:
-        SwapStore(locked)
+        SwapStore(path)
     assert e.value.errno == errno.EACCES
+
+
+def test_unwritable_directory_raises_swap_io_error(tmp_path):
+    with reachable_tmp(tmp_path) as base:
+        locked = base / "locked"
+        locked.mkdir(mode=0o500)
+        run_unprivileged(expect_eacces_from_swap_store, str(locked))  # as root: as the user nobody
 
 
 def test_directory_under_a_file_raises_swap_io_error(tmp_path):

@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from swap import ALIGN_BYTES, SwapStore, aligned_empty, libaio_available
+from swap import ALIGN_BYTES, SwapStore, aligned_empty
 
-ENGINES = ["threads"] + (["libaio"] if libaio_available() else [])
+ENGINES = ["threads", "libaio"]  # libaio: marked below (tests/conftest.py)
 SHM = pathlib.Path("/dev/shm")
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool, torch.float16,
           torch.bfloat16, torch.float32, torch.float64, torch.complex64]
@@ -25,7 +25,8 @@ def _modes():
     return modes
 
 
-@pytest.fixture(params=[(e, fs, d) for e in ENGINES for fs, d in _modes()], ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(params=[pytest.param((e, fs, d), id=f"{e}-{fs}", marks=[pytest.mark.libaio] if e == "libaio" else [])
+                        for e in ENGINES for fs, d in _modes()])
 def store(request, tmp_path):
     engine, fs, direct = request.param
     base = tmp_path if fs == "disk" else SHM / f"offload-test-{uuid.uuid4().hex[:8]}"

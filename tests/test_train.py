@@ -19,7 +19,8 @@ def test_defaults_are_the_demo_recipe():
     assert cfg.nvme_path == recipe.DEFAULT_SWAP_DIR and cfg.precision == "bf16"
     assert cfg.optimizer.lr == recipe.RECIPE["lr"] and cfg.gradient_clipping == recipe.RECIPE["clip"]
     assert cfg.lr_schedule.type == "cosine" and cfg.lr_schedule.total_steps == recipe.RECIPE["steps"]
-    assert run == {k: recipe.RECIPE[k] for k in ("model", "steps", "batch_size", "seq_len")} | {"data": None}
+    assert run == {k: recipe.RECIPE[k] for k in ("model", "steps", "batch_size", "seq_len")} | {"data": None,
+                                                                                             "eval": None}
 
 
 def test_flags_beat_the_config_file_which_beats_the_recipe(tmp_path):
@@ -63,6 +64,34 @@ def test_short_run_writes_its_report(tmp_path, capsys):
     with open(report["files"]["plot"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.listdir(tmp_path / "swap") == []
+
+
+def test_evaluation_every_n_steps_and_after_the_last(tmp_path, capsys):
+    """--eval-data: the mean loss over the same --eval-batches batches, forward only, every --eval-every steps
+    and after the last; in the report, the summary table and the progress line. Training is unchanged."""
+    text = tmp_path / "eval.txt"
+    text.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 20)
+    plain = _run(tmp_path, steps=3, out=str(tmp_path / "plain"))
+    capsys.readouterr()
+    report = _run(tmp_path, steps=3, eval_data=str(text), eval_every=2, eval_batches=2, no_progress=False)
+    assert [e["step"] for e in report["eval_losses"]] == [2, 3]
+    assert all(2 < e["loss"] < 7 for e in report["eval_losses"])  # bytes: ln(257) = 5.5 at random
+    assert report["losses"] == plain["losses"] and plain["eval_losses"] == []
+    assert report["run"]["eval"] == {"data": str(text), "every": 2, "batches": 2}
+    with open(report["files"]["report"]) as f:
+        assert json.load(f)["eval_losses"] == report["eval_losses"]
+    out, err = capsys.readouterr()
+    assert f"eval loss   {report['eval_losses'][0]['loss']:.3f} (step 2) -> " in out
+    assert f"eval {report['eval_losses'][-1]['loss']:.3f}" in err  # the progress line
+
+
+def test_evaluation_flags_are_checked():
+    with pytest.raises(ValueError, match="--eval-every/--eval-batches: need --eval-data PATH"):
+        _resolve(eval_every=5)
+    with pytest.raises(ValueError, match="--eval-batches=0: must be a positive integer"):
+        _resolve(eval_data="x.txt", eval_batches=0)
+    _, run = _resolve(eval_data="x.txt")
+    assert run["eval"] == {"data": "x.txt", "every": None, "batches": recipe.DEFAULT_EVAL_BATCHES}
 
 
 def test_accumulation_and_clipping(tmp_path):

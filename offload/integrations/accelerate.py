@@ -20,8 +20,10 @@ returned optimizer is a torch Optimizer whose step is the engine's, so LR schedu
 and Trainer drive it as any other. What cannot be reached that way is `accelerator.backward`, which would
 call `loss.backward()` and bypass the engine's backward; `route` replaces it (and `clip_grad_norm_`,
 which would see no gradients: they live in the engine's accumulators) on that one accelerator object.
-`save_state` would write the engine's placeholders and then fail on the optimizer: Accelerate's own
-save/load-state pre-hooks refuse both first, until engine checkpoints exist (issue #15).
+`save_state` would gather the whole model into memory as a state dict (the engine's) and then ask the
+optimizer for a torch state dict, which lives in the engine's tiers: `route` replaces save_state and
+load_state too, with a refusal that points at engine.save_checkpoint / load_checkpoint (the weights,
+optimizer states, counters and RNG, streamed from their tiers; README "Checkpoints").
 
 Settings: the Accelerator owns gradient accumulation and precision (`mixed_precision`), the optimizer's
 param_groups own the learning rate (set it with any torch LR scheduler); the offload config says where
@@ -35,8 +37,9 @@ import torch
 from offload.integrations import common
 
 PRECISIONS = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}  # Accelerate's mixed_precision -> ours
-NO_CHECKPOINTS = ("engine checkpoints (optimizer states in their tiers) are not implemented yet (issue #15), "
-                  "so this state cannot be saved or resumed")
+USE_ENGINE_CHECKPOINTS = ("the optimizer's states live in the offload engine's tiers: engine.save_checkpoint(dir) "
+                          "saves them with the weights, step count, loss scale and RNG, and "
+                          "engine.load_checkpoint(dir) resumes exactly (README, Checkpoints)")
 
 
 class EngineOptimizer(torch.optim.Optimizer):
@@ -78,23 +81,20 @@ class EngineOptimizer(torch.optim.Optimizer):
         """Nothing to do: the engine clears gradients at its step."""
 
     def state_dict(self):
-        raise NotImplementedError(f"optimizer.state_dict(): {NO_CHECKPOINTS}")
+        raise NotImplementedError(f"optimizer.state_dict(): not available; {USE_ENGINE_CHECKPOINTS}")
 
     def load_state_dict(self, state_dict) -> None:
-        raise NotImplementedError(f"optimizer.load_state_dict(): {NO_CHECKPOINTS}")
+        raise NotImplementedError(f"optimizer.load_state_dict(): not available; {USE_ENGINE_CHECKPOINTS}")
 
 
 def route(accelerator, optimizer: EngineOptimizer) -> None:
-    """Sends `accelerator.backward` to the engine, and refuses `accelerator.clip_grad_norm_` and, through
-    Accelerate's own pre-hooks, save_state/load_state before they write or read a file (module note)."""
+    """Sends `accelerator.backward` to the engine, and refuses `accelerator.clip_grad_norm_` and
+    save_state/load_state before they gather, write or read anything (module note)."""
     engine = optimizer.engine
 
-    def refuse_state(*_):
-        raise NotImplementedError(f"accelerator.save_state/load_state: {NO_CHECKPOINTS}; "
-                                  "engine.full_state_dict() has the weights")
-
-    accelerator.register_save_state_pre_hook(refuse_state)
-    accelerator.register_load_state_pre_hook(refuse_state)
+    def refuse_state(*_, **__):
+        raise NotImplementedError("accelerator.save_state/load_state: not supported with the offload engine; "
+                                  f"{USE_ENGINE_CHECKPOINTS}. Save your LR scheduler's state_dict() beside it")
 
     def backward(loss, **kwargs):
         if kwargs:
@@ -112,6 +112,7 @@ def route(accelerator, optimizer: EngineOptimizer) -> None:
 
     accelerator.backward = backward
     accelerator.clip_grad_norm_ = clip_grad_norm_
+    accelerator.save_state = accelerator.load_state = refuse_state
 
 
 def prepare(accelerator, model: torch.nn.Module, offload_config=None):

@@ -26,7 +26,13 @@ Each hook is a method Trainer documents for subclassing or calls at one place:
 - _clip_grad_norm, _get_grad_norm: the engine clips in its step (gradient_clipping = max_grad_norm); the
   logged grad_norm is the engine's, known after that step (_maybe_log_save_evaluate).
 - _save (save_model): HF weights from the engine's fp32 masters in the model's dtype, streamed.
-- Checkpoints that resume need engine checkpoints (issue #15): refused until they exist.
+- Checkpoints (save_steps): Trainer's _save_checkpoint writes checkpoint-N as always (trainer_state.json,
+  scheduler.pt, rng_state.pth, rotation by save_total_limit), but the weights and optimizer.pt are the
+  engine's checkpoint in that folder (engine.save_checkpoint: every state from its tier, the step count,
+  loss scale, a delayed update as it is), written by _save_optimizer_and_scheduler; save_model writes no
+  weights there. resume_from_checkpoint: _load_from_checkpoint loads the engine checkpoint,
+  _load_optimizer_and_scheduler the scheduler, and Trainer skips the batches already seen and restores
+  its RNG. save_only_model=True keeps Trainer's weights-only checkpoints (they do not resume).
 """
 
 from __future__ import annotations
@@ -37,9 +43,11 @@ import warnings
 import torch
 import transformers
 from transformers import Trainer
+from transformers.trainer import SCHEDULER_NAME
 
+from offload import checkpoint_format
 from offload.integrations import common
-from offload.integrations.accelerate import NO_CHECKPOINTS, EngineOptimizer, route
+from offload.integrations.accelerate import EngineOptimizer, route
 
 if int(transformers.__version__.split(".")[0]) < 5:  # the hooks below are Trainer 5's methods
     raise ImportError(f"offload.integrations.transformers needs transformers 5 or later (found "
@@ -55,6 +63,7 @@ class OffloadTrainer(Trainer):
 
     def __init__(self, *args, offload_config=None, **kwargs):
         self.engine = None
+        self._weights_in_engine_checkpoint = False  # True while _save_checkpoint writes an engine checkpoint
         super().__init__(*args, **kwargs)
         _refuse_unsupported(self)
         if self.args.weight_decay > 0:
@@ -116,11 +125,46 @@ class OffloadTrainer(Trainer):
                              f"a batch count per epoch that {gas} divides, or max_steps below {per_epoch}")
         return values
 
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if resume_from_checkpoint:
-            raise NotImplementedError(f"OffloadTrainer: resume_from_checkpoint: {NO_CHECKPOINTS}; start a new run "
-                                      "(from_pretrained loads weights that save_model wrote)")
-        return super().train(None, *args, **kwargs)
+    # -- checkpoints (module note) -------------------------------------------------------------------------
+    def _save_checkpoint(self, model, trial):
+        self._weights_in_engine_checkpoint = not self.args.save_only_model
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._weights_in_engine_checkpoint = False
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        if self._weights_in_engine_checkpoint:
+            return  # inside a checkpoint: the engine's checkpoint holds the weights (_save_optimizer_and_scheduler)
+        super().save_model(output_dir, _internal_call)
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        """The engine's checkpoint in place of optimizer.pt (and of the weights), then Trainer's scheduler.pt."""
+        name, again = f"step{self.state.global_step:08d}", 0
+        while os.path.lexists(os.path.join(output_dir, name)):  # an earlier run's in this folder: replaced (keep=1)
+            again += 1
+            name = f"step{self.state.global_step:08d}-{again}"
+        self.engine.save_checkpoint(output_dir, name=name, keep=1)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """The engine checkpoint in Trainer's checkpoint-N: weights, optimizer states, counters, RNG."""
+        if not os.path.isfile(os.path.join(resume_from_checkpoint, checkpoint_format.LATEST)):
+            raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r}: holds no offload engine checkpoint "
+                             f"(no {checkpoint_format.LATEST!r}); resume from a checkpoint OffloadTrainer saved "
+                             "without save_only_model (weights-only checkpoints do not resume: from_pretrained loads "
+                             "them)")
+        self.engine.load_checkpoint(resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """The optimizer's states came with the engine checkpoint (_load_from_checkpoint); the scheduler here."""
+        if checkpoint is None:
+            return
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+        # what optimizer.load_state_dict would restore: the lr the scheduler set last, pushed at the next backward
+        for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
 
     def _save(self, output_dir=None, state_dict=None):
         """Trainer's save: the engine's fp32 masters in the model's dtype, streamed one shard at a time (a
@@ -192,12 +236,9 @@ def _refuse_unsupported(t: Trainer) -> None:
         (a.label_smoothing_factor != 0, f"label_smoothing_factor={a.label_smoothing_factor}: not supported with "
          "the offload engine yet (Trainer would not see a causal LM through it and smooth unshifted labels); "
          "set it 0"),
-        (a.save_strategy != "no" and not a.save_only_model, f"save_strategy={_name(a.save_strategy)!r}: Trainer "
-         f"checkpoints that resume need engine checkpoints, and {NO_CHECKPOINTS}; set save_strategy='no', or "
-         "save_only_model=True for checkpoints of the weights only (from_pretrained loads them; they do not "
-         "resume training)"),
-        (a.load_best_model_at_end, "load_best_model_at_end=True: loading weights back into the engine is not "
-         "implemented yet; leave it False and load the best checkpoint with from_pretrained"),
+        (a.load_best_model_at_end, "load_best_model_at_end=True: not implemented with the offload engine yet; "
+         "leave it False (`offload checkpoint export CHECKPOINT_DIR OUT` turns the best checkpoint-N into a "
+         "directory from_pretrained loads)"),
     ]
     problems = [why for failed, why in checks if failed]
     if problems:
