@@ -9,6 +9,10 @@ initialized, then {"step", "step_s", "loss"} per step (bench/scale.py reads thes
 
   DS_ACCELERATOR=cpu PYTHONPATH=. /work/dsvenv/bin/python bench/ds_e2e.py --preset tiny --dir DIR
 
+Under torchrun (bench/zero.py) it trains data parallel over the ranks: rank r's micro-batch i is the
+stream's batch i x ranks + r (as `offload train` slices it), a step's time is the slowest rank's, its loss
+the mean over the ranks, its peak RSS the largest rank's; rank 0 prints.
+
 With --zero-init the model is built inside deepspeed.zero.Init, DeepSpeed's way for a model larger than
 memory: each module's parameters go to NVMe as it is constructed, and their values are DeepSpeed's draw,
 not ours (bench/scale.py; e2e.py builds it whole, see [Note: same weights]). init_s then counts the
@@ -81,14 +85,19 @@ def _single_process_group() -> None:
 def run(args, emit) -> dict:
     """Trains warmup + steps, emit()ting the init and each step as it happens; returns the summary."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    _single_process_group()
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        _single_process_group()
     import deepspeed
     import torch
+    import torch.distributed as dist
 
     from offload.data import BatchSampler, load_tokens
     from offload.models import build_model, loss_of
 
     deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank:
+        emit = lambda line: None  # noqa: E731  rank 0 speaks
     shapes = build_model(args.preset, device="meta")   # sizes only: the buffers must fit the largest parameter
     params = sum(p.numel() for p in shapes.parameters())
     largest = max(p.numel() for p in shapes.parameters())
@@ -105,23 +114,35 @@ def run(args, emit) -> dict:
         emit({"params": params, "init_s": time.perf_counter() - t0})
         times, losses = [], []
         for i in range(args.warmup + args.steps):
-            ids, labels = sampler.batch(i)
+            ids, labels = sampler.batch(i * world + rank)
+            dist.barrier()
             t0 = time.perf_counter()
             loss = loss_of(engine(ids, labels=labels))  # by name: a HF model's second argument is the mask
             engine.backward(loss)
             engine.step()
-            losses.append(loss.item())
-            emit({"step": i, "step_s": time.perf_counter() - t0, "loss": losses[-1]})
+            seconds, loss_value = _over_ranks(dist, torch, time.perf_counter() - t0, loss.item())
+            losses.append(loss_value)
+            emit({"step": i, "step_s": seconds, "loss": losses[-1]})
             if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
+                times.append(seconds)
         engine.destroy()
     finally:
         shutil.rmtree(nvme_dir, ignore_errors=True)    # ours alone: created above, gigabytes of swap
+    rss = _over_ranks(dist, torch, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 0.0)[0]
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    return {"params": params, "step_s": sorted(times)[len(times) // 2], "losses": losses,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    return {"params": params, "step_s": sorted(times)[len(times) // 2], "losses": losses, "ranks": world,
+            "peak_rss_bytes": int(rss),
             "deepspeed_version": deepspeed.__version__, "sub_group_size": args.sub_group_size}
+
+
+def _over_ranks(dist, torch, largest: float, mean: float) -> tuple[float, float]:
+    """(the largest `largest`, the mean `mean`) over the ranks (themselves in a world of one)."""
+    t = torch.tensor([largest], dtype=torch.float64)
+    m = torch.tensor([mean], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(m)
+    return float(t.item()), float(m.item()) / dist.get_world_size()
 
 
 def _build(args, config: dict, deepspeed, build_model):
@@ -160,7 +181,9 @@ def main() -> None:
         json_out.write(json.dumps(line) + "\n")
         json_out.flush()
 
-    emit(run(args, emit))
+    result = run(args, emit)
+    if os.environ.get("RANK", "0") == "0":
+        emit(result)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,15 @@ Saved between the micro-steps of an accumulation window, the fp32 gradient accum
 python's random, numpy's global generator), the config's essentials (precision must match on load; other
 differences are named in a warning) and `extra`, the caller's JSON state (offload train keeps its data
 position there; `hf_config` and `hf_names` there feed `offload checkpoint export`).
+
+[Note: ranks]
+Over several ranks every rank calls save and load. zero_stage 0: every rank holds the same states, rank 0
+writes them all (the others' data files are empty). zero_stage 1-2: each rank writes the optimizer-state
+windows it holds to its own rank<r>.bin; rank 0 writes the frozen weights and the buffers (every rank
+holds those alike) and merges the ranks' ranges into one manifest. Load: each rank reads the element
+ranges of the windows it holds now, whichever files hold them, so a checkpoint resumes at another world
+size or stage (2 ranks -> 1, 1 -> 4, stage 0 -> 2). The directory must be one every rank reaches (one
+machine, or a shared filesystem). RNG states are per rank; a rank the checkpoint has none for keeps its own.
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ CONFIG_KEYS = ("optimizer", "gradient_accumulation_steps", "gradient_clipping", 
 
 def save(engine, directory: str, name: str | None = None, keep: int | None = None, extra: dict | None = None) -> str:
     """Writes a checkpoint of `engine` to <directory>/<name> atomically, points <directory>/latest at it
-    and keeps the newest `keep`. Returns its path."""
+    and keeps the newest `keep`. Returns its path. Over several ranks every rank calls it ([Note: ranks])."""
     counters = engine.pipeline.checkpoint_state()
     accumulator = counters["pending_update"] is not None or counters["micro_step"] > 0
     if name is None:
@@ -56,17 +65,92 @@ def save(engine, directory: str, name: str | None = None, keep: int | None = Non
     if keep is not None and keep < 1:
         raise ValueError(f"keep={keep}: must be >= 1 (or None: keep every checkpoint)")
     manifest = _manifest_head(engine, counters, accumulator, extra)
+    if engine.world > 1:
+        return _save_ranks(engine, directory, name, keep, manifest, accumulator)
     with fmt.writing(directory, name) as tmp:
-        with fmt.DataFile(tmp, fmt.DATA_FILE) as out:
-            manifest["tensors"] = _save_parameters(engine, out, accumulator)
-            manifest["buffers"] = _save_buffers(engine, out)
-            out.sync()
-        manifest["files"] = {out.name: {"rank": engine.rank, "nbytes": out.nbytes}}
-        fmt.write_manifest(tmp, manifest)
+        part = _save_part(engine, tmp, accumulator)
+        fmt.write_manifest(tmp, {**manifest, **_merge([part])})
+    return _published(directory, name, keep)
+
+
+def _published(directory: str, name: str, keep: int | None) -> str:
     fmt.point_latest(directory, name)
     if keep is not None:
         fmt.prune(directory, keep)
     return os.path.join(directory, name)
+
+
+def _save_part(engine, tmp: str, accumulator: bool) -> dict:
+    """This rank's data file in `tmp` and what the manifest says of it ([Note: ranks]): the optimizer states
+    of the windows it holds (zero_stage 0: rank 0 holds all, the others write none), and on rank 0 the frozen
+    weights and the buffers, which every rank holds alike."""
+    first = engine.rank == 0
+    with fmt.DataFile(tmp, fmt.data_file_name(engine.rank)) as out:
+        tensors = _save_parameters(engine, out, accumulator, states=first or engine.rt.sharded, weights=first)
+        buffers = _save_buffers(engine, out) if first else {}
+        out.sync()
+    return {"tensors": tensors, "buffers": buffers, "files": {out.name: {"rank": engine.rank, "nbytes": out.nbytes}},
+            "rng": {str(engine.rank): _rng_state()}}
+
+
+def _merge(parts: list[dict]) -> dict:
+    """The manifest's tensors, buffers, files and rng from every rank's part (rank 0's first): each tensor's
+    ranges of a kind are the union of the ranks' ranges, in element order."""
+    tensors = json.loads(json.dumps(parts[0]["tensors"]))
+    for part in parts[1:]:
+        for name, entry in part["tensors"].items():
+            for kind in (*STATES, "grad"):
+                if kind in entry:
+                    where = tensors[name].setdefault(kind, {"dtype": entry[kind]["dtype"], "ranges": []})
+                    where["ranges"] += entry[kind]["ranges"]
+    for entry in tensors.values():
+        for where in entry.values():
+            if isinstance(where, dict):
+                where["ranges"].sort(key=lambda r: r["begin"])
+    return {"tensors": tensors, "buffers": parts[0]["buffers"],
+            "files": {k: v for p in parts for k, v in p["files"].items()},
+            "rng": {k: v for p in parts for k, v in p["rng"].items()}}
+
+
+def _save_ranks(engine, directory: str, name: str, keep: int | None, manifest: dict, accumulator: bool) -> str:
+    """[Note: ranks] Over several ranks (a directory every rank can reach): rank 0 makes the temporary
+    directory, every rank writes its part into it, rank 0 merges the parts into the manifest and publishes
+    the checkpoint. An error on any rank is raised on every rank, and nothing is published."""
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank finished the step being saved
+    box: list = [None]
+    if engine.rank == 0:
+        try:
+            box = [fmt.begin(directory, name)]
+        except Exception as e:
+            box = [f"{type(e).__name__}: {e}"]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise CheckpointError(f"saving {os.path.join(directory, name)}: {box[0]}")
+    final, tmp = box[0]
+    try:
+        part = _save_part(engine, tmp, accumulator)
+    except Exception as e:
+        part = f"rank {engine.rank}: {type(e).__name__}: {e}"
+    parts = [None] * engine.world if engine.rank == 0 else None
+    dist.gather_object(part, parts, dst=0)
+    outcome = [None]
+    if engine.rank == 0:
+        try:
+            failed = [p for p in parts if isinstance(p, str)]
+            if failed:
+                raise CheckpointError(f"saving {final}: " + "; ".join(failed) + "; nothing was published")
+            fmt.write_manifest(tmp, {**manifest, "world_size": engine.world, **_merge(parts)})
+            fmt.commit(tmp, final)
+            outcome = [_published(directory, name, keep)]
+        except BaseException as e:
+            fmt.abort(tmp)
+            outcome = [f"{type(e).__name__}: {e}"]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0].startswith(final):
+        return outcome[0]
+    raise CheckpointError(outcome[0])
 
 
 def _manifest_head(engine, counters: dict, accumulator: bool, extra: dict | None) -> dict:
@@ -80,14 +164,14 @@ def _manifest_head(engine, counters: dict, accumulator: bool, extra: dict | None
     except (TypeError, ValueError) as e:
         raise ValueError(f"extra: not JSON-serializable ({e}); pass plain dicts, lists, numbers and strings") from e
     essentials = json.loads(json.dumps(cfg.to_dict()))
-    return {"format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "world_size": 1, "zero_stage": cfg.zero_stage,
-            "precision": cfg.precision, **counters, "accumulator": accumulator, "saved_at": time.time(),
-            "config": {k: essentials[k] for k in CONFIG_KEYS}, "rng": {str(engine.rank): _rng_state()},
-            "extra": extra}
+    return {"format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "world_size": engine.world,
+            "zero_stage": cfg.zero_stage, "precision": cfg.precision, **counters, "accumulator": accumulator,
+            "saved_at": time.time(), "config": {k: essentials[k] for k in CONFIG_KEYS}, "extra": extra}
 
 
-def _save_parameters(engine, out: fmt.DataFile, accumulator: bool) -> dict:
-    """Every parameter's entry, unit by unit, each of its buffers chunk by chunk ([Note: the format])."""
+def _save_parameters(engine, out: fmt.DataFile, accumulator: bool, states: bool = True, weights: bool = True) -> dict:
+    """Every parameter's entry, unit by unit, each of its buffers chunk by chunk ([Note: the format]):
+    `states` the optimizer's (the windows this rank holds), `weights` the frozen parameters'."""
     names = param_names(engine.module)
     tensors: dict = {}
     for unit in engine.units:
@@ -103,8 +187,8 @@ def _save_parameters(engine, out: fmt.DataFile, accumulator: bool) -> dict:
                 meta["step"] = steps[s.offset]
                 if accumulator:
                     meta["has_grad"] = s.offset in got
-        kinds = (*STATES, *("grad",) * accumulator) if st is not None else ()
-        if any(not s.trainable for s in unit.slots):
+        kinds = (*STATES, *("grad",) * accumulator) if st is not None and states else ()
+        if weights and any(not s.trainable for s in unit.slots):
             kinds = (*kinds, "weight")
         for kind in kinds:
             slots = [s for s in unit.slots if s.trainable == (kind != "weight")]
@@ -145,9 +229,12 @@ def _windows(engine, unit, kind: str, write: bool = False, keep: bool = True):
     else:
         spans, home, key, dtype = st.windows, st.home, unit.key(kind, engine.rank), torch.float32
         flat = st.t.get(kind)
-    for i, (b, e) in enumerate(spans):
+    held = range(len(spans)) if kind == "weight" else st.mine  # states: the windows this rank holds
+    for i in held:
+        b, e = spans[i]
         if home != "nvme":
-            at_home = st.grad(i) if kind == "grad" else flat[b:e]  # grad: in the accumulator's dtype
+            local = (b, e) if kind == "weight" else st.span(i)
+            at_home = st.grad(i) if kind == "grad" else flat[local[0]:local[1]]  # grad: in the accumulator's dtype
             t = at_home.cpu()
             if not keep:
                 t.zero_()

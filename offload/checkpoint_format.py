@@ -4,7 +4,7 @@ homes and writes them back; `offload checkpoint inspect|export` read them alone.
 
 [Note: the format] (format_version 1)
     <dir>/<name>/manifest.json   describes every tensor, below
-    <dir>/<name>/rank0.bin       raw little-endian bytes (one data file per rank; one rank today)
+    <dir>/<name>/rank<r>.bin     raw little-endian bytes, one data file per rank that saved
     <dir>/latest                 the name of the newest complete checkpoint
 manifest.json: {"format": "offload-checkpoint", "format_version", "world_size", "zero_stage", "precision",
 the step pipeline's counters (offload.checkpoint, [Note: what a checkpoint holds]), "pending_update", "accumulator", "config", "rng": {rank: ...}, "files": {file: {"rank",
@@ -13,8 +13,9 @@ names of the same parameter), "step", "has_grad", and per kind (master, exp_avg,
 weight when frozen) {"dtype", "ranges": [{"begin", "end", "file", "offset", "nbytes", "crc32"}]}}},
 "buffers": {name: {"shape", "dtype", "ranges"}}}. A range holds elements [begin, end) of the flattened
 tensor at bytes [offset, offset + nbytes) of `file`, with the crc32 of those bytes; it is at most one
-chunk. The engine's flat buffers, their padding and (later) their shards are not part of the format, so
-any placement, and any world size, reads a tensor by name and element range.
+chunk. The engine's flat buffers, their padding and their windows over ranks are not part of the format,
+so any placement, and any world size, reads a tensor by name and element range (over ranks, a tensor's
+ranges of one kind may lie in several ranks' files).
 
 [Note: atomic saves]
 Everything is written under <dir>/.tmp-<name> and fsynced; the directory is renamed to <dir>/<name> and
@@ -36,7 +37,7 @@ import zlib
 import torch
 
 FORMAT, FORMAT_VERSION = "offload-checkpoint", 1
-MANIFEST, LATEST, DATA_FILE = "manifest.json", "latest", "rank0.bin"
+MANIFEST, LATEST = "manifest.json", "latest"
 VERIFY_BYTES = 8 << 20  # checksums are verified reading this much at a time
 
 
@@ -50,6 +51,18 @@ class CheckpointError(ValueError):
 def writing(directory: str, name: str):
     """The temporary directory to write checkpoint `name` into ([Note: atomic saves]): when the block ends
     it is fsynced and renamed to <directory>/<name>; if the block raises, it is removed."""
+    final, tmp = begin(directory, name)
+    try:
+        yield tmp
+        commit(tmp, final)
+    except BaseException:
+        abort(tmp)
+        raise
+
+
+def begin(directory: str, name: str) -> tuple[str, str]:
+    """(final path, temporary directory) of a new checkpoint `name`; the temporary directory is created
+    empty. Then commit() or abort() it (writing() does both for one process)."""
     if not name or name.startswith(".") or os.sep in name or name == LATEST:
         raise ValueError(f"name={name!r}: a checkpoint name is one path component, not {LATEST!r}, not hidden")
     final, tmp = os.path.join(directory, name), os.path.join(directory, f".tmp-{name}")
@@ -58,14 +71,21 @@ def writing(directory: str, name: str):
     os.makedirs(directory, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save of this name
     os.mkdir(tmp)
-    try:
-        yield tmp
-        _fsync_dir(tmp)
-        os.rename(tmp, final)
-        _fsync_dir(directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return final, tmp
+
+
+def commit(tmp: str, final: str) -> None:
+    _fsync_dir(tmp)
+    os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(final) or ".")
+
+
+def abort(tmp: str) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def data_file_name(rank: int) -> str:
+    return f"rank{rank}.bin"
 
 
 class DataFile:

@@ -24,6 +24,18 @@ def windows(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
     return [(b, min(b + chunk_numel, numel)) for b in range(0, numel, chunk_numel)]
 
 
+def window_owners(numels: list[int], chunk_numel: int, world: int) -> list[list[int]]:
+    """ZeRO stages 1-2 over `world` ranks: per unit (its trainable numel), the rank that owns each of its
+    state windows, round robin over the model's windows in unit order, so every rank holds the states of
+    about 1/world of them (within one window) and steps only those. Every rank computes the same map."""
+    owners, g = [], 0
+    for n in numels:
+        count = len(windows(n, chunk_numel))
+        owners.append([(g + i) % world for i in range(count)])
+        g += count
+    return owners
+
+
 def chunk_key(key: str, i: int) -> str:
     """The swap key of chunk i of the buffer stored under `key`."""
     return f"{key}#{i}"

@@ -47,7 +47,7 @@ class Engine(nn.Module):
         self.dtype = cfg.compute_dtype
         self.units: list[Unit] = partition(model, cfg.units.min_numel, cfg.units.classes)
         self.placement: Placement = plan_placement(self.units, cfg, self.device, order=forward_order(model, self.units),
-                                                   world=self.world)
+                                                   world=self.world, rank=self.rank)
         self.rt = rt = Runtime.open(cfg, self.device, self.placement, self.rank, self.world)
         self.tiers, self.telemetry, self.staging, self.store = rt.tiers, rt.telemetry, rt.staging, rt.store
         self.chunk_numel = rt.chunk_numel
@@ -205,20 +205,15 @@ class Engine(nn.Module):
         by load_checkpoint. With delayed_update the pending update is saved, not applied. Between steps
         only (also between the micro-steps of an accumulation window). Returns the path. See
         offload.checkpoint for the format. Over several ranks (zero_stage 0, every rank holding the same
-        states) call it on every rank: rank 0 writes, the others wait for it."""
-        if self.world == 1:
-            return checkpoint.save(self, directory, name, keep, extra)
-        import torch.distributed as dist
-
-        dist.barrier()  # every rank finished the step being saved
-        path = [checkpoint.save(self, directory, name, keep, extra) if self.rank == 0 else None]
-        dist.broadcast_object_list(path, src=0)  # also: nobody goes on before the checkpoint is complete
-        return path[0]
+        states) call it on every rank: rank 0 writes, the others wait for it; zero_stage 1-2 over ranks: every
+        rank writes the states it holds ([Note: ranks] in offload.checkpoint)."""
+        return checkpoint.save(self, directory, name, keep, extra)
 
     def load_checkpoint(self, path: str) -> dict:
         """Loads a checkpoint (a checkpoint directory, or a directory whose `latest` names one) into this
         engine, whatever its placement; verifies names, shapes and checksums before changing anything.
-        Returns the checkpoint's `extra`."""
+        Returns the checkpoint's `extra`. Over several ranks every rank calls it; it may have been saved at
+        another world size or zero_stage."""
         return checkpoint.load(self, path)
 
     def start_trace(self) -> None:
@@ -267,11 +262,24 @@ def _check_unsupported(cfg: Config) -> tuple[int, int]:
     rank, world = 0, 1
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
-    if world > 1 and cfg.zero_stage != 0:
-        raise ValueError(f"zero_stage={cfg.zero_stage}: partitioning states over {world} ranks is not implemented "
-                         "yet; zero_stage 0 (data parallel: every rank holds all states, gradients are averaged "
-                         "over the ranks) is, or run a single process")
+    if world > 1:
+        _check_ranks(cfg, world)
     if cfg.precision != "fp16" and cfg.loss_scale != LossScaleConfig():
         log.warning("offload: loss_scale is ignored with precision=%s (it applies to fp16 only)", cfg.precision)
     return rank, world
 
+
+
+def _check_ranks(cfg: Config, world: int) -> None:
+    """What runs over several ranks: zero_stage 0 anywhere; 1 and 2 on CPUs (gloo)."""
+    stage = cfg.zero_stage
+    if stage == 3:
+        raise ValueError(f"zero_stage=3: partitioning the weights over {world} ranks is not implemented yet; "
+                         "zero_stage 1 or 2 (optimizer states and gradients partitioned, on CPUs) or 0 (data "
+                         "parallel) are, or run a single process")
+    if stage in (1, 2) and torch.cuda.is_available():
+        raise ValueError(f"zero_stage={stage}: partitioning states over {world} ranks runs on CPUs (gloo) only so "
+                         "far and has never run on CUDA; use zero_stage 0 (data parallel) on GPUs")
+    if stage in (1, 2) and cfg.delayed_update:
+        raise ValueError(f"delayed_update=true: not implemented with zero_stage={stage} over {world} ranks yet; "
+                         "set it false, or use zero_stage 0")

@@ -58,9 +58,11 @@ def ledger_terms(stage: int, offload_param: str = "none", offload_optimizer: str
     k = 8 if precision == "fp32" else 12
     opt_tier = OFFLOAD_TIER[offload_optimizer]
     grad_bytes = weight_bytes if opt_tier == "hbm" else dram_grad_bytes   # CPU step: fp32 accumulators
-    # The engine keeps each unit's fp32 gradient accumulator beside its optimizer states (dram or nvme).
+    # The engine keeps each unit's fp32 gradient accumulator beside its optimizer states (dram or nvme), so
+    # with the optimizer offloaded it partitions the accumulator with the states from stage 1 on (its stage 1
+    # holds what the paper's stage 2 holds; [Note: windows over ranks] in offload.optim).
     return [Term("weights", OFFLOAD_TIER[offload_param], weight_bytes, stage >= 3),
-            Term("gradients", opt_tier, grad_bytes, stage >= 2),
+            Term("gradients", opt_tier, grad_bytes, stage >= 2 or (stage == 1 and opt_tier != "hbm")),
             Term("optimizer", opt_tier, k, stage >= 1)]
 
 

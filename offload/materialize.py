@@ -306,17 +306,19 @@ def place(engine, unit: Unit) -> None:
     if unit.trainable_numel:
         st = OptimState(unit, p.state_home[unit.index], engine.rt)
         pieces = [(s.offset, values[s.name]) for s in unit.slots if s.trainable]
-        if st.home == "nvme":
-            _fill_chunks(engine, unit.key("master", engine.rank), st.windows, torch.float32, pieces)
-        else:
-            gather(pieces, 0, unit.trainable_numel, st.t["master"])
+        for i in st.mine:  # every window, or over ranks the ones this rank owns
+            b, e = st.windows[i]
+            if st.home == "nvme":
+                _fill_chunks(engine, unit.key("master", engine.rank), {i: (b, e)}, torch.float32, pieces)
+            else:
+                gather(pieces, b, e, st.t["master"][slice(*st.span(i))])
         engine.states[unit.index] = st
 
 
 def _fill_chunks(engine, key: str, chunks, dtype, pieces) -> None:
-    """Writes (offset, flat value) pieces, zero elsewhere, to the swap chunks of `key`, one pool chunk at
-    a time."""
-    for i, (b, e) in enumerate(chunks):
+    """Writes (offset, flat value) pieces, zero elsewhere, to the swap chunks of `key` (a list of chunk
+    bounds, or {chunk index: bounds}), one pool chunk at a time."""
+    for i, (b, e) in (chunks.items() if isinstance(chunks, dict) else enumerate(chunks)):
         buf = engine.staging.acquire(e - b, dtype, f"initial {key}")
         try:
             gather(pieces, b, e, buf)
@@ -342,7 +344,9 @@ def unit_values(engine, unit: Unit):
     st = engine.states[unit.index]
     w = engine.weights[unit.index]
     master = weights = None
-    if st is not None:
+    if st is not None and engine.rt.sharded:
+        master = _gather_master(engine, unit, st)
+    elif st is not None:
         if st.home == "nvme":
             master = _read_chunks(engine, unit.key("master", engine.rank), st.windows, torch.float32)
         else:
@@ -364,4 +368,21 @@ def _read_chunks(engine, key: str, chunks, dtype) -> torch.Tensor:
     tickets = [engine.store.read(chunk_key(key, i), into=out[b:e]) for i, (b, e) in enumerate(chunks)]
     for t in tickets:
         t.wait()
+    return out
+
+
+def _gather_master(engine, unit, st) -> torch.Tensor:
+    """A unit's fp32 master whole on every rank, each window broadcast from the rank that owns it
+    ([Note: windows over ranks] in offload.optim): a collective, so every rank must ask for it."""
+    import torch.distributed as dist
+
+    out = torch.empty(unit.trainable_numel, dtype=torch.float32)
+    key = unit.key("master", engine.rank)
+    for i, (b, e) in enumerate(st.windows):
+        if st.owner[i] == engine.rank:
+            if st.home == "nvme":
+                engine.store.read(chunk_key(key, i), into=out[b:e]).wait()
+            else:
+                out[b:e].copy_(st.t["master"][slice(*st.span(i))])
+        dist.broadcast(out[b:e], src=st.owner[i])
     return out

@@ -43,7 +43,17 @@ class OptimState(_Handle):
         self.unit, self.rt = unit, rt
         self.numel = unit.trainable_numel
         self.windows = windows(self.numel, rt.chunk_numel)
-        self.t: dict[str, torch.Tensor] = {}    # resident homes: the four full flats
+        # [Note: windows over ranks] zero_stage 1-2 over several ranks: this rank holds and steps the
+        # windows it owns (offload.chunks.window_owners); every rank passes every window's gradient to its
+        # owner (_accumulate_sharded) and receives every other window's new weights from it
+        # (offload.pipeline.share_new_weights). Resident states hold the owned windows back to back.
+        self.owner = rt.placement.owners.get(unit.index) or [rt.rank] * len(self.windows)
+        self.mine = [i for i, r in enumerate(self.owner) if r == rt.rank]
+        self._local: dict[int, int] = {}         # window -> its first element in the resident flats
+        for i in self.mine:
+            self._local[i] = sum(self.windows[j][1] - self.windows[j][0] for j in self.mine if j < i)
+        self.local_numel = sum(e - b for b, e in (self.windows[i] for i in self.mine))
+        self.t: dict[str, torch.Tensor] = {}    # resident homes: the four flats of the owned windows
         self._win = [StagedWindow(f"{unit.name}/optim#{i}") for i in range(len(self.windows))] if home == "nvme" else []
         self._grads: list | None = None           # nvme, overlapped step: this backward's gradients, read by window
         self.grad_dtype = torch.float32          # what the accumulator holds: see accumulate()
@@ -62,7 +72,7 @@ class OptimState(_Handle):
         self._bounds: dict[int, list[int]] = {}
         if home != "nvme":
             for kind in KINDS:
-                self.t[kind] = rt.tiers.empty(home, self.numel, torch.float32, f"{unit.name} {kind}").zero_()
+                self.t[kind] = rt.tiers.empty(home, self.local_numel, torch.float32, f"{unit.name} {kind}").zero_()
 
     def key(self, kind: str, i: int) -> str:
         return chunk_key(self.unit.key(kind, self.rt.rank), i)
@@ -80,10 +90,15 @@ class OptimState(_Handle):
     def loaded(self, i: int) -> bool:
         return self.home != "nvme" or self._win[i].state is not R.NVME
 
+    def span(self, i: int) -> tuple[int, int]:
+        """Owned window i's [begin, end) in the resident flats."""
+        b, e = self.windows[i]
+        return self._local[i], self._local[i] + e - b
+
     def view(self, i: int) -> dict[str, torch.Tensor]:
         """Window i's master/exp_avg/exp_avg_sq (after wait_loaded(i))."""
         if self.home != "nvme":
-            b, e = self.windows[i]
+            b, e = self.span(i)
             return {k: self.t[k][b:e] for k in STATES}
         return self._win[i].t
 
@@ -91,9 +106,9 @@ class OptimState(_Handle):
         """Window i's gradient as the step reads it: the fp32 accumulator, or (one micro-step, low
         precision) the backward's own gradient dtype; for nvme states with an overlapped step, gathered
         from this backward's gradients into a pool chunk that store(i) returns."""
-        b, e = self.windows[i]
         if self.home != "nvme":
-            return self._as_grad(self.t["grad"])[b:e]
+            return self._as_grad(self.t["grad"])[slice(*self.span(i))]
+        b, e = self.windows[i]
         w = self._win[i]
         if "grad" not in w.t:  # read ahead without it: from this backward's gradients, or the accumulator
             buf = w.t["grad"] = self.rt.staging.acquire(e - b, self.grad_dtype, f"{self.unit.name} grad")
@@ -250,9 +265,11 @@ class OptimState(_Handle):
             self.got_grad = set()
             dtype = grads[0][1].dtype if grads else torch.float32
             resident_cpu = self.home != "nvme" and self.t["grad"].device.type == "cpu"
-            own = last and dtype != torch.float32 and (resident_cpu or keep)
+            own = last and dtype != torch.float32 and (resident_cpu or keep) and not self.rt.sharded
             self.grad_dtype = dtype if own else torch.float32
         self.got_grad.update(self._slot_at[offset] for offset, _ in grads)
+        if self.rt.sharded:
+            return self._accumulate_sharded(grads, first, last)
         if self.home == "nvme" and keep and first:  # one micro-step: the step reads `grads` itself
             self._grads = list(grads)
             return sum(grad_sq_sum(g) if g.device.type == "cpu" else float(g.double().square().sum())
@@ -280,6 +297,48 @@ class OptimState(_Handle):
             finally:
                 self.rt.staging.release(buf)
         return sq if last else None
+
+    def _accumulate_sharded(self, grads, first: bool, last: bool) -> float | None:
+        """[Note: windows over ranks] Window by window: this rank's gradient in fp32 (zeros where it has
+        none) is summed into the window's owner (a reduce: gloo's AVG and bf16 sums are missing or slow in
+        some torch versions, so fp32, SUM, then divided), which adds the mean into its accumulator. Every
+        rank runs this for every unit in the same order on its d2h thread, which keeps the collectives
+        matched. Returns the sum of squares of this rank's windows (the step adds the ranks' sums)."""
+        import torch.distributed as dist
+
+        rt, sq = self.rt, 0.0
+        for i, (b, e) in enumerate(self.windows):
+            buf = rt.staging.acquire(e - b, torch.float32, f"{self.unit.name} grad reduce")
+            try:
+                gather(grads, b, e, buf)
+                t0 = time.perf_counter()
+                dist.reduce(buf, dst=self.owner[i])
+                rt.telemetry.collective("reduce", buf.numel() * 4, time.perf_counter() - t0)
+                if self.owner[i] == rt.rank:
+                    buf.div_(rt.world)
+                    sq += self._add_owned(i, buf, first, last)
+            finally:
+                rt.staging.release(buf)
+        return sq if last else None
+
+    def _add_owned(self, i: int, mean: torch.Tensor, first: bool, last: bool) -> float:
+        """Owned window i's accumulator = mean (first micro-step) or += mean; its sum of squares if last."""
+        if self.home != "nvme":
+            acc = self.t["grad"][slice(*self.span(i))]
+            acc.copy_(mean) if first else acc.add_(mean)
+            return _sq(acc) if last else 0.0
+        key = self.key("grad", i)
+        if not first:
+            acc = self.rt.staging.acquire(mean.numel(), torch.float32, f"{self.unit.name} grad")
+            try:
+                self.rt.store.read(key, into=acc).wait()
+                mean.add_(acc)
+            finally:
+                self.rt.staging.release(acc)
+        t0 = time.perf_counter()
+        self.rt.store.write(key, mean).wait()
+        self.rt.telemetry.link("dram_to_nvme", mean.numel() * 4, time.perf_counter() - t0)
+        return _sq(mean) if last else 0.0
 
     def close(self) -> None:
         for w in self._win:

@@ -170,7 +170,7 @@ class StepPipeline:
                 if delayed:  # the previous step's update, before the accumulator takes this step's gradient
                     self._pipe.step_unit(unit)
                 t0 = time.perf_counter()
-                if self.rt.world > 1:
+                if self.rt.world > 1 and not self.rt.sharded:  # sharded: reduced window by window (offload.optim)
                     average_over_ranks(grads, self.rt)
                 if not first:
                     self._touched.add(unit.index)  # holds earlier micro-steps' gradients: changed from here
@@ -268,7 +268,8 @@ class StepPipeline:
     def _can_overlap(self) -> bool:
         c = self.rt.cfg
         last = self.micro_step % c.gradient_accumulation_steps == c.gradient_accumulation_steps - 1
-        return last and c.overlap_step and not c.delayed_update and c.gradient_clipping == 0 and c.precision != "fp16"
+        return (last and c.overlap_step and not c.delayed_update and c.gradient_clipping == 0 and c.precision != "fp16"
+                and not self.rt.sharded)
 
     def _begin_pipelined_step(self, args: dict, kinds) -> None:
         """Units are stepped on the d2h thread as their gradients become final, in reverse unit order:
@@ -310,6 +311,8 @@ class StepPipeline:
             self.micro_step = 0
             return True
         sq = sum(self._grad_sq.values())
+        if self.rt.sharded:  # each rank summed the windows it owns: the global norm, the same on every rank
+            sq = sum_over_ranks(sq, self.rt)
         if not math.isfinite(sq):
             self.micro_step = 0
             self._grad_sq.clear()
@@ -346,14 +349,20 @@ class StepPipeline:
         self.release_all()  # no fetched copy may outlive the update of its home ([Note: updates beside residency])
         trainable = [u for u in self.units if u.trainable_numel]
         pipe = WindowPipeline(self, [u.index for u in trainable], update, read_ahead=self.rt.placement.read_ahead)
+        sharing = False
         try:
             with record_function("offload::step"):
                 for unit in trainable:
                     pipe.step_unit(unit)
                 pipe.finish()
+            if self.rt.sharded:
+                sharing = True
+                with record_function("offload::share_new_weights"):
+                    for unit in trainable:
+                        share_new_weights(self.rt, unit, self.states[unit.index], self.weights[unit.index])
         except BaseException as e:
             pipe.abort()
-            if pipe.started:
+            if pipe.started or sharing:
                 self._fail(where, e)
             raise
 
@@ -454,6 +463,45 @@ def average_over_ranks(grads: list, rt) -> None:
                 hbm.refund(g.numel() * 4)
         nbytes += g.numel() * 4
     rt.telemetry.collective("all_reduce", nbytes, time.perf_counter() - t0)
+
+
+def sum_over_ranks(x: float, rt) -> float:
+    """x summed over the ranks (fp64; a non-finite x on any rank makes the sum non-finite on every rank)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64)
+    t0 = time.perf_counter()
+    dist.all_reduce(t)
+    rt.telemetry.collective("all_reduce", 8, time.perf_counter() - t0)
+    return float(t.item())
+
+
+def share_new_weights(rt, unit: Unit, st, w) -> None:
+    """[Note: windows over ranks] After the step, each window's new weights go from its owner to every other
+    rank (one broadcast per window: over the model, the volume of an all-gather), into the weight tier
+    through the same new_weights/commit path the optimizer writes by. Sent as bytes (gloo has no bf16
+    arithmetic to trip over, and a broadcast needs none)."""
+    import torch.distributed as dist
+
+    w.wait_for_write()  # the owner's windows, written behind by its step, are read back from their home
+    for i, (b, e) in enumerate(st.windows):
+        t0 = time.perf_counter()
+        if st.owner[i] == rt.rank:
+            src, release = w.window(i, b, e)
+            try:
+                dist.broadcast(src.view(torch.uint8), src=rt.rank)
+            finally:
+                release()
+        else:
+            buf = w.new_weights(i, b, e)
+            try:
+                dist.broadcast(buf[:e - b].view(torch.uint8), src=st.owner[i])
+            except BaseException:
+                w.discard(buf)
+                raise
+            w.commit(i, b, e, buf)
+        rt.telemetry.collective("broadcast", (e - b) * w.dtype.itemsize, time.perf_counter() - t0)
+    w.wait_for_write()
 
 
 def _delta(now: dict, before: dict) -> dict:

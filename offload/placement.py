@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 import psutil
 import torch
 
+from offload.chunks import window_owners, windows
 from offload.config import CHUNK_ALIGN_BYTES
 from offload.estimate import OFFLOAD_TIER as HOME  # offload device -> tier
 from offload.memory import MINIMUM, STATE_KINDS, Knobs, grad_reserve, pool_chunks, runtime_parts, totals
@@ -43,6 +44,7 @@ class Placement:
     pool_chunks: int = 0
     chunk_bytes: int = 0             # chunk_bytes, or less when every unit's largest buffer is smaller
     grad_reserve: int = 0            # hbm bytes the gradients on their way to dram may hold (back-pressure)
+    owners: dict[int, list[int]] = field(default_factory=dict)  # zero_stage 1-2 over ranks: unit -> window owners
 
     @property
     def uses_nvme(self) -> bool:
@@ -83,10 +85,21 @@ def _default_budgets(device: torch.device) -> tuple[int, int]:
 
 
 def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = True,
-                   order: list[int] | None = None, world: int = 1) -> Placement:
-    """Homes per unit and the bytes each tier needs; `check` runs the preflight (raises PlacementError).
-    order: the units of a forward (offload.units.forward_order), for hbm's working set (offload.memory)."""
+                   order: list[int] | None = None, world: int = 1, rank: int = 0) -> Placement:
+    """Homes per unit and the bytes each tier needs (on `rank` of `world`); `check` runs the preflight
+    (raises PlacementError). order: the units of a forward (offload.units.forward_order), for hbm's working
+    set (offload.memory). With zero_stage 1-2 over several ranks a rank holds the states of the windows it
+    owns (offload.chunks.window_owners) and two more pool chunks (the gradient reduce, offload.optim)."""
     itemsize = cfg.compute_dtype.itemsize
+    # A chunk larger than every unit's largest fp32 buffer would only hold empty pool bytes.
+    largest = max((u.numel for u in units), default=0) * 4
+    chunk_bytes = min(cfg.chunk_bytes, max(CHUNK_ALIGN_BYTES, -(-largest // CHUNK_ALIGN_BYTES) * CHUNK_ALIGN_BYTES))
+    sharded = world > 1 and cfg.zero_stage in (1, 2)
+    owners = {}
+    if sharded:
+        trainable_units = [u for u in units if u.trainable_numel]
+        owned = window_owners([u.trainable_numel for u in trainable_units], chunk_bytes // 4, world)
+        owners = {u.index: o for u, o in zip(trainable_units, owned)}
     w_home, s_home = HOME[cfg.offload_param.device], HOME[cfg.offload_optimizer.device]
     weight_home = {u.index: "hbm" if u.persistent else w_home for u in units}
     state_home = {u.index: s_home for u in units if u.trainable_numel}
@@ -97,31 +110,34 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     for u in units:
         states[weight_home[u.index]] += u.numel * itemsize
         if u.trainable_numel:
-            states[state_home[u.index]] += kinds * 4 * u.trainable_numel
+            states[state_home[u.index]] += kinds * 4 * owned_numel(u.trainable_numel, chunk_bytes // 4,
+                                                                   owners.get(u.index), rank)
         rows.append((u.name, u.numel, weight_home[u.index], state_home.get(u.index, "-")))
     default_hbm, default_dram = _default_budgets(device)
     p = Placement(weight_home, state_home, dict(states), cfg.budgets.hbm_bytes or default_hbm,
                   cfg.budgets.dram_bytes or default_dram, _free_disk(cfg) if cfg.nvme_path else 0, rows)
+    p.chunk_bytes, p.owners = chunk_bytes, owners
     fetched = [u.numel for u in units if weight_home[u.index] != "hbm"]
     trainable = [u.trainable_numel for u in units if u.trainable_numel]
-    # A chunk larger than every unit's largest fp32 buffer would only hold empty pool bytes.
-    largest = max((u.numel for u in units), default=0) * 4
-    p.chunk_bytes = min(cfg.chunk_bytes, max(CHUNK_ALIGN_BYTES, -(-largest // CHUNK_ALIGN_BYTES) * CHUNK_ALIGN_BYTES))
 
     def plan(knobs: Knobs) -> tuple[list[dict], dict[str, int]]:
         parts = runtime_parts(fetched, trainable, itemsize, w_home, s_home, device.type, p.chunk_bytes, knobs,
                               order, [u.numel for u in units], [u.trainable_numel for u in units])
-        if world > 1 and itemsize < 4:  # offload.pipeline.average_over_ranks
+        if world > 1 and not sharded and itemsize < 4:  # offload.pipeline.average_over_ranks
             largest = max((s.numel for u in units for s in u.slots if s.trainable), default=0)
             parts.append({"name": "gradient all-reduce buffer", "tier": "hbm", "bytes": largest * 4,
                           "formula": f"the largest trainable parameter ({largest}) x 4 B, over {world} ranks"})
+        if sharded:  # offload.optim.OptimState._accumulate_sharded: the window reduced, and the nvme accumulator
+            parts.append({"name": "gradient reduce chunks", "tier": "dram", "bytes": 2 * p.chunk_bytes,
+                          "formula": f"2 pool chunks x chunk_bytes {p.chunk_bytes} (zero_stage {cfg.zero_stage}, "
+                                     f"{world} ranks)"})
         need = totals(parts)
         return parts, {t: states[t] + need[t] for t in states}
 
     p.knobs, p.notes = _fit(plan, p, cfg)
     p.parts, p.need = plan(p.knobs)
     p.grad_reserve = grad_reserve(trainable, itemsize, p.knobs)
-    p.pool_chunks = pool_chunks(w_home, s_home, device.type, p.knobs.read_ahead)[0]
+    p.pool_chunks = pool_chunks(w_home, s_home, device.type, p.knobs.read_ahead)[0] + 2 * sharded
     if cfg.reuse_bytes is None:  # derived from the room the rest leaves
         p.knobs = replace(p.knobs, reuse_bytes=reuse_allowance(fetched, itemsize, p, device))
         p.parts, p.need = plan(p.knobs)
@@ -214,3 +230,10 @@ def preflight(p: Placement, device: torch.device, cfg, minimum: dict[str, int]) 
         raise PlacementError("the model does not fit: " + "; ".join(problems) +
                              "; offload more (offload_param / offload_optimizer = nvme), raise the budgets, "
                              "or use smaller units (units.min_numel) or chunks (chunk_bytes)")
+
+
+def owned_numel(numel: int, chunk_numel: int, owners: list[int] | None, rank: int) -> int:
+    """Elements of a unit's states that `rank` holds: all of them, or those of the windows it owns."""
+    if owners is None:
+        return numel
+    return sum(e - b for (b, e), r in zip(windows(numel, chunk_numel), owners) if r == rank)

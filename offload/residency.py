@@ -235,6 +235,26 @@ class WeightHandle(_Handle):
         finally:
             self.rt.staging.release(buf)
 
+    def window(self, i: int, begin: int, end: int):
+        """(host tensor of elements [begin, end) as at home, release()): a view of a host-resident home, or
+        chunk i read from nvme (accelerator-resident homes: copied down) into a pool chunk that release()
+        returns. For sending a window's weights to other ranks (offload.pipeline.share_new_weights)."""
+        if self.home == "dram":
+            return self.dram[begin:end], lambda: None
+        if self.home == "hbm" and self.hbm.device.type == "cpu":
+            return self.hbm[begin:end], lambda: None
+        cb, ce = self.chunks[i] if self.home == "nvme" else (begin, end)  # nvme: the chunk whole (frozen
+        chunk = self.rt.staging.acquire(ce - cb, self.dtype, f"{self.unit.name} weights to share")  # ones may share it)
+        try:
+            if self.home == "nvme":
+                self.rt.store.read(chunk_key(self.key, i), into=chunk).wait()
+            else:
+                chunk.copy_(self.hbm[begin:end])
+        except BaseException:
+            self.rt.staging.release(chunk)
+            raise
+        return chunk[begin - cb:end - cb], lambda: self.rt.staging.release(chunk)
+
     def discard(self, buf: torch.Tensor) -> None:
         """A `new_weights` buffer that will not be committed (the step failed) goes back unwritten."""
         if not (self.home == "dram" or (self.home == "hbm" and self.hbm.device.type == "cpu")):

@@ -30,7 +30,7 @@ class Runtime:
     device: torch.device
     dtype: torch.dtype          # the compute dtype of weights and gradients
     rank: int
-    world: int                  # ranks of the default process group averaging gradients (zero_stage 0)
+    world: int                  # ranks of the default process group (data parallel)
     placement: Placement
     tiers: Tiers
     telemetry: Telemetry
@@ -40,6 +40,12 @@ class Runtime:
     h2d: CopyStream             # fetches: dram -> hbm
     d2h: CopyStream             # gradients: hbm -> dram accumulators, and the step that follows them
     reader: Worker              # fetches from nvme, chunk by chunk
+
+    @property
+    def sharded(self) -> bool:
+        """zero_stage 1-2 over several ranks: each rank holds and steps the state windows it owns
+        (placement.owners); otherwise every rank holds all of them and gradients are averaged (stage 0)."""
+        return bool(self.placement.owners)
 
     @classmethod
     def open(cls, cfg: Config, device: torch.device, placement: Placement, rank: int = 0, world: int = 1) -> "Runtime":

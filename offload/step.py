@@ -33,8 +33,9 @@ class WindowPipeline:
         self.started = False  # a window's update began: states or weights may differ from before
         self.ahead: tuple[int, int] | None = None   # (unit index, window) read ahead
         self.last: tuple[int, int] | None = None    # the window written behind
-        if read_ahead and order:
-            self._load((order[0], 0))
+        first = next((u for u in order if ctx.states[u].mine), None)
+        if read_ahead and first is not None:
+            self._load((first, ctx.states[first].mine[0]))
 
     def step_unit(self, unit: Unit) -> None:
         if self.failed:
@@ -61,7 +62,7 @@ class WindowPipeline:
 
     def _step_unit(self, unit: Unit) -> None:
         st = self.ctx.states[unit.index]
-        for i in range(len(st.windows)):
+        for i in st.mine:  # every window, or over ranks the ones this rank owns ([Note: windows over ranks])
             item = (unit.index, i)
             if self.ahead == item:
                 self.ahead = None
@@ -83,10 +84,12 @@ class WindowPipeline:
         self._land_last()
 
     def _next(self, index: int, i: int) -> tuple[int, int] | None:
-        if i + 1 < len(self.ctx.states[index].windows):
-            return index, i + 1
-        nxt = next((u for u in self.order if u not in self.done and u != index), None)
-        return None if nxt is None else (nxt, 0)
+        mine = self.ctx.states[index].mine
+        k = mine.index(i)
+        if k + 1 < len(mine):
+            return index, mine[k + 1]
+        nxt = next((u for u in self.order if u not in self.done and u != index and self.ctx.states[u].mine), None)
+        return None if nxt is None else (nxt, self.ctx.states[nxt].mine[0])
 
     def _load(self, item: tuple[int, int]) -> None:
         self.ahead = item

@@ -17,27 +17,51 @@ from tests.engine_util import MLP, mlp_batches  # noqa: E402
 
 def main() -> None:
     cfg, out, steps, gas = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    model_kwargs = cfg.pop("_model", {})  # tests.engine_util.MLP's arguments (frozen, ckpt)
+    poison = cfg.pop("_poison", None)      # this micro-step's input on rank 0 is infinite (fp16 overflow there)
+    save_at = cfg.pop("_save_at", None)    # save a checkpoint to <out>.ckpt after this many steps
+    load = cfg.pop("_load", None)          # resume from this checkpoint (its step count says where)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg["nvme_path"] = os.path.join(cfg["nvme_path"], f"rank{rank}")
     torch.manual_seed(0)
     losses = []
     try:
-        with offload.initialize(MLP(), cfg) as eng:
-            for x, y in mlp_batches(steps * gas):
+        with offload.initialize(MLP(**model_kwargs), cfg) as eng:
+            if load is not None:
+                eng.load_checkpoint(load)
+            for i, (x, y) in enumerate(mlp_batches(steps * gas)):
+                if i < eng.step_count * gas:  # resumed: these were trained before the checkpoint
+                    continue
                 n = x.shape[0] // world
-                loss = eng(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
+                x = x[rank * n:(rank + 1) * n] * (float("inf") if i == poison and rank == 0 else 1.0)
+                loss = eng(x, y[rank * n:(rank + 1) * n])
                 eng.backward(loss)
                 eng.step()
                 losses.append(loss.item())
+                if save_at is not None and eng.step_count == save_at and eng.micro_step == 0:
+                    eng.save_checkpoint(out + ".ckpt")
             stats = eng.stats()
+            sd = eng.full_state_dict()  # every rank: with zero_stage 1-2 it gathers each window from its owner
             if rank == 0:
-                torch.save(eng.full_state_dict(), out + ".pt")
+                torch.save(sd, out + ".pt")
+            state_bytes = state_bytes_of(eng)
         with open(f"{out}.rank{rank}.json", "w") as f:
-            json.dump({"losses": losses, "collectives": stats["collectives"],
+            json.dump({"losses": losses, "collectives": stats["collectives"], "state_bytes": state_bytes,
+                       "skipped_steps": eng.skipped_steps, "loss_scale": eng.loss_scale,
+                       "trainable": sum(u.trainable_numel for u in eng.units),
                        "params": sum(p.numel() for p in MLP().parameters())}, f)
     finally:
         dist.destroy_process_group()
+
+
+def state_bytes_of(eng) -> int:
+    """The optimizer-state bytes this rank holds (master, moments and gradient accumulator), wherever they live:
+    resident flats, or swap chunks under the units' state keys."""
+    resident = sum(t.numel() * t.element_size() for st in eng.states if st is not None for t in st.t.values())
+    kinds = ("/master/", "/exp_avg/", "/exp_avg_sq/", "/grad/")
+    swapped = sum(eng.store.nbytes(k) for k in eng.store.keys() if any(x in k for x in kinds)) if eng.store else 0
+    return resident + swapped
 
 
 if __name__ == "__main__":

@@ -1,0 +1,186 @@
+"""ZeRO over ranks on one machine: our stage 0 and stage 2 against DeepSpeed ZeRO-3, weights and optimizer
+states on nvme, side by side in the same run.
+
+Each mode is one torchrun of --ranks processes (gloo, one thread each), one mode after the other, on the
+same model (--preset, our seeding), the same global batch (ranks x --batch sequences of --seq tokens: rank
+r's micro-batch i is the stream's batch i x ranks + r) and the same drive (--dir):
+
+  stage0_nvme           our engine, zero_stage 0: every rank holds all weights and states (on nvme)
+  stage2_nvme           our engine, zero_stage 2: each rank holds and steps 1/ranks of the states (on nvme)
+  deepspeed_zero3_nvme  DeepSpeed ZeRO-3, offload_param and offload_optimizer nvme (bench/ds_e2e.py in the
+                        DeepSpeed venv: --ds-python, else $OFFLOAD_DS_PYTHON, else /work/dsvenv/bin/python;
+                        skipped, and reported null, when there is none)
+
+A step's time is the slowest rank's (a barrier before each step), the median of --steps after --warmup.
+The physical limit measured in the same run: `offload bench nvme` on --dir gives the drive's bandwidth, and
+our modes' own nvme bytes of one step (all ranks together: they share the drive) over it give io_bound_s.
+Our stage 2 is not DeepSpeed's stage 3 (each rank still holds all bf16 weights, on nvme here; our stage 3
+is not built yet): the comparison is the same placement and job, not the same partitioning.
+
+python bench/zero.py [--preset bench-200m] [--batch 2] [--seq 256] [--steps 3] [--warmup 1] [--ranks 2]
+                     [--dir DIR] [--io-size 1G] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import iobound  # bench/, this script's directory, is first on sys.path
+from e2e import add_run_arguments, default_ds_python, matmul_gflops, worker_env
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OURS = {"stage0_nvme": 0, "stage2_nvme": 2}
+DS_MODE = "deepspeed_zero3_nvme"
+
+
+def worker(args) -> None:
+    """One rank of one of our modes (under torchrun); rank 0 prints the mode's JSON line."""
+    import torch
+    import torch.distributed as dist
+
+    import offload
+    from offload.data import BatchSampler, load_tokens
+    from offload.models import build_model, loss_of
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(args.preset, seed=0)
+    sampler = BatchSampler(load_tokens(), args.batch, args.seq, seed=0)
+    t0 = time.perf_counter()
+    engine = offload.initialize(model, {"precision": "bf16", "zero_stage": OURS[args.mode], "nvme_path": args.dir,
+                                        "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"},
+                                        "optimizer": {"lr": 1e-4}})
+    init_s = time.perf_counter() - t0
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        ids, labels = sampler.batch(i * world + rank)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = loss_of(engine(ids, labels=labels))
+        engine.backward(loss)
+        engine.step()
+        seconds, mean_loss = _over_ranks(time.perf_counter() - t0, loss.item())
+        losses.append(mean_loss)
+        if i >= args.warmup:
+            times.append(seconds)
+    last = engine.stats()["last_step"]
+    nvme = {k: int(_over_ranks(0.0, float(v))[1] * world) for k, v in iobound.step_nvme_bytes(last["links"]).items()}
+    rss = _over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 0.0)[0]
+    params = sum(u.numel for u in engine.units)
+    engine.close()
+    dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps({"params": params, "step_s": sorted(times)[len(times) // 2], "losses": losses,
+                          "init_s": init_s, "peak_rss_bytes": int(rss), "nvme_step_bytes": nvme,
+                          "collectives": last["collectives"], "ranks": world}), flush=True)
+
+
+def _over_ranks(largest: float, mean: float) -> tuple[float, float]:
+    """(the largest `largest`, the mean `mean`) over the ranks."""
+    import torch
+    import torch.distributed as dist
+
+    t, m = torch.tensor([largest], dtype=torch.float64), torch.tensor([mean], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(m)
+    return float(t.item()), float(m.item()) / dist.get_world_size()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_mode(args, mode: str, base: str) -> dict:
+    """One mode as a torchrun of args.ranks processes; its JSON line (the last on stdout)."""
+    common = ["--preset", args.preset, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+              "--warmup", str(args.warmup), "--dir", base]
+    python = args.ds_python if mode == DS_MODE else sys.executable
+    script = os.path.join(REPO, "bench", "ds_e2e.py" if mode == DS_MODE else "zero.py")
+    extra = [] if mode == DS_MODE else ["--worker", "--mode", mode]
+    cmd = [os.path.join(os.path.dirname(python), "torchrun"), "--nproc-per-node", str(args.ranks), "--master-port",
+           str(_free_port()), script, *common, *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**worker_env(), "OMP_NUM_THREADS": "1"})
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{mode}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(ap)
+    ap.set_defaults(batch=2)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--dir", default=None, help="directory on the drive to test (default: a temporary one)")
+    ap.add_argument("--ds-python", default=default_ds_python())
+    ap.add_argument("--modes", default=",".join([*OURS, DS_MODE]))
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)
+    iobound.add_io_arguments(ap)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    base = tempfile.mkdtemp(prefix="offload-bench-zero-", dir=args.dir)
+    try:
+        report = _run(args, base)
+    finally:
+        subprocess.run(["rm", "-rf", base])
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_table(report)
+
+
+def _run(args, base: str) -> dict:
+    bw = iobound.measure_swap(base, args.io_size, {}) if args.io_size else None
+    gflops = matmul_gflops()
+    results, errors = {}, {}
+    for mode in args.modes.split(","):
+        if mode == DS_MODE and not args.ds_python:
+            errors[mode] = "no DeepSpeed python (--ds-python)"
+            continue
+        try:
+            results[mode] = run_mode(args, mode, base)
+        except RuntimeError as e:
+            errors[mode] = str(e)
+    ds = results.get(DS_MODE, {}).get("step_s")
+    out = {"preset": args.preset, "ranks": args.ranks, "global_batch": args.ranks * args.batch, "seq": args.seq,
+           "bf16_gflops": gflops, "swap": bw, "errors": errors,
+           "modes": {m: {k: r.get(k) for k in ("step_s", "init_s", "peak_rss_bytes", "losses", "nvme_step_bytes",
+                                               "collectives")} for m, r in results.items()}}
+    for m, r in out["modes"].items():
+        r["vs_deepspeed"] = r["step_s"] / ds if ds and m != DS_MODE else None
+        if bw and r.get("nvme_step_bytes"):
+            r["io_bound_s"] = iobound.io_bound_s(r["nvme_step_bytes"], bw)
+            r["vs_io_bound"] = r["step_s"] / r["io_bound_s"]
+    return out
+
+
+def _print_table(report: dict) -> None:
+    print(f"{report['preset']}, {report['ranks']} ranks, global batch {report['global_batch']} x {report['seq']}; "
+          f"bf16 matmul {report['bf16_gflops']:.0f} GFLOP/s")
+    if report["swap"]:
+        print(f"swap: read {report['swap']['swap_read_gbps']:.2f} GB/s, write {report['swap']['swap_write_gbps']:.2f} GB/s")
+    print(f"{'mode':24s} {'step s':>8s} {'vs DS':>7s} {'io bound s':>10s} {'vs bound':>8s} {'peak RSS/rank':>13s}  losses")
+    for m, r in report["modes"].items():
+        f = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
+        print(f"{m:24s} {r['step_s']:8.2f} {f(r.get('vs_deepspeed'), '7.2f')} {f(r.get('io_bound_s'), '10.2f')} "
+              f"{f(r.get('vs_io_bound'), '8.2f')} {r['peak_rss_bytes'] / 1e9:11.2f} GB  "
+              + " ".join(f"{x:.3f}" for x in r["losses"][:3]))
+    for m, e in report["errors"].items():
+        print(f"{m}: not run: {e.splitlines()[0]}")
+
+
+if __name__ == "__main__":
+    main()
