@@ -26,7 +26,7 @@ def start(argv, tmp_path):
     """python -c CODE ARGS..., its output into files (a pipe nobody reads could fill and block it)."""
     out, err = open(tmp_path / "stdout", "w"), open(tmp_path / "stderr", "w")
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.Popen([sys.executable, "-c", *argv], stdout=out, stderr=err, env=env)
+    return subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", *argv], stdout=out, stderr=err, env=env)
 
 
 def wait_for(predicate, what, proc, tmp_path, seconds=120.0):
@@ -39,11 +39,18 @@ def wait_for(predicate, what, proc, tmp_path, seconds=120.0):
 
 
 def finish(proc, tmp_path):
+    """Waits for the child's exit; a child still running after 120 s is a hang: SIGABRT makes faulthandler
+    print every thread's stack, and the test fails with it."""
     try:
         proc.wait(120)
-    finally:
-        if proc.poll() is None:
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+        pytest.fail(f"the process did not exit within 120 s; its threads:\n{(tmp_path / 'stderr').read_text()[-6000:]}")
     return (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
 
 

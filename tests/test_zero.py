@@ -52,7 +52,7 @@ def single(cfg: dict, steps: int, gas: int = 1, world: int = 2):
     """One process on the global batch; `_poison` makes rank 0's part of that micro-step's input infinite."""
     cfg = dict(cfg)
     model_kwargs, poison = cfg.pop("_model", {}), cfg.pop("_poison", None)
-    cfg_extra = {"_load": cfg.pop("_load")} if "_load" in cfg else {}
+    cfg_extra = {k: cfg.pop(k) for k in ("_load", "_save_at", "_save_to") if k in cfg}
     torch.manual_seed(0)
     losses = []
     with offload.initialize(MLP(**model_kwargs), cfg) as eng:
@@ -68,6 +68,8 @@ def single(cfg: dict, steps: int, gas: int = 1, world: int = 2):
             eng.backward(loss)
             eng.step()
             losses.append(loss.item())
+            if eng.step_count == cfg_extra.get("_save_at") and eng.micro_step == 0:
+                eng.save_checkpoint(cfg_extra["_save_to"])
         single.skipped_steps = eng.skipped_steps
         return losses, eng.full_state_dict()
 
@@ -184,6 +186,19 @@ def test_checkpoints_over_ranks_resume_exactly_and_at_other_world_sizes(tmp_path
     for k in sd_a:
         torch.testing.assert_close(sd_one[k], sd_a[k], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(sd_four[k], sd_a[k], rtol=1e-5, atol=1e-5)
+
+
+def test_a_single_process_checkpoint_resumes_on_4_ranks(tmp_path):
+    cfg = {"precision": "fp32", "units": {"min_numel": 512}, "optimizer": {"lr": 1e-2}, "chunk_bytes": CHUNK_BYTES,
+           "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}}
+    ckpt = str(tmp_path / "ckpt")
+    losses, sd = single({**cfg, "nvme_path": str(tmp_path / "s"), "_save_at": 2, "_save_to": ckpt}, 4)
+    four = run_ranks(4, {**cfg, "zero_stage": 2, "nvme_path": str(tmp_path / "s4"), "_load": ckpt},
+                     str(tmp_path / "c"), 4)
+    assert [sum(r["losses"][k] for r in four) / 4 for k in range(2)] == pytest.approx(losses[2:], rel=1e-5)
+    sd_four = torch.load(str(tmp_path / "c.pt"))
+    for k in sd:
+        torch.testing.assert_close(sd_four[k], sd[k], rtol=1e-5, atol=1e-5)
 
 
 def test_stage3_over_ranks_is_refused(tmp_path):
