@@ -1,4 +1,4 @@
-"""ZeRO over ranks on one machine: our stage 0 and stage 2 against DeepSpeed ZeRO-3, weights and optimizer
+"""ZeRO over ranks on one machine: our stages 0, 2 and 3 against DeepSpeed ZeRO-3, weights and optimizer
 states on nvme, side by side in the same run.
 
 Each mode is one torchrun of --ranks processes (gloo, one thread each), one mode after the other, on the
@@ -7,6 +7,7 @@ r's micro-batch i is the stream's batch i x ranks + r) and the same drive (--dir
 
   stage0_nvme           our engine, zero_stage 0: every rank holds all weights and states (on nvme)
   stage2_nvme           our engine, zero_stage 2: each rank holds and steps 1/ranks of the states (on nvme)
+  stage3_nvme           our engine, zero_stage 3: also 1/ranks of the weights, gathered per unit when used
   deepspeed_zero3_nvme  DeepSpeed ZeRO-3, offload_param and offload_optimizer nvme (bench/ds_e2e.py in the
                         DeepSpeed venv: --ds-python, else $OFFLOAD_DS_PYTHON, else /work/dsvenv/bin/python;
                         skipped, and reported null, when there is none)
@@ -14,8 +15,7 @@ r's micro-batch i is the stream's batch i x ranks + r) and the same drive (--dir
 A step's time is the slowest rank's (a barrier before each step), the median of --steps after --warmup.
 The physical limit measured in the same run: `offload bench nvme` on --dir gives the drive's bandwidth, and
 our modes' own nvme bytes of one step (all ranks together: they share the drive) over it give io_bound_s.
-Our stage 2 is not DeepSpeed's stage 3 (each rank still holds all bf16 weights, on nvme here; our stage 3
-is not built yet): the comparison is the same placement and job, not the same partitioning.
+stage3_nvme is the same partitioning as DeepSpeed's ZeRO-3; stages 0 and 2 show what it costs and saves.
 
 python bench/zero.py [--preset bench-200m] [--batch 2] [--seq 256] [--steps 3] [--warmup 1] [--ranks 2]
                      [--dir DIR] [--io-size 1G] [--json]
@@ -37,7 +37,7 @@ import iobound  # bench/, this script's directory, is first on sys.path
 from e2e import add_run_arguments, default_ds_python, matmul_gflops, worker_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OURS = {"stage0_nvme": 0, "stage2_nvme": 2}
+OURS = {"stage0_nvme": 0, "stage2_nvme": 2, "stage3_nvme": 3}
 DS_MODE = "deepspeed_zero3_nvme"
 
 

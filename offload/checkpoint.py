@@ -19,9 +19,10 @@ position there; `hf_config` and `hf_names` there feed `offload checkpoint export
 
 [Note: ranks]
 Over several ranks every rank calls save and load. zero_stage 0: every rank holds the same states, rank 0
-writes them all (the others' data files are empty). zero_stage 1-2: each rank writes the optimizer-state
-windows it holds to its own rank<r>.bin; rank 0 writes the frozen weights and the buffers (every rank
-holds those alike) and merges the ranks' ranges into one manifest. Load: each rank reads the element
+writes them all (the others' data files are empty). zero_stage 1-3: each rank writes the optimizer-state
+windows it holds to its own rank<r>.bin (stage 3: also its chunks of the frozen weights); rank 0 writes
+the other frozen weights and the buffers (every rank holds those alike) and merges the ranks' ranges into
+one manifest. Load: each rank reads the element
 ranges of the windows it holds now, whichever files hold them, so a checkpoint resumes at another world
 size or stage (2 ranks -> 1, 1 -> 4, stage 0 -> 2). The directory must be one every rank reaches (one
 machine, or a shared filesystem). RNG states are per rank; a rank the checkpoint has none for keeps its own.
@@ -99,7 +100,7 @@ def _merge(parts: list[dict]) -> dict:
     tensors = json.loads(json.dumps(parts[0]["tensors"]))
     for part in parts[1:]:
         for name, entry in part["tensors"].items():
-            for kind in (*STATES, "grad"):
+            for kind in (*STATES, "grad", "weight"):  # weight: stage 3's frozen chunks
                 if kind in entry:
                     where = tensors[name].setdefault(kind, {"dtype": entry[kind]["dtype"], "ranges": []})
                     where["ranges"] += entry[kind]["ranges"]
@@ -188,7 +189,7 @@ def _save_parameters(engine, out: fmt.DataFile, accumulator: bool, states: bool 
                 if accumulator:
                     meta["has_grad"] = s.offset in got
         kinds = (*STATES, *("grad",) * accumulator) if st is not None and states else ()
-        if weights and any(not s.trainable for s in unit.slots):
+        if (weights or engine.weights[unit.index].partitioned) and any(not s.trainable for s in unit.slots):
             kinds = (*kinds, "weight")
         for kind in kinds:
             slots = [s for s in unit.slots if s.trainable == (kind != "weight")]
@@ -229,12 +230,12 @@ def _windows(engine, unit, kind: str, write: bool = False, keep: bool = True):
     else:
         spans, home, key, dtype = st.windows, st.home, unit.key(kind, engine.rank), torch.float32
         flat = st.t.get(kind)
-    held = range(len(spans)) if kind == "weight" else st.mine  # states: the windows this rank holds
+    held = w.held if kind == "weight" else st.mine  # the chunks / windows this rank holds
     for i in held:
         b, e = spans[i]
         if home != "nvme":
-            local = (b, e) if kind == "weight" else st.span(i)
-            at_home = st.grad(i) if kind == "grad" else flat[local[0]:local[1]]  # grad: in the accumulator's dtype
+            local = (w.span(i) if home == "dram" else slice(b, e)) if kind == "weight" else slice(*st.span(i))
+            at_home = st.grad(i) if kind == "grad" else flat[local]  # grad: in the accumulator's dtype
             t = at_home.cpu()
             if not keep:
                 t.zero_()

@@ -62,7 +62,7 @@ class Engine(nn.Module):
             raise
         self.pipeline = StepPipeline(rt, self.units, self.weights, self.states, self.trace, self._release_all)
         self.policy = ResidencyPolicy(self.trace, [w.nbytes for w in self.weights], self.placement.knobs.reuse_distance,
-                                      self.placement.reuse_bytes, self.pipeline.grad_reserve)
+                                      _agreed_reuse_bytes(self.placement), self.pipeline.grad_reserve)
         self._handles = [h for u in self.units if not u.persistent for m in [u.module, *u.users]
                          for h in hooks.register(self, u, m)]
         self._grad_hooks = [s.param.register_post_accumulate_grad_hook(self.pipeline.grad_hook(u))
@@ -271,15 +271,27 @@ def _check_unsupported(cfg: Config) -> tuple[int, int]:
 
 
 def _check_ranks(cfg: Config, world: int) -> None:
-    """What runs over several ranks: zero_stage 0 anywhere; 1 and 2 on CPUs (gloo)."""
+    """What runs over several ranks: zero_stage 0 anywhere; 1, 2 and 3 (weights offloaded) on CPUs (gloo)."""
     stage = cfg.zero_stage
-    if stage == 3:
-        raise ValueError(f"zero_stage=3: partitioning the weights over {world} ranks is not implemented yet; "
-                         "zero_stage 1 or 2 (optimizer states and gradients partitioned, on CPUs) or 0 (data "
-                         "parallel) are, or run a single process")
-    if stage in (1, 2) and torch.cuda.is_available():
+    if stage == 3 and cfg.offload_param.device == "none":
+        raise ValueError(f"zero_stage=3 with offload_param none: partitioning weights that stay in hbm is not "
+                         f"implemented yet; offload them (offload_param cpu or nvme: each of the {world} ranks "
+                         "then holds 1/ranks of them), or use zero_stage 2")
+    if stage in (1, 2, 3) and torch.cuda.is_available():
         raise ValueError(f"zero_stage={stage}: partitioning states over {world} ranks runs on CPUs (gloo) only so "
                          "far and has never run on CUDA; use zero_stage 0 (data parallel) on GPUs")
-    if stage in (1, 2) and cfg.delayed_update:
+    if stage in (1, 2, 3) and cfg.delayed_update:
         raise ValueError(f"delayed_update=true: not implemented with zero_stage={stage} over {world} ranks yet; "
                          "set it false, or use zero_stage 0")
+
+
+def _agreed_reuse_bytes(p: Placement) -> int:
+    """reuse_bytes, the same on every rank with zero_stage 3 (the smallest): a unit kept on one rank and
+    released on another would be gathered by one and not the other ([Note: partitioned weights])."""
+    if not p.weight_owners:
+        return p.reuse_bytes
+    import torch.distributed as dist
+
+    t = torch.tensor([p.reuse_bytes], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())

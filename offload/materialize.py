@@ -297,11 +297,13 @@ def place(engine, unit: Unit) -> None:
     w = WeightHandle(unit, p.weight_home[unit.index], engine.dtype, engine.rt)
     pieces = [(s.offset, values[s.name]) for s in unit.slots]
     if w.home == "nvme":
-        _fill_chunks(engine, w.key, w.chunks, engine.dtype, pieces)
+        _fill_chunks(engine, w.key, {i: w.chunks[i] for i in w.held}, engine.dtype, pieces)
+    elif w.home == "dram":
+        for i in w.held:  # every chunk, or with zero_stage 3 the ones this rank owns
+            gather(pieces, *w.chunks[i], w.dram[w.span(i)])
     else:
-        gather(pieces, 0, unit.numel, w.hbm if w.home == "hbm" else w.dram)
-        if w.home == "hbm":
-            w._attach()
+        gather(pieces, 0, unit.numel, w.hbm)
+        w._attach()
     engine.weights[unit.index] = w
     if unit.trainable_numel:
         st = OptimState(unit, p.state_home[unit.index], engine.rt)
@@ -351,7 +353,9 @@ def unit_values(engine, unit: Unit):
             master = _read_chunks(engine, unit.key("master", engine.rank), st.windows, torch.float32)
         else:
             master = st.t["master"]
-    if any(not s.trainable for s in unit.slots):
+    if any(not s.trainable for s in unit.slots) and w.partitioned:
+        weights = _gather_weights(engine, w)
+    elif any(not s.trainable for s in unit.slots):
         if w.home == "nvme":
             w.wait_for_write()
             weights = _read_chunks(engine, w.key, w.chunks, w.dtype)
@@ -385,4 +389,21 @@ def _gather_master(engine, unit, st) -> torch.Tensor:
             else:
                 out[b:e].copy_(st.t["master"][slice(*st.span(i))])
         dist.broadcast(out[b:e], src=st.owner[i])
+    return out
+
+
+def _gather_weights(engine, w) -> torch.Tensor:
+    """A partitioned unit's weights whole on every rank ([Note: partitioned weights] in offload.residency),
+    each chunk broadcast from its owner: a collective, so every rank must ask for it."""
+    import torch.distributed as dist
+
+    w.wait_for_write()
+    out = torch.empty(w.unit.numel, dtype=w.dtype)
+    for i, (b, e) in enumerate(w.chunks):
+        if w.owner[i] == engine.rank:
+            if w.home == "nvme":
+                engine.store.read(chunk_key(w.key, i), into=out[b:e]).wait()
+            else:
+                out[b:e].copy_(w.dram[w.span(i)])
+        dist.broadcast(out[b:e].view(torch.uint8), src=w.owner[i])
     return out

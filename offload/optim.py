@@ -312,7 +312,7 @@ class OptimState(_Handle):
             try:
                 gather(grads, b, e, buf)
                 t0 = time.perf_counter()
-                dist.reduce(buf, dst=self.owner[i])
+                dist.reduce(buf, dst=self.owner[i], group=rt.grad_group)
                 rt.telemetry.collective("reduce", buf.numel() * 4, time.perf_counter() - t0)
                 if self.owner[i] == rt.rank:
                     buf.div_(rt.world)

@@ -358,8 +358,9 @@ class StepPipeline:
             if self.rt.sharded:
                 sharing = True
                 with record_function("offload::share_new_weights"):
-                    for unit in trainable:
-                        share_new_weights(self.rt, unit, self.states[unit.index], self.weights[unit.index])
+                    for unit in trainable:  # stage 3's partitioned units: each rank keeps its own chunks
+                        if not self.weights[unit.index].partitioned:
+                            share_new_weights(self.rt, unit, self.states[unit.index], self.weights[unit.index])
         except BaseException as e:
             pipe.abort()
             if pipe.started or sharing:
@@ -454,7 +455,7 @@ def average_over_ranks(grads: list, rt) -> None:
             hbm.charge(g.numel() * 4, "gradient all-reduce buffer")
         try:
             buf = g.float() if copy else g
-            dist.all_reduce(buf)
+            dist.all_reduce(buf, group=rt.grad_group)
             buf.div_(rt.world)
             if copy:
                 g.copy_(buf)

@@ -44,7 +44,8 @@ class Placement:
     pool_chunks: int = 0
     chunk_bytes: int = 0             # chunk_bytes, or less when every unit's largest buffer is smaller
     grad_reserve: int = 0            # hbm bytes the gradients on their way to dram may hold (back-pressure)
-    owners: dict[int, list[int]] = field(default_factory=dict)  # zero_stage 1-2 over ranks: unit -> window owners
+    owners: dict[int, list[int]] = field(default_factory=dict)  # zero_stage 1-3 over ranks: unit -> window owners
+    weight_owners: dict[int, list[int]] = field(default_factory=dict)  # zero_stage 3: partitioned units' chunks
 
     @property
     def uses_nvme(self) -> bool:
@@ -89,14 +90,20 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     """Homes per unit and the bytes each tier needs (on `rank` of `world`); `check` runs the preflight
     (raises PlacementError). order: the units of a forward (offload.units.forward_order), for hbm's working
     set (offload.memory). With zero_stage 1-2 over several ranks a rank holds the states of the windows it
-    owns (offload.chunks.window_owners) and two more pool chunks (the gradient reduce, offload.optim)."""
+    owns (offload.chunks.window_owners) and two more pool chunks (the gradient reduce, offload.optim); with
+    stage 3 also only the weights of its chunks of every unit that is fetched (not the persistent ones)."""
     itemsize = cfg.compute_dtype.itemsize
     # A chunk larger than every unit's largest fp32 buffer would only hold empty pool bytes.
     largest = max((u.numel for u in units), default=0) * 4
     chunk_bytes = min(cfg.chunk_bytes, max(CHUNK_ALIGN_BYTES, -(-largest // CHUNK_ALIGN_BYTES) * CHUNK_ALIGN_BYTES))
-    sharded = world > 1 and cfg.zero_stage in (1, 2)
-    owners = {}
-    if sharded:
+    sharded = world > 1 and cfg.zero_stage in (1, 2, 3)
+    owners, weight_owners = {}, {}
+    if sharded and cfg.zero_stage == 3:  # every chunk of every unit; a state window is its unit's chunk
+        owned = window_owners([u.numel for u in units], chunk_bytes // 4, world)
+        weight_owners = {u.index: o for u, o in zip(units, owned) if not u.persistent}
+        owners = {u.index: o[:len(windows(u.trainable_numel, chunk_bytes // 4))]
+                  for u, o in zip(units, owned) if u.trainable_numel}
+    elif sharded:
         trainable_units = [u for u in units if u.trainable_numel]
         owned = window_owners([u.trainable_numel for u in trainable_units], chunk_bytes // 4, world)
         owners = {u.index: o for u, o in zip(trainable_units, owned)}
@@ -108,7 +115,7 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     # An nvme gradient accumulator exists only when the step does not follow each gradient at once.
     kinds = STATE_KINDS - (s_home == "nvme" and overlapped(cfg))
     for u in units:
-        states[weight_home[u.index]] += u.numel * itemsize
+        states[weight_home[u.index]] += owned_numel(u.numel, chunk_bytes // 4, weight_owners.get(u.index), rank) * itemsize
         if u.trainable_numel:
             states[state_home[u.index]] += kinds * 4 * owned_numel(u.trainable_numel, chunk_bytes // 4,
                                                                    owners.get(u.index), rank)
@@ -116,7 +123,7 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     default_hbm, default_dram = _default_budgets(device)
     p = Placement(weight_home, state_home, dict(states), cfg.budgets.hbm_bytes or default_hbm,
                   cfg.budgets.dram_bytes or default_dram, _free_disk(cfg) if cfg.nvme_path else 0, rows)
-    p.chunk_bytes, p.owners = chunk_bytes, owners
+    p.chunk_bytes, p.owners, p.weight_owners = chunk_bytes, owners, weight_owners
     fetched = [u.numel for u in units if weight_home[u.index] != "hbm"]
     trainable = [u.trainable_numel for u in units if u.trainable_numel]
 

@@ -73,10 +73,20 @@ class WeightHandle(_Handle):
         self.unit, self.dtype, self.rt = unit, dtype, rt
         self.key = unit.key(f"weight.{str(dtype).removeprefix('torch.')}")
         self.chunks = windows(unit.numel, rt.chunk_numel)
+        # [Note: partitioned weights] zero_stage 3 over several ranks: a fetched unit's home holds only the
+        # chunks this rank owns (placement.weight_owners; dram: back to back, nvme: their keys), and a fetch
+        # copies those into hbm, then each chunk is broadcast from its owner (wait_for_fetch, called when the
+        # unit runs: in the model's order on every rank, unlike prefetches, which the room decides).
+        owner = rt.placement.weight_owners.get(unit.index)
+        self.partitioned = owner is not None
+        self.owner = owner or [rt.rank] * len(self.chunks)
+        self.held = [i for i, r in enumerate(self.owner) if r == rt.rank]  # the chunks at this rank's home
+        self._local = {i: sum(self.chunks[j][1] - self.chunks[j][0] for j in self.held if j < i) for i in self.held}
+        local_numel = sum(self.chunks[i][1] - self.chunks[i][0] for i in self.held)
         tiers: Tiers = rt.tiers
         self.nbytes = unit.numel * dtype.itemsize
         self.hbm = tiers.empty("hbm", unit.numel, dtype, f"{unit.name} weights")
-        self.dram = tiers.empty("dram", unit.numel, dtype, f"{unit.name} weights") if home == "dram" else None
+        self.dram = tiers.empty("dram", local_numel, dtype, f"{unit.name} weights") if home == "dram" else None
         self._pending = None       # completion of the transfer in flight
         self._t0 = 0.0
         self._placeholder = torch.empty(0, dtype=dtype, device=self.hbm.device)
@@ -103,16 +113,29 @@ class WeightHandle(_Handle):
         self.rt.tiers.acct["hbm"].charge(self.nbytes, f"{self.unit.name} weights")
         self.hbm.untyped_storage().resize_(self.nbytes)
 
+    def span(self, i: int, begin: int | None = None, end: int | None = None) -> slice:
+        """Where elements [begin, end) of chunk i (default: all of it) lie in the dram home."""
+        cb, ce = self.chunks[i]
+        begin, end = cb if begin is None else begin, ce if end is None else end
+        at = self._local[i] - cb if self.partitioned else 0
+        return slice(at + begin, at + end)
+
     # -- fetch: home -> hbm ---------------------------------------------------------------------------
     def fetch(self) -> None:
-        """Starts moving the weights towards hbm; idempotent (fetch_if_needed)."""
+        """Starts moving the weights towards hbm (partitioned: this rank's chunks); idempotent."""
         if self.state is R.NVME:
             self._alloc_hbm()
             self._pending, self._t0 = self.rt.reader.submit(self._read_chunks), time.perf_counter()
             self._set(R.NVME_TO_HBM, R.NVME)
         elif self.state is R.DRAM:
             self._alloc_hbm()
-            self._pending, self._t0 = self.rt.h2d.copy(self.hbm, self.dram), time.perf_counter()
+            if self.partitioned:
+                pairs = [(self.hbm[b:e], self.dram[self.span(i)]) for i, (b, e) in
+                         ((i, self.chunks[i]) for i in self.held)]
+                self._pending = self.rt.h2d.submit(lambda: [dst.copy_(src) for dst, src in pairs])
+            else:
+                self._pending = self.rt.h2d.copy(self.hbm, self.dram)
+            self._t0 = time.perf_counter()
             self._set(R.DRAM_TO_HBM, R.DRAM)
 
     def _read_chunks(self) -> None:
@@ -134,7 +157,8 @@ class WeightHandle(_Handle):
                 pool.release(buf)
 
         try:
-            for i, (b, e) in enumerate(self.chunks):
+            for i in self.held:
+                b, e = self.chunks[i]
                 if len(flight) == READ_AHEAD:
                     drain()
                 buf = pool.acquire(e - b, self.dtype, f"{self.unit.name} weights")
@@ -147,8 +171,9 @@ class WeightHandle(_Handle):
                 pool.release(buf)
 
     def advance(self) -> None:
-        """Moves an in-flight fetch one step on if its transfer finished (never blocks)."""
-        if self.state in (R.NVME_TO_HBM, R.DRAM_TO_HBM) and self._pending.done():
+        """Moves an in-flight fetch one step on if its transfer finished (never blocks; partitioned
+        weights wait for their gather, which runs when the unit is used)."""
+        if self.state in (R.NVME_TO_HBM, R.DRAM_TO_HBM) and self._pending.done() and not self.partitioned:
             self._finish_fetch()
 
     def wait_for_fetch(self) -> None:
@@ -164,9 +189,21 @@ class WeightHandle(_Handle):
         self._pending.wait_on_compute()  # on CUDA a copy's event: the compute stream waits, not the host
         self._pending = None
         if self.state is R.DRAM_TO_HBM:
-            self.rt.telemetry.link("dram_to_hbm", self.nbytes, time.perf_counter() - self._t0)
+            held = sum(self.chunks[i][1] - self.chunks[i][0] for i in self.held)
+            self.rt.telemetry.link("dram_to_hbm", held * self.dtype.itemsize, time.perf_counter() - self._t0)
+        if self.partitioned:
+            self._gather()
         self._attach()
         self._set(R.HBM, self.state)
+
+    def _gather(self) -> None:
+        """[Note: partitioned weights] Each chunk from its owner into every rank's hbm copy (as bytes)."""
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        for (b, e), owner in zip(self.chunks, self.owner):
+            dist.broadcast(self.hbm[b:e].view(torch.uint8), src=owner)
+        self.rt.telemetry.collective("all_gather", self.nbytes, time.perf_counter() - t0)
 
     # -- release: hbm -> home -------------------------------------------------------------------------
     def release(self) -> None:
@@ -203,7 +240,7 @@ class WeightHandle(_Handle):
         """The buffer the optimizer writes the new weights of elements [begin, end) (state window i) into,
         at its start; then call `commit(i, begin, end, buf)`."""
         if self.home == "dram":
-            return self.dram[begin:end]
+            return self.dram[self.span(i, begin, end)]
         if self.home == "hbm" and self.hbm.device.type == "cpu":
             return self.hbm[begin:end]
         cb, ce = self.chunks[i]
@@ -240,7 +277,7 @@ class WeightHandle(_Handle):
         chunk i read from nvme (accelerator-resident homes: copied down) into a pool chunk that release()
         returns. For sending a window's weights to other ranks (offload.pipeline.share_new_weights)."""
         if self.home == "dram":
-            return self.dram[begin:end], lambda: None
+            return self.dram[self.span(i, begin, end)], lambda: None
         if self.home == "hbm" and self.hbm.device.type == "cpu":
             return self.hbm[begin:end], lambda: None
         cb, ce = self.chunks[i] if self.home == "nvme" else (begin, end)  # nvme: the chunk whole (frozen

@@ -40,10 +40,14 @@ class Runtime:
     h2d: CopyStream             # fetches: dram -> hbm
     d2h: CopyStream             # gradients: hbm -> dram accumulators, and the step that follows them
     reader: Worker              # fetches from nvme, chunk by chunk
+    # [Note: two process groups] over several ranks the d2h thread reduces gradients while the compute
+    # thread gathers weights (zero_stage 3): each thread has its own group, so each group sees its
+    # collectives in the same order on every rank. grad_group: the d2h thread's; None: the default group.
+    grad_group: object = None
 
     @property
     def sharded(self) -> bool:
-        """zero_stage 1-2 over several ranks: each rank holds and steps the state windows it owns
+        """zero_stage 1-3 over several ranks: each rank holds and steps the state windows it owns
         (placement.owners); otherwise every rank holds all of them and gradients are averaged (stage 0)."""
         return bool(self.placement.owners)
 
@@ -58,9 +62,14 @@ class Runtime:
             staging.close()
             raise
         delay = float(os.environ.get("OFFLOAD_TEST_COPY_DELAY_S", "0"))  # tests: a missing wait shows
+        grad_group = None
+        if world > 1:  # [Note: two process groups]; every rank creates it here, in the same order
+            import torch.distributed as dist
+
+            grad_group = dist.new_group(backend=dist.get_backend())
         return cls(cfg, device, cfg.compute_dtype, rank, world, placement, tiers, Telemetry(),
                    placement.chunk_bytes // 4, staging, store, CopyStream("h2d", device, delay),
-                   CopyStream("d2h", device, delay), Worker("nvme-read", delay))
+                   CopyStream("d2h", device, delay), Worker("nvme-read", delay), grad_group)
 
     @staticmethod
     def open_store(cfg: Config) -> SwapStore:

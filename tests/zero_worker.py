@@ -45,9 +45,14 @@ def main() -> None:
             sd = eng.full_state_dict()  # every rank: with zero_stage 1-2 it gathers each window from its owner
             if rank == 0:
                 torch.save(sd, out + ".pt")
-            state_bytes = state_bytes_of(eng)
+            state_bytes, weight_bytes = state_bytes_of(eng), weight_bytes_of(eng)
+            partitioned = sum(w.unit.numel for w in eng.weights if w.partitioned)
+            partitioned_trainable = sum(w.unit.trainable_numel for w in eng.weights if w.partitioned)
         with open(f"{out}.rank{rank}.json", "w") as f:
             json.dump({"losses": losses, "collectives": stats["collectives"], "state_bytes": state_bytes,
+                       "weight_bytes": weight_bytes, "partitioned_numel": partitioned,
+                       "partitioned_trainable": partitioned_trainable,
+                       "chunk_numel": eng.chunk_numel,
                        "skipped_steps": eng.skipped_steps, "loss_scale": eng.loss_scale,
                        "trainable": sum(u.trainable_numel for u in eng.units),
                        "params": sum(p.numel() for p in MLP().parameters())}, f)
@@ -62,6 +67,13 @@ def state_bytes_of(eng) -> int:
     kinds = ("/master/", "/exp_avg/", "/exp_avg_sq/", "/grad/")
     swapped = sum(eng.store.nbytes(k) for k in eng.store.keys() if any(x in k for x in kinds)) if eng.store else 0
     return resident + swapped
+
+
+def weight_bytes_of(eng) -> int:
+    """The home bytes of the fetched units' weights this rank holds (dram flats, or swap chunks)."""
+    dram = sum(w.dram.numel() * w.dram.element_size() for w in eng.weights if w.dram is not None)
+    swapped = sum(eng.store.nbytes(k) for k in eng.store.keys() if "/weight." in k) if eng.store else 0
+    return dram + swapped
 
 
 if __name__ == "__main__":
