@@ -491,9 +491,10 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, 
                 history["eval_losses"].append({"step": step + 1, "loss": evaluator.loss(engine)})
                 bar.eval_loss = history["eval_losses"][-1]["loss"]
             bar.update(loss_sum / gas, seconds, stats, stats["stall_seconds"] - stall0)
-            if checkpoints is not None and (checkpoints.due(step + 1) or sigterm.received):
+            preempted = sigterm.agreed(getattr(engine, "world", 1))
+            if checkpoints is not None and (checkpoints.due(step + 1) or preempted):
                 path = checkpoints.save(engine, step + 1)
-                if sigterm.received:
+                if preempted:
                     print(f"offload train: SIGTERM: saved {path} after step {step + 1}; continue with --resume",
                           file=sys.stderr, flush=True)
                     raise Stopped(signal.SIGTERM)
@@ -621,6 +622,18 @@ class _SaveOnSigterm:
 
     def _handle(self, signum, frame) -> None:
         self.received = True
+
+    def agreed(self, world: int) -> bool:
+        """Whether to save and stop after this step. Over several ranks a SIGTERM may reach them during
+        different steps (or reach one alone): the ranks agree, so they all save the same step together
+        (a save is a collective) and stop, however many received it."""
+        if not self.enabled or world == 1:
+            return self.received
+        import torch.distributed as dist
+
+        t = torch.tensor([int(self.received)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
     def __enter__(self) -> "_SaveOnSigterm":
         if self.enabled:

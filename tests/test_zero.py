@@ -7,9 +7,11 @@ fails the test with its output."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -236,8 +238,22 @@ def _torchrun(tmp_path, *flags) -> subprocess.CompletedProcess:
            "--master-port", str(_free_port()), "-m", "offload", "train", "--model", "tiny", "--steps", "3",
            "--batch-size", "2", "--seq-len", "32", "--nvme-path", str(tmp_path / "nvme"), "--out",
            str(tmp_path / "run"), "--no-progress", "--json", *flags]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=DEADLINE_S,
-                          env={**os.environ, "PYTHONPATH": REPO})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": REPO}, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=DEADLINE_S)
+    finally:
+        _kill_group(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """torchrun and its workers (their own session): a hung run leaves no rank behind."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def test_offload_train_under_torchrun_trains_data_parallel_with_one_voice(tmp_path):
@@ -284,3 +300,38 @@ def test_offload_train_under_torchrun_refuses_what_is_not_built(tmp_path):
     assert proc.returncode != 0
     assert "zero_stage=3 with offload_param none: partitioning weights that stay in hbm" in proc.stderr
 
+
+
+def test_a_sigterm_that_reaches_one_rank_saves_every_rank_at_the_same_step(tmp_path):
+    """Preemption over ranks: SIGTERM to rank 1 alone. The ranks agree after the step (a save is a collective),
+    both save that step (stage 2: each its own windows) and stop with 143; the checkpoint is whole."""
+    import psutil
+
+    ckpts = tmp_path / "ckpts"
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2", "--master-port",
+           str(_free_port()), "-m", "offload", "train", "--model", "tiny", "--steps", "100000", "--batch-size", "2",
+           "--seq-len", "32", "--nvme-path", str(tmp_path / "nvme"), "--out", str(tmp_path / "run"), "--no-progress",
+           "--zero-stage", "2", "--save-every", "100000", "--checkpoint-dir", str(ckpts)]
+    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO},
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while "steps x" not in (tmp_path / "stdout").read_text():  # rank 0's header: training has begun
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+            time.sleep(0.1)
+        time.sleep(1.0)
+        rank1 = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+        assert len(rank1) == 1
+        rank1[0].send_signal(signal.SIGTERM)
+        proc.wait(DEADLINE_S)
+    finally:
+        _kill_group(proc)
+    stderr = (tmp_path / "stderr").read_text()
+    assert proc.returncode != 0 and "[rank" not in stderr, stderr[-3000:]  # no rank printed a traceback
+    saved = [line for line in stderr.splitlines() if "SIGTERM: saved" in line]
+    assert len(saved) == 2 and len({line.split(" after step ")[1] for line in saved}) == 1, stderr[-3000:]
+    latest = (ckpts / "latest").read_text().strip()
+    manifest = json.load(open(ckpts / latest / "manifest.json"))
+    assert manifest["world_size"] == 2 and sorted(manifest["files"]) == ["rank0.bin", "rank1.bin"]
+    assert f"step{manifest['step_count']:08d}" == latest
