@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import difflib
 import json
+import os
 import pathlib
 import typing
 from dataclasses import dataclass, field
@@ -144,7 +145,7 @@ class Config:
     zero_stage: int = 0
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
-    nvme_path: str | None = None
+    nvme_path: list[str] | str | None = None
     budgets: BudgetsConfig = field(default_factory=BudgetsConfig)
     aio: AioConfig = field(default_factory=AioConfig)
     units: UnitsConfig = field(default_factory=UnitsConfig)
@@ -190,6 +191,10 @@ class Config:
         if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < CHUNK_ALIGN_BYTES or self.chunk_bytes % CHUNK_ALIGN_BYTES:
             _fail("chunk_bytes", self.chunk_bytes, f"must be a positive multiple of {CHUNK_ALIGN_BYTES} bytes "
                   "(2048 fp32 elements: chunks start where parameters may start)", "for example 33554432 (32 MiB)")
+        paths = self.nvme_path if isinstance(self.nvme_path, list) else [self.nvme_path]
+        if self.nvme_path is not None and not all(isinstance(p, str) and p for p in paths):
+            _fail("nvme_path", self.nvme_path, "expected a directory, or a non-empty list of directories",
+                  'for example "/mnt/nvme0/offload" or ["/mnt/nvme0/offload", "/mnt/nvme1/offload"]')
         if "nvme" in (self.offload_param.device, self.offload_optimizer.device) and not self.nvme_path:
             _fail("nvme_path", self.nvme_path, "required when a device is \"nvme\"",
                   "set nvme_path to a directory on a fast local drive (--nvme-path DIR)")
@@ -206,6 +211,14 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def swap_dir(self, rank: int = 0) -> str | None:
+        """This process's swap directory: nvme_path, or from a list of several (one per drive) the turn of
+        its local rank (LOCAL_RANK under torchrun, else `rank`), so the ranks of a node spread over them."""
+        if not isinstance(self.nvme_path, list):
+            return self.nvme_path
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        return self.nvme_path[local % len(self.nvme_path)]
 
     @classmethod
     def from_deepspeed(cls, path_or_dict) -> "Config":
@@ -332,7 +345,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("offload")
     g.add_argument("--offload-param", choices=DEVICES, default=None, help="where weights live between uses")
     g.add_argument("--offload-optimizer", choices=DEVICES, default=None, help="where fp32 optimizer states live")
-    g.add_argument("--nvme-path", default=None, help="directory for swap files (needed for nvme)")
+    g.add_argument("--nvme-path", default=None, type=_swap_dirs, metavar="DIR[,DIR...]",
+                   help="directory for swap files (needed for nvme); several, comma-separated (one per drive): "
+                        "each rank of a node takes its turn")
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO partitioning stage")
     g.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="compute dtype")
     g.add_argument("--delayed-update", action="store_true", default=None,
@@ -355,6 +370,12 @@ def file_settings(args: argparse.Namespace, total_steps: int | None = None) -> d
     if getattr(args, "offload_config", None):
         data = _merge(data, _read_file(pathlib.Path(args.offload_config)))
     return data
+
+
+def _swap_dirs(text: str) -> str | list[str]:
+    """--nvme-path: one directory, or several comma-separated (a list)."""
+    paths = [p for p in text.split(",") if p]
+    return paths[0] if len(paths) == 1 else paths
 
 
 def config_from_args(args: argparse.Namespace) -> Config:

@@ -41,7 +41,8 @@ HELP = {
     "offload_param.device": '"none" (hbm, the accelerator), "cpu" (dram) or "nvme" (swap files under nvme_path)',
     "offload_optimizer": "where the fp32 optimizer states (master, exp_avg, exp_avg_sq, gradient accumulator) live",
     "offload_optimizer.device": '"none" (hbm), "cpu" (dram) or "nvme"; must be offloaded when the weights are',
-    "nvme_path": 'directory for swap files; required when a device is "nvme" (use a fast local drive)',
+    "nvme_path": 'directory for swap files; required when a device is "nvme" (use a fast local drive); or a '
+                 'list of several, one per drive: each local rank takes its turn',
     "budgets.hbm_bytes": "accelerator memory budget (null: derived from the free memory with a safety margin)",
     "budgets.dram_bytes": "host memory budget (null: derived from the available RAM with a safety margin)",
     "aio.engine": '"auto" (libaio when importable, else threads), "libaio" or "threads"',

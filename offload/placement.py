@@ -44,6 +44,7 @@ class Placement:
     pool_chunks: int = 0
     chunk_bytes: int = 0             # chunk_bytes, or less when every unit's largest buffer is smaller
     grad_reserve: int = 0            # hbm bytes the gradients on their way to dram may hold (back-pressure)
+    swap_dir: str | None = None      # this rank's directory of nvme_path (Config.swap_dir)
     owners: dict[int, list[int]] = field(default_factory=dict)  # zero_stage 1-3 over ranks: unit -> window owners
     weight_owners: dict[int, list[int]] = field(default_factory=dict)  # zero_stage 3: partitioned units' chunks
 
@@ -122,7 +123,8 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
         rows.append((u.name, u.numel, weight_home[u.index], state_home.get(u.index, "-")))
     default_hbm, default_dram = _default_budgets(device)
     p = Placement(weight_home, state_home, dict(states), cfg.budgets.hbm_bytes or default_hbm,
-                  cfg.budgets.dram_bytes or default_dram, _free_disk(cfg) if cfg.nvme_path else 0, rows)
+                  cfg.budgets.dram_bytes or default_dram, _free_disk(cfg.swap_dir(rank)) if cfg.nvme_path else 0, rows)
+    p.swap_dir = cfg.swap_dir(rank)
     p.chunk_bytes, p.owners, p.weight_owners = chunk_bytes, owners, weight_owners
     fetched = [u.numel for u in units if weight_home[u.index] != "hbm"]
     trainable = [u.trainable_numel for u in units if u.trainable_numel]
@@ -191,8 +193,8 @@ def reuse_allowance(fetched: list[int], itemsize: int, p: Placement, device: tor
     return max(0, min(sum(fetched) * itemsize, room // 2))
 
 
-def _free_disk(cfg) -> int:
-    path = os.path.abspath(cfg.nvme_path)
+def _free_disk(swap_dir: str) -> int:
+    path = os.path.abspath(swap_dir)
     while not os.path.exists(path):
         path = os.path.dirname(path)
     return shutil.disk_usage(path).free
@@ -217,7 +219,7 @@ def check_nvme_path(path: str) -> None:
 
 def preflight(p: Placement, device: torch.device, cfg, minimum: dict[str, int]) -> None:
     if p.uses_nvme:
-        check_nvme_path(cfg.nvme_path)
+        check_nvme_path(p.swap_dir)
     problems = []
     for tier in ("hbm", "dram", "nvme"):
         budget = getattr(p, f"{tier}_budget")

@@ -23,7 +23,7 @@ def print_header(run: dict, cfg, info: dict, engine, quiet: bool = False) -> Non
     if quiet:
         return
     tokens = run["batch_size"] * run["seq_len"] * cfg.gradient_accumulation_steps
-    where = f" under {cfg.nvme_path}" if engine.placement.uses_nvme else ""
+    where = f" under {engine.placement.swap_dir}" if engine.placement.uses_nvme else ""
     print(f"offload train: {run['model']} ({info['params'] / 1e6:.1f}M params, {len(engine.units)} units), "
           f"{cfg.precision}, weights {cfg.offload_param.device}, optimizer states {cfg.offload_optimizer.device}"
           f"{where}; {run['steps']} steps x {tokens} tokens", flush=True)

@@ -57,7 +57,7 @@ class Runtime:
                       pin=device.type == "cuda")
         staging = ChunkPool(tiers, placement.chunk_bytes, placement.pool_chunks)
         try:
-            store = cls.open_store(cfg) if placement.uses_nvme else None
+            store = cls.open_store(cfg, rank) if placement.uses_nvme else None
         except BaseException:
             staging.close()
             raise
@@ -72,9 +72,9 @@ class Runtime:
                    CopyStream("d2h", device, delay), Worker("nvme-read", delay), grad_group)
 
     @staticmethod
-    def open_store(cfg: Config) -> SwapStore:
+    def open_store(cfg: Config, rank: int = 0) -> SwapStore:
         a = cfg.aio
-        return SwapStore(cfg.nvme_path, engine=a.engine, block_bytes=a.block_bytes, queue_depth=a.queue_depth,
+        return SwapStore(cfg.swap_dir(rank), engine=a.engine, block_bytes=a.block_bytes, queue_depth=a.queue_depth,
                          threads=a.threads, checksum=cfg.swap_checksum)
 
     def close(self, handles=()) -> None:

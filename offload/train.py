@@ -438,7 +438,8 @@ def _stopped(stop: Stopped, args, run: dict, cfg: Config, info: dict, history: d
         report = rep.build_report(run, cfg, info, history, engine.stats(), init_s, out_dir, None)
         report["stopped"] = {"signal": stop.name, "steps_done": done}
         _publish(report, args)
-    left = [str(r.path) for r in list_runs(cfg.nvme_path) if r.pid == os.getpid()]
+    left = [str(r.path) for r in list_runs(cfg.swap_dir(getattr(engine, "rank", 0)))
+            if r.pid == os.getpid()] if cfg.nvme_path else []
     if left:  # not closed (stopped while the engine was being built): atexit still removes them
         files = f"swap files still in {', '.join(left)}"
     elif "nvme" in (cfg.offload_param.device, cfg.offload_optimizer.device):

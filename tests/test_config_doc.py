@@ -36,7 +36,7 @@ def test_every_key_is_documented_with_its_default():
     walk(Config())
     assert set(rows) == set(flat)
     assert rows["optimizer.lr"] == ("float", "0.001", rows["optimizer.lr"][2])
-    assert rows["nvme_path"][:2] == ("str | None", "null")
+    assert rows["nvme_path"][:2] == ("list[str] | str | None", "null")
     assert rows["aio"][0] == "section" and "`aio.block_bytes` | int | `8388608`" in config_doc.markdown()
 
 

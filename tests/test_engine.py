@@ -184,6 +184,18 @@ def test_bad_values_say_how_to_fix():
         offload.load_config({"precision": "bf32"})
     with pytest.raises(ValueError, match="nvme_path=None: required"):
         offload.load_config({"offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}})
+    with pytest.raises(ValueError, match=r"nvme_path=\['/a', 3\]: expected a directory, or a non-empty list"):
+        offload.load_config({"nvme_path": ["/a", 3]})
+
+
+def test_several_swap_directories_take_turns_by_local_rank(monkeypatch):
+    cfg = offload.load_config({"nvme_path": ["/d0", "/d1", "/d2"]})
+    assert [cfg.swap_dir(r) for r in range(4)] == ["/d0", "/d1", "/d2", "/d0"]
+    monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun: the node's rank, whatever the global one
+    assert cfg.swap_dir(7) == "/d1"
+    assert offload.load_config({"nvme_path": "/one"}).swap_dir(3) == "/one"
+    parser = offload.add_arguments(__import__("argparse").ArgumentParser())
+    assert offload.config_from_args(parser.parse_args(["--nvme-path", "/d0,/d1"])).nvme_path == ["/d0", "/d1"]
 
 
 def test_unwritable_nvme_path(tmp_path):

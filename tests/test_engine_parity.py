@@ -165,8 +165,8 @@ def test_parity_with_injected_delays(tmp_path, monkeypatch, param, optim, precis
     from offload.runtime import Runtime
 
     monkeypatch.setenv("OFFLOAD_TEST_COPY_DELAY_S", "0.003")  # before each copy-stream job
-    monkeypatch.setattr(Runtime, "open_store", staticmethod(lambda cfg: SwapStore(
-        cfg.nvme_path, engine=DelayedEngine(ThreadsEngine(4), 0.003), checksum=True)))
+    monkeypatch.setattr(Runtime, "open_store", staticmethod(lambda cfg, rank=0: SwapStore(
+        cfg.swap_dir(rank), engine=DelayedEngine(ThreadsEngine(4), 0.003), checksum=True)))
     torch.manual_seed(0)
     out = train_both(MLP(), config(tmp_path, param, optim, precision), mlp_batches(5), steps=5)
     check(*out[:4])

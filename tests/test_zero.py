@@ -225,6 +225,15 @@ def test_a_single_process_checkpoint_resumes_on_4_ranks(tmp_path):
         torch.testing.assert_close(sd_four[k], sd[k], rtol=1e-5, atol=1e-5)
 
 
+def test_several_swap_directories_spread_the_ranks(tmp_path):
+    """nvme_path as a list (one directory per drive): each rank swaps to its own turn of them."""
+    dirs = [str(tmp_path / "drive0"), str(tmp_path / "drive1")]
+    cfg = {"zero_stage": 2, "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"},
+           "nvme_path": dirs, "units": {"min_numel": 512}, "chunk_bytes": CHUNK_BYTES}
+    ranks = run_ranks(2, cfg, str(tmp_path / "out"), 1)
+    assert [r["swap_dir"] for r in ranks] == dirs
+
+
 def test_stage3_with_weights_in_hbm_is_refused(tmp_path):
     cfg = {"zero_stage": 3, "offload_param": {"device": "none"}, "offload_optimizer": {"device": "cpu"},
            "nvme_path": str(tmp_path)}

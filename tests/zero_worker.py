@@ -23,7 +23,8 @@ def main() -> None:
     load = cfg.pop("_load", None)          # resume from this checkpoint (its step count says where)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg["nvme_path"] = os.path.join(cfg["nvme_path"], f"rank{rank}")
+    if isinstance(cfg["nvme_path"], str):  # a list: one directory per rank already (Config.swap_dir)
+        cfg["nvme_path"] = os.path.join(cfg["nvme_path"], f"rank{rank}")
     torch.manual_seed(0)
     losses = []
     try:
@@ -51,7 +52,7 @@ def main() -> None:
         with open(f"{out}.rank{rank}.json", "w") as f:
             json.dump({"losses": losses, "collectives": stats["collectives"], "state_bytes": state_bytes,
                        "weight_bytes": weight_bytes, "partitioned_numel": partitioned,
-                       "partitioned_trainable": partitioned_trainable,
+                       "partitioned_trainable": partitioned_trainable, "swap_dir": eng.placement.swap_dir,
                        "chunk_numel": eng.chunk_numel,
                        "skipped_steps": eng.skipped_steps, "loss_scale": eng.loss_scale,
                        "trainable": sum(u.trainable_numel for u in eng.units),
