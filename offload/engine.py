@@ -271,12 +271,8 @@ def _check_unsupported(cfg: Config) -> tuple[int, int]:
 
 
 def _check_ranks(cfg: Config, world: int) -> None:
-    """What runs over several ranks: zero_stage 0 anywhere; 1, 2 and 3 (weights offloaded) on CPUs (gloo)."""
+    """What runs over several ranks: zero_stage 0 anywhere; 1, 2 and 3 on CPUs (gloo)."""
     stage = cfg.zero_stage
-    if stage == 3 and cfg.offload_param.device == "none":
-        raise ValueError(f"zero_stage=3 with offload_param none: partitioning weights that stay in hbm is not "
-                         f"implemented yet; offload them (offload_param cpu or nvme: each of the {world} ranks "
-                         "then holds 1/ranks of them), or use zero_stage 2")
     if stage in (1, 2, 3) and torch.cuda.is_available():
         raise ValueError(f"zero_stage={stage}: partitioning states over {world} ranks runs on CPUs (gloo) only so "
                          "far and has never run on CUDA; use zero_stage 0 (data parallel) on GPUs")

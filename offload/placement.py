@@ -126,11 +126,13 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
                   cfg.budgets.dram_bytes or default_dram, _free_disk(cfg.swap_dir(rank)) if cfg.nvme_path else 0, rows)
     p.swap_dir = cfg.swap_dir(rank)
     p.chunk_bytes, p.owners, p.weight_owners = chunk_bytes, owners, weight_owners
-    fetched = [u.numel for u in units if weight_home[u.index] != "hbm"]
+    # zero_stage 3 fetches even weights whose home is hbm: their shard lives there, the whole unit is gathered
+    fetched = [u.numel for u in units if weight_home[u.index] != "hbm" or u.index in weight_owners]
     trainable = [u.trainable_numel for u in units if u.trainable_numel]
+    fetch_home = "dram" if w_home == "hbm" and weight_owners else w_home  # the working set: as from dram
 
     def plan(knobs: Knobs) -> tuple[list[dict], dict[str, int]]:
-        parts = runtime_parts(fetched, trainable, itemsize, w_home, s_home, device.type, p.chunk_bytes, knobs,
+        parts = runtime_parts(fetched, trainable, itemsize, fetch_home, s_home, device.type, p.chunk_bytes, knobs,
                               order, [u.numel for u in units], [u.trainable_numel for u in units])
         if world > 1 and not sharded and itemsize < 4:  # offload.pipeline.average_over_ranks
             largest = max((s.numel for u in units for s in u.slots if s.trainable), default=0)
@@ -146,7 +148,7 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     p.knobs, p.notes = _fit(plan, p, cfg)
     p.parts, p.need = plan(p.knobs)
     p.grad_reserve = grad_reserve(trainable, itemsize, p.knobs)
-    p.pool_chunks = pool_chunks(w_home, s_home, device.type, p.knobs.read_ahead)[0] + 2 * sharded
+    p.pool_chunks = pool_chunks(fetch_home, s_home, device.type, p.knobs.read_ahead)[0] + 2 * sharded
     if cfg.reuse_bytes is None:  # derived from the room the rest leaves
         p.knobs = replace(p.knobs, reuse_bytes=reuse_allowance(fetched, itemsize, p, device))
         p.parts, p.need = plan(p.knobs)

@@ -69,6 +69,12 @@ class WeightHandle(_Handle):
     """
 
     def __init__(self, unit: Unit, home: str, dtype: torch.dtype, rt):
+        owner = rt.placement.weight_owners.get(unit.index)
+        # zero_stage 3 with weights in hbm: the rank's shard lives in the hbm tier and moves as a dram home's
+        # weights do (fetched into the whole unit's hbm copy, released after use)
+        self.shard_tier = "hbm" if home == "hbm" else "dram"
+        if owner is not None and home == "hbm":
+            home = "dram"
         super().__init__(f"{unit.name}/weight", home)
         self.unit, self.dtype, self.rt = unit, dtype, rt
         self.key = unit.key(f"weight.{str(dtype).removeprefix('torch.')}")
@@ -76,8 +82,8 @@ class WeightHandle(_Handle):
         # [Note: partitioned weights] zero_stage 3 over several ranks: a fetched unit's home holds only the
         # chunks this rank owns (placement.weight_owners; dram: back to back, nvme: their keys), and a fetch
         # copies those into hbm, then each chunk is broadcast from its owner (wait_for_fetch, called when the
-        # unit runs: in the model's order on every rank, unlike prefetches, which the room decides).
-        owner = rt.placement.weight_owners.get(unit.index)
+        # unit runs: in the model's order on every rank, unlike prefetches, which the room decides). With
+        # offload_param none the shard stays in the hbm tier (shard_tier) and is handled as a dram home.
         self.partitioned = owner is not None
         self.owner = owner or [rt.rank] * len(self.chunks)
         self.held = [i for i, r in enumerate(self.owner) if r == rt.rank]  # the chunks at this rank's home
@@ -86,7 +92,7 @@ class WeightHandle(_Handle):
         tiers: Tiers = rt.tiers
         self.nbytes = unit.numel * dtype.itemsize
         self.hbm = tiers.empty("hbm", unit.numel, dtype, f"{unit.name} weights")
-        self.dram = tiers.empty("dram", local_numel, dtype, f"{unit.name} weights") if home == "dram" else None
+        self.dram = tiers.empty(self.shard_tier, local_numel, dtype, f"{unit.name} weights") if home == "dram" else None
         self._pending = None       # completion of the transfer in flight
         self._t0 = 0.0
         self._placeholder = torch.empty(0, dtype=dtype, device=self.hbm.device)
@@ -327,7 +333,7 @@ class WeightHandle(_Handle):
                     self._detach()
                     self._free_hbm()
             if self.dram is not None:
-                self.rt.tiers.free("dram", self.dram)
+                self.rt.tiers.free(self.shard_tier, self.dram)
                 self.dram = None
 
 
