@@ -25,9 +25,10 @@ def windows(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
 
 
 def window_owners(numels: list[int], chunk_numel: int, world: int) -> list[list[int]]:
-    """ZeRO stages 1-2 over `world` ranks: per unit (its trainable numel), the rank that owns each of its
-    state windows, round robin over the model's windows in unit order, so every rank holds the states of
-    about 1/world of them (within one window) and steps only those. Every rank computes the same map."""
+    """ZeRO stages 1-3 over `world` ranks: per unit (of `numels`: its trainable numel for the state windows
+    of stages 1-2, its numel for stage 3's weight chunks, whose trainable prefix are its state windows), the
+    rank that owns each of its windows, round robin over the model's windows in unit order, so every rank
+    holds about 1/world of them (within one window) and steps only those. Every rank computes the same map."""
     owners, g = [], 0
     for n in numels:
         count = len(windows(n, chunk_numel))

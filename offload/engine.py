@@ -205,7 +205,7 @@ class Engine(nn.Module):
         by load_checkpoint. With delayed_update the pending update is saved, not applied. Between steps
         only (also between the micro-steps of an accumulation window). Returns the path. See
         offload.checkpoint for the format. Over several ranks (zero_stage 0, every rank holding the same
-        states) call it on every rank: rank 0 writes, the others wait for it; zero_stage 1-2 over ranks: every
+        states) call it on every rank: rank 0 writes, the others wait for it; zero_stage 1-3 over ranks: every
         rank writes the states it holds ([Note: ranks] in offload.checkpoint)."""
         return checkpoint.save(self, directory, name, keep, extra)
 

@@ -43,7 +43,7 @@ class OptimState(_Handle):
         self.unit, self.rt = unit, rt
         self.numel = unit.trainable_numel
         self.windows = windows(self.numel, rt.chunk_numel)
-        # [Note: windows over ranks] zero_stage 1-2 over several ranks: this rank holds and steps the
+        # [Note: windows over ranks] zero_stage 1-3 over several ranks: this rank holds and steps the
         # windows it owns (offload.chunks.window_owners); every rank passes every window's gradient to its
         # owner (_accumulate_sharded) and receives every other window's new weights from it
         # (offload.pipeline.share_new_weights). Resident states hold the owned windows back to back.

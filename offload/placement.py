@@ -90,7 +90,7 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
                    order: list[int] | None = None, world: int = 1, rank: int = 0) -> Placement:
     """Homes per unit and the bytes each tier needs (on `rank` of `world`); `check` runs the preflight
     (raises PlacementError). order: the units of a forward (offload.units.forward_order), for hbm's working
-    set (offload.memory). With zero_stage 1-2 over several ranks a rank holds the states of the windows it
+    set (offload.memory). With zero_stage 1-3 over several ranks a rank holds the states of the windows it
     owns (offload.chunks.window_owners) and two more pool chunks (the gradient reduce, offload.optim); with
     stage 3 also only the weights of its chunks of every unit that is fetched (not the persistent ones)."""
     itemsize = cfg.compute_dtype.itemsize

@@ -382,8 +382,8 @@ def train(args_or_config=None) -> dict:
 def _join_torchrun() -> tuple[int, int]:
     """Under torchrun (WORLD_SIZE > 1 in the environment): joins the default process group from its
     environment (gloo on CPUs, NCCL on GPUs) and returns (rank, world size); (0, 1) otherwise. The engine
-    then trains over the ranks (zero_stage 0, or 1-2 with the states partitioned) or refuses what is not built
-    yet; never N copies."""
+    then trains over the ranks (zero_stage 0, or 1-3 with states and weights partitioned) or refuses what
+    is not built yet; never N copies."""
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -652,7 +652,7 @@ def save(engine, info: dict, directory: str) -> str:
 
     engine.flush()  # delayed_update: the last step's update is still pending
     items = engine.state_items()
-    if engine.rank != 0:  # over ranks rank 0 writes; the others take part in gathering (zero_stage 1-2)
+    if engine.rank != 0:  # over ranks rank 0 writes; the others take part in gathering (zero_stage 1-3)
         for _ in items:
             pass
         return directory

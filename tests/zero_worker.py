@@ -43,7 +43,7 @@ def main() -> None:
                 if save_at is not None and eng.step_count == save_at and eng.micro_step == 0:
                     eng.save_checkpoint(out + ".ckpt")
             stats = eng.stats()
-            sd = eng.full_state_dict()  # every rank: with zero_stage 1-2 it gathers each window from its owner
+            sd = eng.full_state_dict()  # every rank: with zero_stage 1-3 it gathers each window from its owner
             if rank == 0:
                 torch.save(sd, out + ".pt")
             state_bytes, weight_bytes = state_bytes_of(eng), weight_bytes_of(eng)
