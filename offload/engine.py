@@ -61,8 +61,8 @@ class Engine(nn.Module):
             self.close()
             raise
         self.pipeline = StepPipeline(rt, self.units, self.weights, self.states, self.trace, self._release_all)
-        self.policy = ResidencyPolicy(self.trace, [w.nbytes for w in self.weights], self.placement.knobs.reuse_distance,
-                                      _agreed_reuse_bytes(self.placement), self.pipeline.grad_reserve)
+        self.policy = ResidencyPolicy(self.trace, [w.nbytes for w in self.weights], *_agreed_keeping(self.placement),
+                                      self.pipeline.grad_reserve)
         self._handles = [h for u in self.units if not u.persistent for m in [u.module, *u.users]
                          for h in hooks.register(self, u, m)]
         self._grad_hooks = [s.param.register_post_accumulate_grad_hook(self.pipeline.grad_hook(u))
@@ -281,13 +281,15 @@ def _check_ranks(cfg: Config, world: int) -> None:
                          "set it false, or use zero_stage 0")
 
 
-def _agreed_reuse_bytes(p: Placement) -> int:
-    """reuse_bytes, the same on every rank with zero_stage 3 (the smallest): a unit kept on one rank and
-    released on another would be gathered by one and not the other ([Note: partitioned weights])."""
+def _agreed_keeping(p: Placement) -> tuple[int, int]:
+    """(reuse_distance, reuse_bytes), with zero_stage 3 the same on every rank (the smallest of each): both
+    may be shrunk to each rank's own budgets, and a unit kept on one rank and released on another would be
+    gathered by one and not the other ([Note: partitioned weights])."""
+    ours = (p.knobs.reuse_distance, p.reuse_bytes)
     if not p.weight_owners:
-        return p.reuse_bytes
+        return ours
     import torch.distributed as dist
 
-    t = torch.tensor([p.reuse_bytes], dtype=torch.int64)
+    t = torch.tensor(ours, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
+    return int(t[0]), int(t[1])
