@@ -118,6 +118,7 @@ CHUNK_BYTES = 8192  # 2048 elements a window: the MLP's units have 1 to 17 windo
 @pytest.mark.parametrize("stage,world,place,precision,extra", [
     (1, 2, "none", "fp32", {"gradient_clipping": 0.5}),
     (2, 2, "cpu", "fp32", {"gradient_accumulation_steps": 2}),
+    (2, 2, "none", "bf16", {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5}),
     (2, 2, "nvme", "fp32", {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5}),
     (1, 2, "nvme", "bf16", {}),
     (2, 4, "cpu", "bf16", {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5}),
