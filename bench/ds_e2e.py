@@ -93,6 +93,7 @@ def run(args, emit) -> dict:
 
     from offload.data import BatchSampler, load_tokens
     from offload.models import build_model, loss_of
+    from offload.ranks import reduced
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -120,29 +121,20 @@ def run(args, emit) -> dict:
             loss = loss_of(engine(ids, labels=labels))  # by name: a HF model's second argument is the mask
             engine.backward(loss)
             engine.step()
-            seconds, loss_value = _over_ranks(dist, torch, time.perf_counter() - t0, loss.item())
-            losses.append(loss_value)
+            seconds = reduced([time.perf_counter() - t0], "max")[0]  # the slowest rank's step
+            losses.append(reduced([loss.item()])[0] / world)
             emit({"step": i, "step_s": seconds, "loss": losses[-1]})
             if i >= args.warmup:
                 times.append(seconds)
         engine.destroy()
     finally:
         shutil.rmtree(nvme_dir, ignore_errors=True)    # ours alone: created above, gigabytes of swap
-    rss = _over_ranks(dist, torch, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 0.0)[0]
+    rss = reduced([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], "max")[0]
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return {"params": params, "step_s": sorted(times)[len(times) // 2], "losses": losses, "ranks": world,
             "peak_rss_bytes": int(rss),
             "deepspeed_version": deepspeed.__version__, "sub_group_size": args.sub_group_size}
-
-
-def _over_ranks(dist, torch, largest: float, mean: float) -> tuple[float, float]:
-    """(the largest `largest`, the mean `mean`) over the ranks (themselves in a world of one)."""
-    t = torch.tensor([largest], dtype=torch.float64)
-    m = torch.tensor([mean], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    dist.all_reduce(m)
-    return float(t.item()), float(m.item()) / dist.get_world_size()
 
 
 def _build(args, config: dict, deepspeed, build_model):

@@ -49,6 +49,7 @@ def worker(args) -> None:
     import offload
     from offload.data import BatchSampler, load_tokens
     from offload.models import build_model, loss_of
+    from offload.ranks import reduced
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -67,13 +68,13 @@ def worker(args) -> None:
         loss = loss_of(engine(ids, labels=labels))
         engine.backward(loss)
         engine.step()
-        seconds, mean_loss = _over_ranks(time.perf_counter() - t0, loss.item())
-        losses.append(mean_loss)
+        seconds = reduced([time.perf_counter() - t0], "max")[0]  # the slowest rank's step
+        losses.append(reduced([loss.item()])[0] / world)
         if i >= args.warmup:
             times.append(seconds)
     last = engine.stats()["last_step"]
-    nvme = {k: int(_over_ranks(0.0, float(v))[1] * world) for k, v in iobound.step_nvme_bytes(last["links"]).items()}
-    rss = _over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 0.0)[0]
+    nvme = {k: int(reduced([float(v)])[0]) for k, v in iobound.step_nvme_bytes(last["links"]).items()}
+    rss = reduced([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], "max")[0]
     params = sum(u.numel for u in engine.units)
     engine.close()
     dist.destroy_process_group()
@@ -81,17 +82,6 @@ def worker(args) -> None:
         print(json.dumps({"params": params, "step_s": sorted(times)[len(times) // 2], "losses": losses,
                           "init_s": init_s, "peak_rss_bytes": int(rss), "nvme_step_bytes": nvme,
                           "collectives": last["collectives"], "ranks": world}), flush=True)
-
-
-def _over_ranks(largest: float, mean: float) -> tuple[float, float]:
-    """(the largest `largest`, the mean `mean`) over the ranks."""
-    import torch
-    import torch.distributed as dist
-
-    t, m = torch.tensor([largest], dtype=torch.float64), torch.tensor([mean], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    dist.all_reduce(m)
-    return float(t.item()), float(m.item()) / dist.get_world_size()
 
 
 def _free_port() -> int:

@@ -234,8 +234,8 @@ def _windows(engine, unit, kind: str, write: bool = False, keep: bool = True):
     for i in held:
         b, e = spans[i]
         if home != "nvme":
-            local = (w.span(i) if home == "dram" else slice(b, e)) if kind == "weight" else slice(*st.span(i))
-            at_home = st.grad(i) if kind == "grad" else flat[local]  # grad: in the accumulator's dtype
+            handle = w if kind == "weight" else st
+            at_home = st.grad(i) if kind == "grad" else flat[handle.span(i)]  # grad: in the accumulator's dtype
             t = at_home.cpu()
             if not keep:
                 t.zero_()

@@ -37,6 +37,16 @@ def window_owners(numels: list[int], chunk_numel: int, world: int) -> list[list[
     return owners
 
 
+def packed(spans: list[tuple[int, int]], held: list[int]) -> tuple[dict[int, int], int]:
+    """Where the `held` spans (indices into `spans`, ascending) start when stored back to back, and their
+    total numel: the layout of a rank's own windows or chunks ([Note: windows over ranks])."""
+    at, pos = {}, 0
+    for i in held:
+        at[i] = pos
+        pos += spans[i][1] - spans[i][0]
+    return at, pos
+
+
 def chunk_key(key: str, i: int) -> str:
     """The swap key of chunk i of the buffer stored under `key`."""
     return f"{key}#{i}"

@@ -23,6 +23,7 @@ from offload.materialize import materialize, unit_values
 from offload.optim import OptimState
 from offload.pipeline import Phase, StepPipeline
 from offload.placement import Placement, plan_placement
+from offload.ranks import reduced
 from offload.residency import R, WeightHandle
 from offload.runtime import Runtime
 from offload.units import Unit, forward_order, partition
@@ -288,8 +289,5 @@ def _agreed_keeping(p: Placement) -> tuple[int, int]:
     ours = (p.knobs.reuse_distance, p.reuse_bytes)
     if not p.weight_owners:
         return ours
-    import torch.distributed as dist
-
-    t = torch.tensor(ours, dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t[0]), int(t[1])
+    distance, nbytes = reduced(list(ours), "min")
+    return int(distance), int(nbytes)

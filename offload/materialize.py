@@ -313,14 +313,14 @@ def place(engine, unit: Unit) -> None:
             if st.home == "nvme":
                 _fill_chunks(engine, unit.key("master", engine.rank), {i: (b, e)}, torch.float32, pieces)
             else:
-                gather(pieces, b, e, st.t["master"][slice(*st.span(i))])
+                gather(pieces, b, e, st.t["master"][st.span(i)])
         engine.states[unit.index] = st
 
 
-def _fill_chunks(engine, key: str, chunks, dtype, pieces) -> None:
-    """Writes (offset, flat value) pieces, zero elsewhere, to the swap chunks of `key` (a list of chunk
-    bounds, or {chunk index: bounds}), one pool chunk at a time."""
-    for i, (b, e) in (chunks.items() if isinstance(chunks, dict) else enumerate(chunks)):
+def _fill_chunks(engine, key: str, chunks: dict[int, tuple[int, int]], dtype, pieces) -> None:
+    """Writes (offset, flat value) pieces, zero elsewhere, to the swap chunks of `key` ({chunk index:
+    bounds}), one pool chunk at a time."""
+    for i, (b, e) in chunks.items():
         buf = engine.staging.acquire(e - b, dtype, f"initial {key}")
         try:
             gather(pieces, b, e, buf)
@@ -376,34 +376,31 @@ def _read_chunks(engine, key: str, chunks, dtype) -> torch.Tensor:
 
 
 def _gather_master(engine, unit, st) -> torch.Tensor:
-    """A unit's fp32 master whole on every rank, each window broadcast from the rank that owns it
-    ([Note: windows over ranks] in offload.optim): a collective, so every rank must ask for it."""
-    import torch.distributed as dist
-
-    out = torch.empty(unit.trainable_numel, dtype=torch.float32)
+    """A unit's fp32 master whole on every rank ([Note: windows over ranks] in offload.optim)."""
     key = unit.key("master", engine.rank)
-    for i, (b, e) in enumerate(st.windows):
-        if st.owner[i] == engine.rank:
-            if st.home == "nvme":
-                engine.store.read(chunk_key(key, i), into=out[b:e]).wait()
-            else:
-                out[b:e].copy_(st.t["master"][slice(*st.span(i))])
-        dist.broadcast(out[b:e], src=st.owner[i])
-    return out
+    return _gathered(engine, st.windows, st.owner, torch.float32, st.home, lambda i: chunk_key(key, i),
+                     lambda i: st.t["master"][st.span(i)])
 
 
 def _gather_weights(engine, w) -> torch.Tensor:
-    """A partitioned unit's weights whole on every rank ([Note: partitioned weights] in offload.residency),
-    each chunk broadcast from its owner: a collective, so every rank must ask for it."""
+    """A partitioned unit's weights whole on every rank ([Note: partitioned weights] in offload.residency)."""
+    w.wait_for_write()
+    return _gathered(engine, w.chunks, w.owner, w.dtype, w.home, lambda i: chunk_key(w.key, i),
+                     lambda i: w.dram[w.span(i)])
+
+
+def _gathered(engine, spans, owners, dtype, home: str, key_of, resident) -> torch.Tensor:
+    """A buffer whole on every rank, each span broadcast (as bytes) from the rank that owns it, which reads
+    it from its home: swap chunk key_of(i), or the resident tensor resident(i). A collective: every rank
+    must ask for it."""
     import torch.distributed as dist
 
-    w.wait_for_write()
-    out = torch.empty(w.unit.numel, dtype=w.dtype)
-    for i, (b, e) in enumerate(w.chunks):
-        if w.owner[i] == engine.rank:
-            if w.home == "nvme":
-                engine.store.read(chunk_key(w.key, i), into=out[b:e]).wait()
+    out = torch.empty(spans[-1][1] if spans else 0, dtype=dtype)
+    for i, (b, e) in enumerate(spans):
+        if owners[i] == engine.rank:
+            if home == "nvme":
+                engine.store.read(key_of(i), into=out[b:e]).wait()
             else:
-                out[b:e].copy_(w.dram[w.span(i)])
-        dist.broadcast(out[b:e].view(torch.uint8), src=w.owner[i])
+                out[b:e].copy_(resident(i))
+        dist.broadcast(out[b:e].view(torch.uint8), src=owners[i])
     return out

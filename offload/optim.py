@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from offload.chunks import chunk_key, gather, windows
+from offload.chunks import chunk_key, gather, packed, windows
 from offload.cpu_adam import grad_sq_sum
 from offload.residency import HOME_STATE, R, _Handle
 from offload.units import Unit
@@ -49,10 +49,7 @@ class OptimState(_Handle):
         # (offload.pipeline.share_new_weights). Resident states hold the owned windows back to back.
         self.owner = rt.placement.owners.get(unit.index) or [rt.rank] * len(self.windows)
         self.mine = [i for i, r in enumerate(self.owner) if r == rt.rank]
-        self._local: dict[int, int] = {}         # window -> its first element in the resident flats
-        for i in self.mine:
-            self._local[i] = sum(self.windows[j][1] - self.windows[j][0] for j in self.mine if j < i)
-        self.local_numel = sum(e - b for b, e in (self.windows[i] for i in self.mine))
+        self._local, self.local_numel = packed(self.windows, self.mine)  # window -> first element in the flats
         self.t: dict[str, torch.Tensor] = {}    # resident homes: the four flats of the owned windows
         self._win = [StagedWindow(f"{unit.name}/optim#{i}") for i in range(len(self.windows))] if home == "nvme" else []
         self._grads: list | None = None           # nvme, overlapped step: this backward's gradients, read by window
@@ -90,16 +87,15 @@ class OptimState(_Handle):
     def loaded(self, i: int) -> bool:
         return self.home != "nvme" or self._win[i].state is not R.NVME
 
-    def span(self, i: int) -> tuple[int, int]:
-        """Owned window i's [begin, end) in the resident flats."""
+    def span(self, i: int) -> slice:
+        """Where owned window i lies in the resident flats."""
         b, e = self.windows[i]
-        return self._local[i], self._local[i] + e - b
+        return slice(self._local[i], self._local[i] + e - b)
 
     def view(self, i: int) -> dict[str, torch.Tensor]:
         """Window i's master/exp_avg/exp_avg_sq (after wait_loaded(i))."""
         if self.home != "nvme":
-            b, e = self.span(i)
-            return {k: self.t[k][b:e] for k in STATES}
+            return {k: self.t[k][self.span(i)] for k in STATES}
         return self._win[i].t
 
     def grad(self, i: int) -> torch.Tensor:
@@ -107,7 +103,7 @@ class OptimState(_Handle):
         precision) the backward's own gradient dtype; for nvme states with an overlapped step, gathered
         from this backward's gradients into a pool chunk that store(i) returns."""
         if self.home != "nvme":
-            return self._as_grad(self.t["grad"])[slice(*self.span(i))]
+            return self._as_grad(self.t["grad"])[self.span(i)]
         b, e = self.windows[i]
         w = self._win[i]
         if "grad" not in w.t:  # read ahead without it: from this backward's gradients, or the accumulator
@@ -324,7 +320,7 @@ class OptimState(_Handle):
     def _add_owned(self, i: int, mean: torch.Tensor, first: bool, last: bool) -> float:
         """Owned window i's accumulator = mean (first micro-step) or += mean; its sum of squares if last."""
         if self.home != "nvme":
-            acc = self.t["grad"][slice(*self.span(i))]
+            acc = self.t["grad"][self.span(i)]
             acc.copy_(mean) if first else acc.add_(mean)
             return _sq(acc) if last else 0.0
         key = self.key("grad", i)

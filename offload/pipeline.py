@@ -34,6 +34,7 @@ import torch
 from torch.profiler import record_function
 
 from offload.optim import KINDS, STATES
+from offload.ranks import reduced
 from offload.step import WindowPipeline
 from offload.units import Unit
 from scheduler.telemetry import overlap_fraction
@@ -467,14 +468,11 @@ def average_over_ranks(grads: list, rt) -> None:
 
 
 def sum_over_ranks(x: float, rt) -> float:
-    """x summed over the ranks (fp64; a non-finite x on any rank makes the sum non-finite on every rank)."""
-    import torch.distributed as dist
-
-    t = torch.tensor([x], dtype=torch.float64)
+    """x summed over the ranks (a non-finite x on any rank makes the sum non-finite on every rank)."""
     t0 = time.perf_counter()
-    dist.all_reduce(t)
+    total = reduced([x])[0]
     rt.telemetry.collective("all_reduce", 8, time.perf_counter() - t0)
-    return float(t.item())
+    return total
 
 
 def share_new_weights(rt, unit: Unit, st, w) -> None:

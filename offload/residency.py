@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from offload.chunks import chunk_key, windows
+from offload.chunks import chunk_key, packed, windows
 from offload.memory import READ_AHEAD  # chunks of one fetch in flight: one read while the previous is copied up
 from offload.tiers import Tiers
 from offload.units import Unit
@@ -87,8 +87,7 @@ class WeightHandle(_Handle):
         self.partitioned = owner is not None
         self.owner = owner or [rt.rank] * len(self.chunks)
         self.held = [i for i, r in enumerate(self.owner) if r == rt.rank]  # the chunks at this rank's home
-        self._local = {i: sum(self.chunks[j][1] - self.chunks[j][0] for j in self.held if j < i) for i in self.held}
-        local_numel = sum(self.chunks[i][1] - self.chunks[i][0] for i in self.held)
+        self._local, local_numel = packed(self.chunks, self.held)
         tiers: Tiers = rt.tiers
         self.nbytes = unit.numel * dtype.itemsize
         self.hbm = tiers.empty("hbm", unit.numel, dtype, f"{unit.name} weights")
@@ -120,10 +119,11 @@ class WeightHandle(_Handle):
         self.hbm.untyped_storage().resize_(self.nbytes)
 
     def span(self, i: int, begin: int | None = None, end: int | None = None) -> slice:
-        """Where elements [begin, end) of chunk i (default: all of it) lie in the dram home."""
+        """Where elements [begin, end) of held chunk i (default: all of it) lie in the home flat (dram, or the
+        hbm copy of hbm-resident weights: every chunk is held there, in place)."""
         cb, ce = self.chunks[i]
         begin, end = cb if begin is None else begin, ce if end is None else end
-        at = self._local[i] - cb if self.partitioned else 0
+        at = self._local[i] - cb
         return slice(at + begin, at + end)
 
     # -- fetch: home -> hbm ---------------------------------------------------------------------------
@@ -279,20 +279,15 @@ class WeightHandle(_Handle):
             self.rt.staging.release(buf)
 
     def window(self, i: int, begin: int, end: int):
-        """(host tensor of elements [begin, end) as at home, release()): a view of a host-resident home, or
-        chunk i read from nvme (accelerator-resident homes: copied down) into a pool chunk that release()
-        returns. For sending a window's weights to other ranks (offload.pipeline.share_new_weights)."""
-        if self.home == "dram":
-            return self.dram[self.span(i, begin, end)], lambda: None
-        if self.home == "hbm" and self.hbm.device.type == "cpu":
-            return self.hbm[begin:end], lambda: None
-        cb, ce = self.chunks[i] if self.home == "nvme" else (begin, end)  # nvme: the chunk whole (frozen
-        chunk = self.rt.staging.acquire(ce - cb, self.dtype, f"{self.unit.name} weights to share")  # ones may share it)
+        """(tensor of elements [begin, end) as at home, release()): a view of a resident home, or chunk i read
+        from nvme into a pool chunk that release() returns. For sending a window's weights to other ranks
+        (offload.pipeline.share_new_weights)."""
+        if self.home != "nvme":
+            return (self.dram[self.span(i, begin, end)] if self.home == "dram" else self.hbm[begin:end]), lambda: None
+        cb, ce = self.chunks[i]  # the chunk whole: frozen weights may share it
+        chunk = self.rt.staging.acquire(ce - cb, self.dtype, f"{self.unit.name} weights to share")
         try:
-            if self.home == "nvme":
-                self.rt.store.read(chunk_key(self.key, i), into=chunk).wait()
-            else:
-                chunk.copy_(self.hbm[begin:end])
+            self.rt.store.read(chunk_key(self.key, i), into=chunk).wait()
         except BaseException:
             self.rt.staging.release(chunk)
             raise

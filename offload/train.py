@@ -31,6 +31,7 @@ from offload.config import FLAG_KEYS, Config, _put, file_settings, load_config
 from offload.cpu_adam import kernel_backend
 from offload.data import BatchSampler, ByteTokenizer, load_tokens
 from offload.models import PRESETS, build_model, hf_llama_config, hf_name, loss_of
+from offload.ranks import reduced
 from offload.signals import SIGNALS, Stopped, stop_on_signals
 
 DEFAULT_SWAP_DIR = "./.offload-swap"
@@ -397,9 +398,7 @@ def _join_torchrun() -> tuple[int, int]:
 def _mean_over_ranks(x: float) -> float:
     import torch.distributed as dist
 
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
+    return reduced([x])[0] / dist.get_world_size()
 
 
 class _RankSlice:
@@ -630,11 +629,7 @@ class _SaveOnSigterm:
         (a save is a collective) and stop, however many received it."""
         if not self.enabled or world == 1:
             return self.received
-        import torch.distributed as dist
-
-        t = torch.tensor([int(self.received)], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return bool(reduced([float(self.received)], "max")[0])
 
     def __enter__(self) -> "_SaveOnSigterm":
         if self.enabled:
