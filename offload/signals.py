@@ -9,7 +9,9 @@ with 128 + the signal number). `Stopped` is a KeyboardInterrupt: code that treat
 treats SIGTERM the same way, and `except Exception` does not swallow it. An exception raised by a signal
 handler can still be lost (a bare `except BaseException: pass` that was running, a finalizer), so the
 signal is also recorded: the `check()` the block receives raises Stopped again (a loop calls it once a
-step), and so does the end of a block that finished normally after a signal.
+step), and so does the end of a block that finished normally after a signal. Inside a swap submission
+(between registering a transfer and queueing its blocks: [Note: held sections] in swap/pending.py) the
+handler defers its exception to the section's end, so no transfer is left that nobody will complete.
 Outside it nothing changes, except that a SIGTERM nobody handles removes the swap files before it ends
 the process as before (swap/store.py, [Note: files at exit]); Ctrl-C raises KeyboardInterrupt as usual,
 and the swap files go at interpreter exit.
@@ -21,6 +23,8 @@ import contextlib
 import signal
 import threading
 from typing import Callable, Iterator
+
+from swap.pending import defer
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -36,6 +40,10 @@ class Stopped(KeyboardInterrupt):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum
+
+
+def _raise(signum: int) -> None:
+    raise Stopped(signum)
 
 
 @contextlib.contextmanager
@@ -58,7 +66,8 @@ def stop_on_signals(signums=SIGNALS) -> Iterator[Callable[[], None]]:
 
     def handler(signum, frame):
         received.append(signum)
-        raise Stopped(signum)
+        if not defer(lambda: _raise(signum)):  # inside a swap submission: at its end ([Note: held sections])
+            raise Stopped(signum)
 
     previous = {s: signal.signal(s, handler) for s in signums if signal.getsignal(s) is not signal.SIG_IGN}
     try:

@@ -8,10 +8,19 @@ completes it exactly once, with an error when anything went wrong; a thread star
 `start_thread` fails everything it still owed if it dies; and every wait ends after the I/O timeout
 with an error naming what was pending, its bytes and how long it waited. The timeout is generous
 (a drive may stall for seconds, never for minutes) and only says that something is stuck.
+
+[Note: held sections]
+A signal handler that raises (offload.signals: SIGTERM and Ctrl-C stop a run) interrupts the main
+thread at any instruction. Between registering a transfer and handing all its blocks to the engine,
+that would leave a transfer that never completes: close() then waits for it until the I/O timeout (seen:
+`offload train` stopped by SIGTERM hung in SwapStore.close), or an engine with blocks never queued. Such
+a section runs inside `held()`; a handler that calls `defer(raise_it)` while one is open returns, and the
+section's end calls raise_it instead, once everything it started is queued.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -22,6 +31,37 @@ log = logging.getLogger("swap")
 
 IO_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "OFFLOAD_IO_TIMEOUT_S"
+
+
+_held = 0            # held() sections open in the main thread (signal handlers run there only)
+_deferred: list = []  # what a handler deferred while one was open
+
+
+@contextlib.contextmanager
+def held():
+    """[Note: held sections] A section a deferring signal handler does not interrupt (main thread)."""
+    global _held
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _held += 1
+    try:
+        yield
+    finally:
+        _held -= 1
+        if not _held and _deferred:
+            raise_it = _deferred[0]
+            _deferred.clear()
+            raise_it()
+
+
+def defer(raise_it: Callable[[], None]) -> bool:
+    """For a signal handler: inside a held() section, keeps `raise_it` for the section's end and returns
+    True; otherwise returns False (the handler raises now)."""
+    if not _held:
+        return False
+    _deferred.append(raise_it)
+    return True
 
 
 def io_timeout_s() -> float:

@@ -39,7 +39,7 @@ import torch
 from .buffers import ALIGN_BYTES, aligned_empty, is_aligned, round_up
 from .engines import Block, IOEngine, host_buffer, open_engine
 from .errors import SwapCorruptionError, SwapIOError
-from .pending import Pending, PendingTimeout, io_timeout_s
+from .pending import Pending, PendingTimeout, held, io_timeout_s
 from .rundir import create_file, make_run_dir, supports_direct
 
 log = logging.getLogger("swap")
@@ -498,10 +498,11 @@ class SwapStore:
         if tail_page is not None:
             done = functools.partial(self._block_done, ticket, len(spans), nbytes - body, crcs, write)
             blocks.append(Block(write, self._fd, offset + body, tail_page.data_ptr(), ALIGN_BYTES, done))
-        with self._lock:
-            self._pending.setdefault(key, set()).add(ticket)
-        ticket._finish = self._unpending(key, ticket, ticket._finish)
-        self.engine.submit(blocks)
+        with held():  # [Note: held sections] in swap/pending.py: registered means queued, whole
+            with self._lock:
+                self._pending.setdefault(key, set()).add(ticket)
+            ticket._finish = self._unpending(key, ticket, ticket._finish)
+            self.engine.submit(blocks)
         return ticket
 
     def _unpending(self, key, ticket, finish):

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 import offload
 
@@ -159,3 +160,26 @@ def test_stop_on_signals_leaves_an_ignored_signal_ignored():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_signal_inside_a_swap_submission_is_raised_once_it_is_queued(tmp_path, monkeypatch):
+    """[Note: held sections] in swap/pending.py: a SIGTERM between registering a transfer and queueing its
+    blocks is raised right after they are queued, so the transfer completes and close() returns at once
+    (before: the blocks were never queued and close() waited the whole I/O timeout for them)."""
+    from swap import SwapStore
+
+    monkeypatch.setenv("OFFLOAD_IO_TIMEOUT_S", "5")
+    store = SwapStore(str(tmp_path))
+    queue = store.engine.submit
+
+    def submit(blocks):
+        os.kill(os.getpid(), signal.SIGTERM)  # handled at the next instruction: inside the section
+        queue(blocks)
+
+    monkeypatch.setattr(store.engine, "submit", submit)
+    with pytest.raises(offload.Stopped):
+        with offload.stop_on_signals():
+            store.write("k", torch.ones(4096))
+    t0 = time.monotonic()
+    store.close()
+    assert time.monotonic() - t0 < 2
