@@ -184,11 +184,15 @@ class Engine(nn.Module):
                 for n in names[slot.param]:
                     yield n, value
 
-    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
+    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False,
+                   sharded: bool = False) -> dict:
         """The wrapped module's state_dict() keys (no "module." prefix) with real CPU tensors from every
         tier: fp32 masters (frozen parameters upcast), like FSDP's full state dict; persistent buffers.
-        Holds the whole model in memory: for a large one use save_checkpoint(). keep_vars: no effect."""
-        sd = checkpoint.state_dict(self, prefix)
+        Holds the whole model in memory: for a large one use save_checkpoint(). Over ranks call it on every
+        rank; sharded=True: each parameter a DTensor holding this rank's dim-0 slice, like FSDP2's sharded
+        state dict, for torch.distributed.checkpoint ([Note: sharded state dicts] in offload.checkpoint).
+        keep_vars: no effect."""
+        sd = checkpoint.state_dict(self, prefix, sharded)
         if destination is None:
             return sd
         destination.update(sd)
@@ -196,7 +200,9 @@ class Engine(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Writes the values into the weights' and masters' homes (optimizer moments untouched), with
-        torch's `strict` semantics; checks names and shapes before writing anything. assign: no effect."""
+        torch's `strict` semantics; checks names and shapes before writing anything. Takes a full or a
+        sharded state dict (DTensors, gathered a unit at a time: then call it on every rank). assign: no
+        effect."""
         return checkpoint.load_state_dict(self, state_dict, strict)
 
     def save_checkpoint(self, directory: str, name: str | None = None, keep: int | None = None,

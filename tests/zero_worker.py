@@ -8,6 +8,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -21,6 +22,8 @@ def main() -> None:
     poison = cfg.pop("_poison", None)      # this micro-step's input on rank 0 is infinite (fp16 overflow there)
     save_at = cfg.pop("_save_at", None)    # save a checkpoint to <out>.ckpt after this many steps
     load = cfg.pop("_load", None)          # resume from this checkpoint (its step count says where)
+    dcp_save = cfg.pop("_dcp_save", None)  # at the end, torch.distributed.checkpoint.save of the sharded state dict
+    dcp_load = cfg.pop("_dcp_load", None)  # at the start, the sharded state dict loaded from there (weights only)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     if isinstance(cfg["nvme_path"], str):  # a list: one directory per rank already (Config.swap_dir)
@@ -31,6 +34,10 @@ def main() -> None:
         with offload.initialize(MLP(**model_kwargs), cfg) as eng:
             if load is not None:
                 eng.load_checkpoint(load)
+            if dcp_load is not None:
+                sharded = eng.state_dict(sharded=True)
+                dcp.load(sharded, checkpoint_id=dcp_load)
+                eng.load_state_dict(sharded)
             for i, (x, y) in enumerate(mlp_batches(steps * gas)):
                 if i < eng.step_count * gas:  # resumed: these were trained before the checkpoint
                     continue
@@ -46,6 +53,12 @@ def main() -> None:
             sd = eng.full_state_dict()  # every rank: with zero_stage 1-3 it gathers each window from its owner
             if rank == 0:
                 torch.save(sd, out + ".pt")
+            shard_numel = sharded_equal = None
+            if dcp_save is not None:
+                sharded = eng.state_dict(sharded=True)
+                shard_numel = sum(v.to_local().numel() for k, v in sharded.items() if k in sd)
+                sharded_equal = all(torch.equal(sharded[k].full_tensor(), sd[k]) for k in sd)
+                dcp.save(sharded, checkpoint_id=dcp_save)
             state_bytes, weight_bytes = state_bytes_of(eng), weight_bytes_of(eng)
             partitioned = sum(w.unit.numel for w in eng.weights if w.partitioned)
             partitioned_trainable = sum(w.unit.trainable_numel for w in eng.weights if w.partitioned)
@@ -53,7 +66,7 @@ def main() -> None:
             json.dump({"losses": losses, "collectives": stats["collectives"], "state_bytes": state_bytes,
                        "weight_bytes": weight_bytes, "partitioned_numel": partitioned,
                        "partitioned_trainable": partitioned_trainable, "swap_dir": eng.placement.swap_dir,
-                       "chunk_numel": eng.chunk_numel,
+                       "chunk_numel": eng.chunk_numel, "shard_numel": shard_numel, "sharded_equal": sharded_equal,
                        "skipped_steps": eng.skipped_steps, "loss_scale": eng.loss_scale,
                        "trainable": sum(u.trainable_numel for u in eng.units),
                        "params": sum(p.numel() for p in MLP().parameters())}, f)
