@@ -155,6 +155,7 @@ class Config:
     reuse_distance: int = 1        # keep a unit in hbm when the trace uses it again within this many fetches (-1: off)
     reuse_bytes: int | None = None  # also keep units used again later in the step up to this many bytes (null: derived, README)
     overlap_step: bool = True      # step each unit as soon as its gradients are final, during backward (not with clipping or fp16)
+    split_step: bool = True        # nvme states, overlapped step: every other unit's step applied as it is fetched for the next forward (README)
     delayed_update: bool = False   # one-step delayed parameter update: step k's update lands during step k+1's backward (README)
     chunk_bytes: int = 32 << 20    # the grain of nvme <-> dram movement and of the CPU Adam pipeline (README "Chunks")
     swap_checksum: bool = True     # per-block checksums of swap files, verified on read (nvme optimizer states: in the CPU Adam pass)

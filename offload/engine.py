@@ -101,6 +101,7 @@ class Engine(nn.Module):
     def fetch_for_use(self, unit: Unit, backward: bool = False) -> None:
         """Called by the hooks before `unit` runs: prefetch what the policy says, then wait for this unit."""
         with record_function("offload::fetch"):
+            self.pipeline.start_deferred()  # [Note: split step] in offload.pipeline: the last step's waiting units
             hbm = self.tiers.acct["hbm"]
             for nxt in self.policy.before_use(unit.index, hbm.budget_bytes - hbm.used_bytes, backward):
                 self.weights[nxt].fetch()
@@ -176,6 +177,7 @@ class Engine(nn.Module):
         """(name, fp32 tensor) for every parameter name, one unit at a time (full_state_dict's content
         without holding the whole model at once)."""
         self.pipeline.check_usable("reading the weights")
+        self.pipeline.finish_deferred()  # [Note: split step] in offload.pipeline
         names: dict = {}
         for n, p in self.module.named_parameters(remove_duplicate=False):
             names.setdefault(p, []).append(n)

@@ -30,6 +30,7 @@ class StagedWindow(_Handle):
         super().__init__(name, "nvme")
         self.t: dict[str, torch.Tensor] = {}
         self.tickets: list = []
+        self.nbytes = 0                         # bytes of the reads in flight
         self.t0 = 0.0
         self.unverified: set[str] = set()       # kinds read without the store's check, until the step's
         self.digests: dict[str, tuple] = {}     # kind -> block digests of the updated state, for store()
@@ -167,12 +168,15 @@ class OptimState(_Handle):
             return
         w, (b, e) = self._win[i], self.windows[i]
         try:
+            w.nbytes = 0
             for kind in kinds:
-                buf = w.t[kind] = self.rt.staging.acquire(e - b, torch.float32, f"{self.unit.name} {kind}")
+                dtype = self.grad_dtype if kind == "grad" else torch.float32  # see accumulate()
+                buf = w.t[kind] = self.rt.staging.acquire(e - b, dtype, f"{self.unit.name} {kind}")
                 key = self.key(kind, i)
                 if key in self.rt.store:  # exp_avg/exp_avg_sq start as zeros, unwritten
                     verify = not self.hashed or kind not in STATES
                     w.tickets.append(self.rt.store.read(key, into=buf, verify=verify))
+                    w.nbytes += buf.numel() * buf.element_size()
                     if not verify:
                         w.unverified.add(kind)
                 else:
@@ -195,8 +199,7 @@ class OptimState(_Handle):
         except BaseException:
             self._drop(w)
             raise
-        self.rt.telemetry.link("nvme_to_dram", 4 * (self.windows[i][1] - self.windows[i][0]) * len(w.tickets),
-                                time.perf_counter() - w.t0)
+        self.rt.telemetry.link("nvme_to_dram", w.nbytes, time.perf_counter() - w.t0)
         w.tickets = []
         w._set(R.DRAM, R.NVME_TO_DRAM)
 
@@ -248,7 +251,7 @@ class OptimState(_Handle):
 
     # -- the gradient accumulator (runs on the d2h copy thread) --------------------------------------
     def accumulate(self, grads: list[tuple[int, torch.Tensor]], first: bool, last: bool,
-                   keep: bool = False) -> float | None:
+                   keep: bool = False, deferred: bool = False) -> float | None:
         """Adds this micro-step's gradients (offset, flat grad) into the fp32 accumulator; on the last
         micro-step returns its sum of squares (for the global norm and fp16 overflow detection).
         keep: the step follows at once (overlapped): after a window of one micro-step, nvme states read the
@@ -256,12 +259,14 @@ class OptimState(_Handle):
         (after several, from the accumulator on nvme).
         A window of one micro-step in bf16/fp16 (the common case) keeps the gradient in its own dtype
         (in a resident accumulator's first bytes): the step casts it as it reads it (the same fp32 values),
-        and the copy's writes, the sum of squares and the step's gradient reads each move half the bytes."""
+        and the copy's writes, the sum of squares and the step's gradient reads each move half the bytes.
+        deferred: the step comes at the unit's next fetch ([Note: split step] in offload.pipeline); an nvme
+        accumulator of one micro-step then holds the gradient in its own dtype too."""
         if first:
             self.got_grad = set()
             dtype = grads[0][1].dtype if grads else torch.float32
             resident_cpu = self.home != "nvme" and self.t["grad"].device.type == "cpu"
-            own = last and dtype != torch.float32 and (resident_cpu or keep) and not self.rt.sharded
+            own = last and dtype != torch.float32 and (resident_cpu or keep or deferred) and not self.rt.sharded
             self.grad_dtype = dtype if own else torch.float32
         self.got_grad.update(self._slot_at[offset] for offset, _ in grads)
         if self.rt.sharded:
@@ -280,7 +285,7 @@ class OptimState(_Handle):
         """An nvme accumulator, window by window: read (after the first micro-step), add, write back."""
         sq = 0.0
         for i, (b, e) in enumerate(self.windows):
-            buf = self.rt.staging.acquire(e - b, torch.float32, f"{self.unit.name} grad")
+            buf = self.rt.staging.acquire(e - b, self.grad_dtype, f"{self.unit.name} grad")
             try:
                 if not first:
                     self.rt.store.read(self.key("grad", i), into=buf).wait()
@@ -289,7 +294,7 @@ class OptimState(_Handle):
                     sq += _sq(buf)
                 t0 = time.perf_counter()
                 self.rt.store.write(self.key("grad", i), buf).wait()
-                self.rt.telemetry.link("dram_to_nvme", buf.numel() * 4, time.perf_counter() - t0)
+                self.rt.telemetry.link("dram_to_nvme", buf.numel() * buf.element_size(), time.perf_counter() - t0)
             finally:
                 self.rt.staging.release(buf)
         return sq if last else None

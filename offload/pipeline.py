@@ -21,6 +21,20 @@ updating states (a step in step() or during backward, the delayed update, or an 
 earlier micro-steps' gradients) leaves weights and states partly updated: the pipeline enters `failed`,
 and every further forward, backward, step or state read raises StepFailed naming the step and the cause;
 close() still works and removes the swap files.
+
+[Note: split step]
+With the overlapped step and optimizer states on nvme, all of a step's state I/O (read 12 B, write 14 B
+per parameter) fell in the backward, beside its compute, while the forward read only the weights: on a
+host where both phases are busy (the 3b preset here) the step took the forward's compute plus the
+backward's I/O. With split_step (the default) the placement defers every other fetched unit in forward
+order (placement.deferred): in backward such a unit's gradient goes to its nvme accumulator in the
+compute dtype (2 B write) and its step waits; at the next forward's first fetch, every deferred unit's
+step is queued on the d2h thread in forward order (a window pipeline of its own), and each unit's fetch
+waits for its own step (WeightHandle.update) on the reader thread, so the steps run ahead of the forward's
+compute. It is the same update (the same gradient, lr and scale) applied before the unit's next use, so
+the numbers are those of the step in backward (the parity tests compare them bit for bit). Whatever
+reads or saves states (full_state_dict, state_dict, checkpoints, flush, close) applies the waiting steps
+first (finish_deferred); a failed deferred step fails the engine as a failed step does.
 """
 
 from __future__ import annotations
@@ -57,7 +71,7 @@ TRANSITIONS = {
     (P.FORWARD, P.BACKWARD), (P.IDLE, P.BACKWARD),  # IDLE: the loss of a forward run on engine.module itself
     (P.BACKWARD, P.IDLE),                           # done, or rolled back (the forward's graph is spent)
     (P.IDLE, P.STEPPING), (P.FORWARD, P.STEPPING), (P.STEPPING, P.IDLE),
-    *((p, P.FAILED) for p in (P.FORWARD, P.BACKWARD, P.STEPPING)),
+    *((p, P.FAILED) for p in (P.IDLE, P.FORWARD, P.BACKWARD, P.STEPPING)),  # IDLE: a deferred step ([Note: split step])
     *((p, P.CLOSED) for p in P),
 }
 
@@ -93,6 +107,10 @@ class StepPipeline:
         self._overlap = self._delayed = self._stepped_in_backward = False
         self._pending: dict | None = None  # delayed_update: the accepted update not applied yet (step args)
         self._pipe: WindowPipeline | None = None
+        self._args: dict | None = None             # the overlapped step's lr and grad_scale
+        self._deferred: dict | None = None          # [Note: split step] the step args of units not stepped yet
+        self._deferred_pipe: WindowPipeline | None = None
+        self._deferred_jobs: list = []
         self._step_mark, self.last_step = rt.telemetry.snapshot(), None
 
     # -- phases ------------------------------------------------------------------------------------
@@ -133,7 +151,48 @@ class StepPipeline:
             return  # the backward's own failure handling rolls it back
         self.release_all()
         self.trace.abandon_step()
+        try:
+            self.finish_deferred()  # the previous step's: applied whatever this forward did
+        except Exception:  # the engine failed (StepFailed from now on); the forward's error is the one raised
+            return
         self._to(before)
+
+    # -- the deferred steps ([Note: split step]) -----------------------------------------------------
+    def start_deferred(self) -> None:
+        """Queues the deferred units' steps on the d2h thread in forward order; each unit's next fetch waits
+        for its own. Called before the first fetch after the step (Engine.fetch_for_use); idempotent."""
+        if self._deferred is None or self._deferred_pipe is not None:
+            return
+        order = self.rt.placement.deferred  # in forward order
+        pipe = self._deferred_pipe = WindowPipeline(self, list(order), self._deferred, KINDS,
+                                                    read_ahead=self.rt.placement.read_ahead)
+        for u in (self.units[i] for i in order):
+            done = self.rt.d2h.submit(pipe.step_unit, u)
+            self.weights[u.index].update = done
+            self._deferred_jobs.append(done)
+
+    def finish_deferred(self) -> None:
+        """Applies the deferred steps (starts them if no fetch did) and waits for them. A failure leaves
+        states partly updated: the engine fails."""
+        if self._deferred is None:
+            return
+        self.start_deferred()
+        pipe, jobs = self._deferred_pipe, self._deferred_jobs
+        try:
+            for done in jobs:
+                done.wait()
+            pipe.finish()
+        except BaseException as e:
+            for done in jobs:
+                _settle(done)
+            pipe.abort()
+            if self.phase is not P.FAILED:
+                self._fail(f"the step of step {self.step_count} applied at the next fetch (split_step)", e)
+            raise
+        finally:
+            self._deferred, self._deferred_pipe, self._deferred_jobs = None, None, []
+            for u in self.units:
+                self.weights[u.index].update = None
 
     # -- backward: gradients to their accumulators, and the step pipelined with them -----------------
     def grad_hook(self, unit: Unit):
@@ -165,6 +224,7 @@ class StepPipeline:
             self.wait_oldest_grad_job()
         hbm.charge(nbytes, f"{unit.name} gradients")  # they exist in hbm until the d2h job consumed them
         state, overlap, delayed, tel = self.states[unit.index], self._overlap, self._delayed, self.rt.telemetry
+        deferred = overlap and unit.index in self.rt.placement.deferred  # [Note: split step]
 
         def job():
             try:
@@ -175,7 +235,7 @@ class StepPipeline:
                     average_over_ranks(grads, self.rt)
                 if not first:
                     self._touched.add(unit.index)  # holds earlier micro-steps' gradients: changed from here
-                sq = state.accumulate(grads, first, last, keep=overlap)
+                sq = state.accumulate(grads, first, last, keep=overlap and not deferred, deferred=deferred)
                 tel.link("hbm_to_dram", nbytes, time.perf_counter() - t0)
                 if sq is not None:
                     self._grad_sq[unit.index] = sq
@@ -183,7 +243,8 @@ class StepPipeline:
                     if not math.isfinite(sq):
                         raise FloatingPointError(f"{unit.name}: gradients are not finite ({self.rt.cfg.precision}); "
                                                  "lower the learning rate or enable gradient_clipping")
-                    self._pipe.step_unit(unit)  # nvme states read the gradient from `grads` window by window
+                    if not deferred:
+                        self._pipe.step_unit(unit)  # nvme states read the gradient from `grads` window by window
             finally:
                 grads.clear()
                 hbm.refund(nbytes)
@@ -204,6 +265,7 @@ class StepPipeline:
     def backward(self, loss: torch.Tensor) -> None:
         self.check_usable("backward")
         cfg = self.rt.cfg
+        self.finish_deferred()  # normally done already: each deferred unit's fetch waited for its step
         self._to(P.BACKWARD)
         self._flushed, self._touched = set(), set()
         self._overlap = self._can_overlap()
@@ -213,7 +275,8 @@ class StepPipeline:
         try:
             with record_function("offload::backward"):
                 if self._overlap:
-                    self._begin_pipelined_step({"lr": self.lr, "grad_scale": self.loss_scale}, STATES)
+                    self._args = {"lr": self.lr, "grad_scale": self.loss_scale}
+                    self._begin_pipelined_step(self._args, STATES)
                 elif self._delayed:
                     self._begin_pipelined_step(self._pending, KINDS)  # gradients of the previous step
                 (loss * scale if scale != 1.0 else loss).backward()
@@ -260,10 +323,7 @@ class StepPipeline:
 
     def _settle_jobs(self) -> None:
         for completion, _ in self._jobs:
-            try:
-                completion.wait()
-            except Exception:  # the error raised is the first one (an interrupt is not held back)
-                pass
+            _settle(completion)
         self._jobs = []
 
     def _can_overlap(self) -> bool:
@@ -275,7 +335,8 @@ class StepPipeline:
     def _begin_pipelined_step(self, args: dict, kinds) -> None:
         """Units are stepped on the d2h thread as their gradients become final, in reverse unit order:
         the first one's states (`kinds`) are read ahead. args: step_window's lr and grad_scale."""
-        order = [u.index for u in reversed(self.units) if u.trainable_numel]
+        skip = self.rt.placement.deferred if self._overlap else ()
+        order = [u.index for u in reversed(self.units) if u.trainable_numel and u.index not in skip]
         self._pipe = WindowPipeline(self, order, args, kinds, read_ahead=self.rt.placement.read_ahead)
 
     def _finish_pipelined_step(self) -> None:
@@ -289,6 +350,8 @@ class StepPipeline:
         self.last_grad_norm = None
         self.step_count += 1
         self._stepped_in_backward = True
+        if self.rt.placement.deferred:
+            self._deferred = self._args
 
     # -- step ----------------------------------------------------------------------------------------
     @property
@@ -369,8 +432,10 @@ class StepPipeline:
             raise
 
     def flush(self) -> None:
-        """delayed_update: applies the accepted update that would land during the next backward, now."""
+        """delayed_update: applies the accepted update that would land during the next backward, now (and
+        split_step's deferred steps)."""
         self.check_usable("flush")
+        self.finish_deferred()
         if self._pending is not None:
             self._to(P.STEPPING)
             try:
@@ -411,8 +476,9 @@ class StepPipeline:
         """The counters, the loss scaler and the accepted update not applied yet (delayed_update), as a
         checkpoint saves them. Only between steps (a forward without its backward changes no state): after the
         last backward of an accumulation window and before its step() the step is half taken (or, overlapped,
-        taken and not counted)."""
+        taken and not counted). Deferred steps ([Note: split step]) are applied first."""
         self.check_usable("checkpoint")
+        self.finish_deferred()
         gas = self.rt.cfg.gradient_accumulation_steps
         if self.phase not in (P.IDLE, P.FORWARD) or (self.micro_step and self.micro_step % gas == 0):
             raise RuntimeError(f"offload: checkpoint while {self.phase.value}, {self.micro_step} backward(s) since "
@@ -433,10 +499,22 @@ class StepPipeline:
     def close(self) -> None:
         """Settles the jobs in flight and returns the optimizer pipeline's chunks; always succeeds."""
         self._settle_jobs()
+        for done in self._deferred_jobs:
+            _settle(done)
+        if self._deferred_pipe is not None:
+            self._deferred_pipe.abort()
+        self._deferred, self._deferred_pipe, self._deferred_jobs = None, None, []
         if self._pipe is not None:
             self._pipe.abort()
             self._pipe = None
         self.phase = P.CLOSED
+
+
+def _settle(done) -> None:
+    try:
+        done.wait()
+    except Exception:  # reported by whoever waited first (an interrupt is not held back)
+        pass
 
 
 def average_over_ranks(grads: list, rt) -> None:

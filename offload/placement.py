@@ -47,6 +47,7 @@ class Placement:
     swap_dir: str | None = None      # this rank's directory of nvme_path (Config.swap_dir)
     owners: dict[int, list[int]] = field(default_factory=dict)  # zero_stage 1-3 over ranks: unit -> window owners
     weight_owners: dict[int, list[int]] = field(default_factory=dict)  # zero_stage 3: partitioned units' chunks
+    deferred: tuple = ()             # units whose step waits for their next fetch, in forward order ([Note: split step])
 
     @property
     def uses_nvme(self) -> bool:
@@ -125,6 +126,9 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     p = Placement(weight_home, state_home, dict(states), cfg.budgets.hbm_bytes or default_hbm,
                   cfg.budgets.dram_bytes or default_dram, _free_disk(cfg.swap_dir(rank)) if cfg.nvme_path else 0, rows)
     p.swap_dir = cfg.swap_dir(rank)
+    p.deferred = deferred_units(units, cfg, weight_home, state_home, sharded, order)
+    for i in p.deferred:  # their gradient waits on nvme for the next forward, in the compute dtype
+        states["nvme"] += units[i].trainable_numel * itemsize
     p.chunk_bytes, p.owners, p.weight_owners = chunk_bytes, owners, weight_owners
     # zero_stage 3 fetches even weights whose home is hbm: their shard lives there, the whole unit is gathered
     fetched = [u.numel for u in units if weight_home[u.index] != "hbm" or u.index in weight_owners]
@@ -155,6 +159,17 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     if check:
         preflight(p, device, cfg, plan(MINIMUM)[1])
     return p
+
+
+def deferred_units(units, cfg, weight_home: dict, state_home: dict, sharded: bool, order) -> tuple:
+    """[Note: split step] in offload.pipeline: with split_step, the overlapped step and optimizer states on
+    nvme, every other trainable unit whose weights are fetched, in forward order from the second on (the
+    first one's step could overlap nothing before its use)."""
+    if not (cfg.split_step and overlapped(cfg)) or sharded:
+        return ()
+    seen = list(dict.fromkeys(order if order is not None else range(len(units))))
+    fetched = [i for i in seen if units[i].trainable_numel and state_home.get(i) == "nvme" and weight_home[i] != "hbm"]
+    return tuple(fetched[1::2])
 
 
 def overlapped(cfg) -> bool:

@@ -97,6 +97,7 @@ class WeightHandle(_Handle):
         self._placeholder = torch.empty(0, dtype=dtype, device=self.hbm.device)
         self._write_lock = threading.Lock()
         self._writes: list = []    # (ticket, chunk buffer, t0) of new weights written behind to nvme
+        self.update = None         # completion of this unit's deferred step, which the next fetch waits for ([Note: split step])
         if home != "hbm":
             self._free_hbm()
             self._detach()
@@ -128,14 +129,20 @@ class WeightHandle(_Handle):
 
     # -- fetch: home -> hbm ---------------------------------------------------------------------------
     def fetch(self) -> None:
-        """Starts moving the weights towards hbm (partitioned: this rank's chunks); idempotent."""
+        """Starts moving the weights towards hbm (partitioned: this rank's chunks), after the unit's deferred
+        step if one is queued (on the reader thread: the caller does not wait); idempotent."""
+        if self.state not in (R.NVME, R.DRAM):
+            return
+        update, self.update = self.update, None
         if self.state is R.NVME:
             self._alloc_hbm()
-            self._pending, self._t0 = self.rt.reader.submit(self._read_chunks), time.perf_counter()
+            self._pending, self._t0 = self.rt.reader.submit(lambda: self._read_chunks(update)), time.perf_counter()
             self._set(R.NVME_TO_HBM, R.NVME)
-        elif self.state is R.DRAM:
+        else:
             self._alloc_hbm()
-            if self.partitioned:
+            if update is not None:
+                self._pending = self.rt.reader.submit(lambda: (update.wait(), self.rt.h2d.copy(self.hbm, self.dram).wait()))
+            elif self.partitioned:
                 pairs = [(self.hbm[b:e], self.dram[self.span(i)]) for i, (b, e) in
                          ((i, self.chunks[i]) for i in self.held)]
                 self._pending = self.rt.h2d.submit(lambda: [dst.copy_(src) for dst, src in pairs])
@@ -144,9 +151,11 @@ class WeightHandle(_Handle):
             self._t0 = time.perf_counter()
             self._set(R.DRAM_TO_HBM, R.DRAM)
 
-    def _read_chunks(self) -> None:
+    def _read_chunks(self, update=None) -> None:
         """On the reader thread: nvme -> pool chunk -> hbm, chunk by chunk, the next chunk's read in flight
         while the previous one is copied up (READ_AHEAD chunks of the pool at most)."""
+        if update is not None:
+            update.wait()
         self.wait_for_write()  # new weights written behind land before they are read back
         pool, store, tel = self.rt.staging, self.rt.store, self.rt.telemetry
         flight: collections.deque = collections.deque()

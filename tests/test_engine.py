@@ -1,7 +1,6 @@
 """Engine behaviour beyond parity: memory budgets, the meta device, fp16, schedules, errors, cleanup."""
 
 import os
-import pathlib
 
 import pytest
 import torch

@@ -113,6 +113,37 @@ def test_adam_with_l2_weight_decay(tmp_path, kernel):
 
 # --- overlap and delays: a missing wait must show up as a wrong number ------------------------------
 
+@pytest.mark.parametrize("param", ["nvme", "cpu"])
+def test_split_step_equals_every_step_in_backward(tmp_path, param):
+    """[Note: split step] With nvme states every other unit's step is deferred to its next fetch: the same
+    numbers as stepping every unit in backward, bit for bit, also with an evaluation forward (no_grad)
+    between steps and a weight read right after a step (both apply the waiting steps first)."""
+    out = {}
+    for split in (True, False):
+        torch.manual_seed(0)
+        cfg = {**config(tmp_path / str(split), param, "nvme", "bf16"), "split_step": split}
+        with offload.initialize(MLP(), cfg) as eng:
+            assert bool(eng.placement.deferred) == split
+            losses = []
+            for k, (x, y) in enumerate(mlp_batches(5)):
+                loss = eng(x, y)
+                eng.backward(loss)
+                eng.step()
+                losses.append(loss.item())
+                if k == 1:
+                    with torch.no_grad():
+                        losses.append(eng(x, y).item())
+                if k == 3:
+                    mid = eng.full_state_dict()
+            # the deferred units' gradients waited on nvme (in bf16); without split_step none is written
+            grads = [k for k in eng.store.keys() if "/grad/" in k]
+            assert bool(grads) == split
+            out[split] = losses, mid, eng.full_state_dict()
+    assert out[True][0] == out[False][0]
+    for a, b in zip(out[True][1:], out[False][1:]):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("param,optim", [("cpu", "cpu"), ("nvme", "nvme")])
 def test_overlap_step_equals_step_after_backward(tmp_path, param, optim):
     runs = []

@@ -44,6 +44,10 @@ def test_ledger_and_engine_plan_agree_on_model_states(tmp_path):
     # nvme: 2 B weights + 12 B fp32 states (master, exp_avg, exp_avg_sq) per parameter; the 4 B gradient
     # accumulator of the ledger exists on nvme only when the step does not follow each backward at once
     params = sum(p.numel() for p in meta.parameters())
-    assert plan["nvme_bytes"] == pytest.approx(ledger["nvme_bytes"] - 4 * params, rel=0.02)
+    whole = engine_plan(meta, {**cfg, "split_step": False})
+    assert whole["nvme_bytes"] == pytest.approx(ledger["nvme_bytes"] - 4 * params, rel=0.02)
+    # [Note: split step] every other fetched unit's gradient waits on nvme for its step, in bf16: about half
+    # the model's at 2 B (the ledger's 4 B bounds it)
+    assert 0.3 * 2 * params < plan["nvme_bytes"] - whole["nvme_bytes"] < 0.7 * 2 * params
     clipped = engine_plan(meta, {**cfg, "gradient_clipping": 1.0})
     assert clipped["nvme_bytes"] == pytest.approx(ledger["nvme_bytes"], rel=0.02)

@@ -180,6 +180,30 @@ def test_a_swap_error_mid_backward(tmp_path, overlap):
     assert swap_files(tmp_path) == []
 
 
+def test_a_deferred_step_that_fails_fails_the_engine_in_the_forward_that_waited(tmp_path):
+    """[Note: split step] nvme states: every other unit's step runs at the next forward, before its fetch. A
+    swap write failing there leaves states partly updated: that forward raises the error, every later call
+    StepFailed naming the deferred step; close() still removes the swap files."""
+    model, batches = faulty_mlp(), mlp_batches(3)
+    eng = offload.initialize(model, config(tmp_path, "nvme"))
+    try:
+        train(eng, batches[:1])
+        assert eng.placement.deferred
+        eng.rt.store = failing = FailingWrites(eng.rt.store)
+        failing.armed = True
+        with pytest.raises(SwapIOError, match="injected"):
+            eng(*batches[1])
+        failing.armed = False
+        eng.rt.store = failing.store
+        assert eng.phase is Phase.FAILED and eng.staging.lent == 0
+        for call in (lambda: eng(*batches[2]), eng.full_state_dict, lambda: eng.save_checkpoint(str(tmp_path / "c"))):
+            with pytest.raises(StepFailed, match=r"applied at the next fetch \(split_step\) failed .*SwapIOError"):
+                call()
+    finally:
+        eng.close()
+    assert swap_files(tmp_path) == []
+
+
 def test_a_failed_step_after_backward_fails_the_engine(tmp_path, monkeypatch):
     """An error in step() once the first window began updating: failed, with the step named."""
     import offload.step as step_mod
