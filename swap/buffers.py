@@ -4,11 +4,17 @@
 io_submit on pages that were never touched stalls on page faults inside the kernel: on our test
 machine the libaio package read 2 GiB at 0.4 GB/s into fresh pages and at 3.0-3.4 GB/s into touched
 ones. So every buffer handed out here is populated before its first I/O: large ones through
-madvise(MADV_POPULATE_WRITE) (the kernel zero-fills them in one pass), small ones by zeroing,
-pinned ones by cudaHostAlloc itself. Large unpinned buffers are also 2 MiB-aligned and marked
-MADV_HUGEPAGE: O_DIRECT pins the user pages of every transfer, and with huge pages that is one
+madvise(MADV_POPULATE_WRITE) (the kernel zero-fills them in one pass), small ones by zeroing.
+Large buffers are also 2 MiB-aligned and marked MADV_HUGEPAGE: O_DIRECT pins the user pages of every transfer, and with huge pages that is one
 page per 2 MiB instead of 512; side by side on this machine that raised 1 MiB reads from about
 1.2 to 1.8-2.9 GB/s and writes from about 1.7 to 2.1-3.8 GB/s (busy machine, 4 runs each).
+
+[Note: pinned buffers are our own]
+With CUDA, pinned (page-locked) buffers are the same populated mappings, registered with
+cudaHostRegister, not torch's pinned allocator: that one rounds every request up to a power of two
+(a 40 MiB unit home would hold 64 MiB) and caches freed blocks, so the bytes the process holds would
+not be the bytes the tier accountants count. A registered mapping holds its size rounded to 4 KiB, and
+is unregistered before it is unmapped (_Mapping.__del__ runs before the mapping's own deallocation).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import mmap
 import threading
 import time
 
+import numpy as np
 import torch
 
 ALIGN_BYTES = 4096
@@ -40,43 +47,60 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, pin: bool = F
         raise ValueError(f"numel={numel}: must be >= 0")
     itemsize = torch.empty((), dtype=dtype).element_size()
     padded = max(round_up(numel * itemsize), ALIGN_BYTES)
-    if pin and torch.cuda.is_available():
-        # torch's pinned allocator rounds every request up to a power of two, and its blocks start
-        # page-aligned: ask for exactly `padded` (a 32 MiB chunk stays 32 MiB) and over-allocate for
-        # alignment only if a block ever does not start aligned.
-        raw = torch.empty(padded, dtype=torch.uint8, pin_memory=True)
-        if raw.data_ptr() % ALIGN_BYTES:
-            raw = _align_slice(torch.empty(padded + ALIGN_BYTES, dtype=torch.uint8, pin_memory=True), padded)
-    elif padded >= _MMAP_MIN_BYTES:
-        raw = _mmap_populated(padded)
-    else:
-        raw = _align_slice(torch.empty(padded + ALIGN_BYTES, dtype=torch.uint8), padded)
+    pin = pin and torch.cuda.is_available()
+    if pin or padded >= _MMAP_MIN_BYTES:
+        raw = _mmap_populated(padded, register=pin)  # [Note: pinned buffers are our own]
+    else:  # numpy's block, sliced: the storage itself starts aligned, as the mmap path's does
+        block = np.empty(padded + ALIGN_BYTES, dtype=np.uint8)
+        skip = (-block.ctypes.data) % ALIGN_BYTES
+        raw = torch.from_numpy(block[skip : skip + padded])
         raw.zero_()
     return raw.view(dtype)[:numel]
 
 
-def _mmap_populated(padded: int) -> torch.Tensor:
-    """Anonymous memory, 2 MiB-aligned and marked for transparent huge pages when large, populated."""
+class _Mapping(mmap.mmap):
+    """An anonymous mapping that can be registered with CUDA (page-locked, for asynchronous copies); a
+    registered one is unregistered when the mapping is collected, before mmap unmaps it."""
+
+    _registered: int | None = None
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        err = int(_cudart().cudaHostRegister(ptr, nbytes, 0))
+        if err:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at 0x{ptr:x} failed (cudaError {err}): the "
+                               "system would not page-lock that much; lower the dram budget or chunk_bytes")
+        self._registered = ptr
+
+    def __del__(self) -> None:
+        if self._registered is not None:
+            ptr, self._registered = self._registered, None
+            _cudart().cudaHostUnregister(ptr)
+
+
+def _cudart():
+    return torch.cuda.cudart()
+
+
+def _mmap_populated(padded: int, register: bool = False) -> torch.Tensor:
+    """Anonymous memory, 2 MiB-aligned and marked for transparent huge pages when large, populated;
+    registered with CUDA (pinned) when `register`."""
     huge = padded >= 2 * _HUGE_BYTES
-    region = mmap.mmap(-1, padded + (_HUGE_BYTES if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region = _Mapping(-1, padded + (_HUGE_BYTES if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             region.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # THP disabled: 4 KiB pages still work
             pass
-    raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
-    skip = (-raw.data_ptr()) % (_HUGE_BYTES if huge else ALIGN_BYTES)
-    raw = raw[skip : skip + padded]
+    skip = (-torch.frombuffer(region, dtype=torch.uint8).data_ptr()) % (_HUGE_BYTES if huge else ALIGN_BYTES)
+    # the storage itself starts aligned (offload.tiers puts it under another storage); keeps `region` alive
+    raw = torch.frombuffer(memoryview(region)[skip : skip + padded], dtype=torch.uint8)
     try:
         region.madvise(_MADV_POPULATE_WRITE)  # the kernel faults everything in, in one call
     except (OSError, ValueError):  # kernels before 5.14
         raw.zero_()
+    if register:
+        region.register(raw.data_ptr(), padded)
     return raw
-
-
-def _align_slice(raw: torch.Tensor, padded: int) -> torch.Tensor:
-    skip = (-raw.data_ptr()) % ALIGN_BYTES
-    return raw[skip : skip + padded]
 
 
 def _storage_id(t: torch.Tensor) -> int:
@@ -98,14 +122,17 @@ class BufferPool:
     """Aligned host buffers under a fixed byte capacity, with back-pressure.
 
     acquire() waits while the pool is full and fails after `timeout_s` naming capacity, requested
-    and in-use bytes. Released buffers are cached by padded size and reused; cached-but-free memory
-    is dropped when a request of another size needs the room, so used + cached <= capacity always.
+    and in-use bytes. Released buffers are cached by padded size and reused, up to `max_cached_bytes`
+    (default: the capacity); cached-but-free memory is dropped when a request of another size needs the
+    room, so used + cached <= capacity always.
     """
 
-    def __init__(self, capacity_bytes: int, *, pin: bool = False, timeout_s: float = 30.0):
+    def __init__(self, capacity_bytes: int, *, pin: bool = False, timeout_s: float = 30.0,
+                 max_cached_bytes: int | None = None):
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes={capacity_bytes}: must be > 0; give the pool some bytes")
         self.capacity_bytes = int(capacity_bytes)
+        self.max_cached_bytes = self.capacity_bytes if max_cached_bytes is None else int(max_cached_bytes)
         self.pin = pin
         self.timeout_s = timeout_s
         self._cond = threading.Condition()
@@ -162,8 +189,9 @@ class BufferPool:
                     f"or was already released")
             raw, padded = lent
             self.used_bytes -= padded
-            self._free.setdefault(padded, []).append(raw)
-            self._cached_bytes += padded
+            if self._cached_bytes + padded <= self.max_cached_bytes:  # else dropped: its memory goes back
+                self._free.setdefault(padded, []).append(raw)
+                self._cached_bytes += padded
             self._cond.notify_all()
 
     def clear(self) -> None:

@@ -124,3 +124,75 @@ def test_pinned_buffers_are_page_locked_and_aligned():
     assert t.is_pinned() and t.data_ptr() % ALIGN_BYTES == 0
     pool = BufferPool(8 << 20, pin=True)
     assert pool.acquire(5000).is_pinned()
+
+
+def _mapped(ptr: int) -> bool:
+    """Whether address `ptr` lies in one of this process's mappings."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= ptr < hi:
+                return True
+    return False
+
+
+class FakeCudart:
+    """Records what aligned_empty registers; checks each unregister comes while the memory is still mapped."""
+
+    def __init__(self):
+        self.registered, self.unregistered = {}, []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.registered[ptr] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        assert ptr in self.registered and _mapped(ptr)
+        self.unregistered.append(ptr)
+        return 0
+
+
+@pytest.mark.parametrize("nbytes", [5000, (40 << 20) + 4096])
+def test_pinned_buffers_are_our_own_registered_mappings_of_the_asked_size(monkeypatch, nbytes):
+    """[Note: pinned buffers are our own] A pinned buffer holds its size rounded to 4 KiB (torch's pinned
+    allocator would hold 64 MiB for 40 MiB), registered whole; unregistered before it is unmapped."""
+    import gc
+
+    from swap import buffers
+
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(buffers, "_cudart", lambda: fake)
+    t = aligned_empty(nbytes, torch.uint8, pin=True)
+    ptr = t.data_ptr()
+    assert fake.registered == {ptr: -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES} and ptr % ALIGN_BYTES == 0
+    t[-1] = 7  # usable up to its end
+    pool = BufferPool(1 << 20, pin=True)
+    pool.release(pool.acquire(8192))
+    assert len(fake.registered) == 2
+    del t, pool
+    gc.collect()
+    assert sorted(fake.unregistered) == sorted(fake.registered)
+
+
+def test_a_failed_registration_names_the_size(monkeypatch):
+    from swap import buffers
+
+    class Refusing(FakeCudart):
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            return 2  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(buffers, "_cudart", lambda: Refusing())
+    with pytest.raises(RuntimeError, match=r"cudaHostRegister of 8192 bytes .*cudaError 2"):
+        aligned_empty(8192, pin=True)
+
+
+def test_pool_caches_at_most_max_cached_bytes():
+    pool = BufferPool(1 << 20, max_cached_bytes=8192)
+    a, b = pool.acquire(8192), pool.acquire(8192)
+    pa, pb = a.data_ptr(), b.data_ptr()
+    pool.release(a)
+    pool.release(b)  # over the cap: dropped, not cached
+    assert pool._cached_bytes == 8192 and pool.used_bytes == 0
+    assert pool.acquire(8192).data_ptr() == pa  # the cached one is reused
