@@ -155,7 +155,7 @@ class Config:
     reuse_distance: int = 1        # keep a unit in hbm when the trace uses it again within this many fetches (-1: off)
     reuse_bytes: int | None = None  # also keep units used again later in the step up to this many bytes (null: derived, README)
     overlap_step: bool = True      # step each unit as soon as its gradients are final, during backward (not with clipping or fp16)
-    split_step: bool = True        # nvme states, overlapped step: every other unit's step applied as it is fetched for the next forward (README)
+    split_step: float = 0.25       # nvme states, overlapped step: this fraction of the units steps as it is fetched for the next forward (0: none; README)
     delayed_update: bool = False   # one-step delayed parameter update: step k's update lands during step k+1's backward (README)
     chunk_bytes: int = 32 << 20    # the grain of nvme <-> dram movement and of the CPU Adam pipeline (README "Chunks")
     swap_checksum: bool = True     # per-block checksums of swap files, verified on read (nvme optimizer states: in the CPU Adam pass)
@@ -181,6 +181,9 @@ class Config:
             _fail("delayed_update", True, f"needs gradient_accumulation_steps 1 (got {self.gradient_accumulation_steps}): "
                   "the delayed update lands during the next backward, inside the next accumulation window",
                   "set gradient_accumulation_steps to 1 or delayed_update to false")
+        if isinstance(self.split_step, (str, bool)) or not 0 <= self.split_step <= 1:
+            _fail("split_step", self.split_step, "must be a number from 0 to 1 (a fraction of the units)",
+                  "use 0 to step every unit in backward, 0.5 for every other unit (what true meant before)")
         if self.prefetch_units < 0:
             _fail("prefetch_units", self.prefetch_units, "must be >= 0", "use 0 for on-demand fetches")
         if self.reuse_distance < -1:

@@ -126,6 +126,7 @@ class Engine(nn.Module):
         for w in self.weights:
             w.reset()
         self.policy.release_all()
+        self.rt.tiers.drop_cached_hbm()  # between steps the hbm pool keeps no buffer nobody uses
 
     # -- backward and step: the step pipeline (offload.pipeline) -----------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -141,7 +142,8 @@ class Engine(nn.Module):
 
     def flush(self) -> None:
         """delayed_update: applies the accepted update that would land during the next backward, now
-        (at the end of training, before reading or saving the weights). A no-op otherwise."""
+        (at the end of training, before reading or saving the weights); split_step: the steps waiting for
+        their units' next fetch (reads and saves apply those themselves). A no-op otherwise."""
         self.pipeline.flush()
 
     @property

@@ -8,7 +8,8 @@ hbm (weights not resident): the fetched units (the one in use, `prefetch_units` 
 `reuse_distance` kept for a use that comes next: the sum of the largest that many units), weights kept for their next use in the step (`reuse_bytes`,
 never more than all fetched weights), and the gradients on their way to dram (the largest
 `grad_units` trainable units in the compute dtype). dram: one pool of equal chunks (offload.chunks):
-a fetch from nvme streams through READ_AHEAD chunks; the optimizer pipeline holds two windows (one
+a fetch from nvme streams through READ_AHEAD chunks (on CUDA; on the CPU backend it reads straight into
+hbm, which is host memory); the optimizer pipeline holds two windows (one
 stepped, one read ahead or written behind) of four fp32 chunks (master, exp_avg, exp_avg_sq, gradient)
 for nvme states plus one chunk of new weights where they cannot be written in place (nvme weights,
 hbm on a GPU, or a dram copy not to be touched before nvme states are checked). Activations are not included: they depend on batch and sequence length.
@@ -47,7 +48,8 @@ MINIMUM = Knobs(prefetch_units=0, reuse_distance=0, reuse_bytes=0, read_ahead=Fa
 
 def pool_chunks(w_home: str, s_home: str, device_type: str, read_ahead: bool) -> tuple[int, str]:
     """Chunks in the dram pool, and the formula."""
-    fetch = (READ_AHEAD if read_ahead else 1) if w_home == "nvme" else 0
+    # on the CPU backend an nvme fetch reads straight into the hbm copy (offload.residency): no pool chunk
+    fetch = (READ_AHEAD if read_ahead else 1) if w_home == "nvme" and device_type != "cpu" else 0
     # New weights go through a chunk where they cannot be written in place, and where nvme states are
     # checked after the step that read them (they stay out of a live dram copy until then).
     new_w = 1 if s_home == "nvme" or w_home == "nvme" or (w_home == "hbm" and device_type != "cpu") else 0

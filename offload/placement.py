@@ -7,6 +7,7 @@ with the numbers. Budgets left unset are derived with a safety margin (SAFETY) f
 
 from __future__ import annotations
 
+import collections
 import errno
 import os
 import shutil
@@ -19,7 +20,8 @@ import torch
 from offload.chunks import window_owners, windows
 from offload.config import CHUNK_ALIGN_BYTES
 from offload.estimate import OFFLOAD_TIER as HOME  # offload device -> tier
-from offload.memory import MINIMUM, STATE_KINDS, Knobs, grad_reserve, pool_chunks, runtime_parts, totals
+from offload.memory import (MINIMUM, STATE_KINDS, Knobs, grad_reserve, pool_chunks, runtime_parts, totals,
+                            working_set_peak)
 from offload.units import Unit
 
 SAFETY = 0.85  # of the memory available at start, when a budget is not given
@@ -48,6 +50,8 @@ class Placement:
     owners: dict[int, list[int]] = field(default_factory=dict)  # zero_stage 1-3 over ranks: unit -> window owners
     weight_owners: dict[int, list[int]] = field(default_factory=dict)  # zero_stage 3: partitioned units' chunks
     deferred: tuple = ()             # units whose step waits for their next fetch, in forward order ([Note: split step])
+    fetched_peak: int = 0            # the peak of fetched weights of shared_sizes in the hbm working set
+    shared_sizes: frozenset = frozenset()  # nbytes several fetched units share ([Note: reused host memory for hbm])
 
     @property
     def uses_nvme(self) -> bool:
@@ -156,20 +160,28 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     if cfg.reuse_bytes is None:  # derived from the room the rest leaves
         p.knobs = replace(p.knobs, reuse_bytes=reuse_allowance(fetched, itemsize, p, device))
         p.parts, p.need = plan(p.knobs)
+    if fetch_home != "hbm" and order is not None:  # [Note: reused host memory for hbm] in offload.tiers
+        sizes = collections.Counter(n * itemsize for n in fetched)
+        p.shared_sizes = frozenset(n for n, count in sizes.items() if count > 1)
+        shared = [u.numel if u.numel * itemsize in p.shared_sizes and weight_home[u.index] != "hbm" else 0
+                  for u in units]
+        p.fetched_peak = working_set_peak(order, shared, [0] * len(units), itemsize, p.knobs, 0)
     if check:
         preflight(p, device, cfg, plan(MINIMUM)[1])
     return p
 
 
 def deferred_units(units, cfg, weight_home: dict, state_home: dict, sharded: bool, order) -> tuple:
-    """[Note: split step] in offload.pipeline: with split_step, the overlapped step and optimizer states on
-    nvme, every other trainable unit whose weights are fetched, in forward order from the second on (the
-    first one's step could overlap nothing before its use)."""
-    if not (cfg.split_step and overlapped(cfg)) or sharded:
+    """[Note: split step] in offload.pipeline: with the overlapped step and optimizer states on nvme, the
+    fraction split_step of the trainable units whose weights are fetched, spread evenly over the forward
+    order, never the first (its step could overlap nothing before its use): 0.5 defers every other unit
+    from the second on, 0.25 every fourth from the fourth on."""
+    f = float(cfg.split_step)
+    if not (f and overlapped(cfg)) or sharded:
         return ()
     seen = list(dict.fromkeys(order if order is not None else range(len(units))))
     fetched = [i for i in seen if units[i].trainable_numel and state_home.get(i) == "nvme" and weight_home[i] != "hbm"]
-    return tuple(fetched[1::2])
+    return tuple(i for k, i in enumerate(fetched) if k and int(k * f + 1e-9) > int((k - 1) * f + 1e-9))
 
 
 def overlapped(cfg) -> bool:

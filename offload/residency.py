@@ -62,8 +62,9 @@ class WeightHandle(_Handle):
     """A unit's weights in the compute dtype. Home is hbm (persistent), dram, or nvme (one swap key per
     chunk: offload.chunks).
 
-    The hbm buffer is one flat tensor whose storage is resized to zero when released and back when
-    fetched: autograd saves views of that storage in forward, and sees the refilled bytes in backward.
+    The hbm buffer is one flat tensor whose storage is emptied when released and given memory again when
+    fetched (resized; on the CPU backend, reused pool memory: [Note: reused host memory for hbm] in
+    offload.tiers): autograd saves views of that storage in forward, and sees the refilled bytes in backward.
     Parameters point at views of it while fetched and at an empty placeholder while released, so a user
     touching a released parameter gets an empty tensor, never freed memory.
     """
@@ -98,6 +99,7 @@ class WeightHandle(_Handle):
         self._write_lock = threading.Lock()
         self._writes: list = []    # (ticket, chunk buffer, t0) of new weights written behind to nvme
         self.update = None         # completion of this unit's deferred step, which the next fetch waits for ([Note: split step])
+        self._lent = None          # the pool buffer under the hbm copy ([Note: reused host memory for hbm] in offload.tiers)
         if home != "hbm":
             self._free_hbm()
             self._detach()
@@ -112,12 +114,17 @@ class WeightHandle(_Handle):
             s.param.data = self._placeholder
 
     def _free_hbm(self) -> None:
-        self.hbm.untyped_storage().resize_(0)
+        lent, self._lent = self._lent, None
+        self.rt.tiers.take_hbm_memory(self.hbm, lent)
         self.rt.tiers.acct["hbm"].refund(self.nbytes)
 
     def _alloc_hbm(self) -> None:
         self.rt.tiers.acct["hbm"].charge(self.nbytes, f"{self.unit.name} weights")
-        self.hbm.untyped_storage().resize_(self.nbytes)
+        try:
+            self._lent = self.rt.tiers.give_hbm_memory(self.hbm, self.nbytes)
+        except BaseException:
+            self.rt.tiers.acct["hbm"].refund(self.nbytes)
+            raise
 
     def span(self, i: int, begin: int | None = None, end: int | None = None) -> slice:
         """Where elements [begin, end) of held chunk i (default: all of it) lie in the home flat (dram, or the
@@ -153,11 +160,13 @@ class WeightHandle(_Handle):
 
     def _read_chunks(self, update=None) -> None:
         """On the reader thread: nvme -> pool chunk -> hbm, chunk by chunk, the next chunk's read in flight
-        while the previous one is copied up (READ_AHEAD chunks of the pool at most)."""
+        while the previous one is copied up (READ_AHEAD chunks of the pool at most). Where hbm is host memory
+        (the CPU backend) each chunk is read straight into the hbm copy: no pool chunk, no copy."""
         if update is not None:
             update.wait()
         self.wait_for_write()  # new weights written behind land before they are read back
         pool, store, tel = self.rt.staging, self.rt.store, self.rt.telemetry
+        direct = self.hbm.device.type == "cpu"
         flight: collections.deque = collections.deque()
 
         def drain() -> None:
@@ -166,16 +175,22 @@ class WeightHandle(_Handle):
                 ticket.wait()
                 tel.link("nvme_to_dram", buf.numel() * buf.element_size(), time.perf_counter() - t0)
                 t1 = time.perf_counter()
-                self.rt.h2d.copy(self.hbm[b:e], buf).wait()
-                tel.link("dram_to_hbm", buf.numel() * buf.element_size(), time.perf_counter() - t1)
+                if not direct:  # direct: dram_to_hbm still counts what entered hbm, with no time of its own
+                    self.rt.h2d.copy(self.hbm[b:e], buf).wait()
+                tel.link("dram_to_hbm", buf.numel() * buf.element_size(), time.perf_counter() - t1 if not direct else 0.0)
             finally:
-                pool.release(buf)
+                if not direct:
+                    pool.release(buf)
 
         try:
             for i in self.held:
                 b, e = self.chunks[i]
                 if len(flight) == READ_AHEAD:
                     drain()
+                if direct:
+                    buf = self.hbm[b:e]
+                    flight.append(((b, e), buf, store.read(chunk_key(self.key, i), into=buf), time.perf_counter()))
+                    continue
                 buf = pool.acquire(e - b, self.dtype, f"{self.unit.name} weights")
                 flight.append(((b, e), buf, _read(store, chunk_key(self.key, i), buf, pool), time.perf_counter()))
             while flight:
@@ -183,7 +198,8 @@ class WeightHandle(_Handle):
         finally:
             for _, buf, ticket, _ in flight:  # after a failure: no read may still write into a lent chunk
                 _settle(ticket)
-                pool.release(buf)
+                if not direct:
+                    pool.release(buf)
 
     def advance(self) -> None:
         """Moves an in-flight fetch one step on if its transfer finished (never blocks; partitioned

@@ -54,7 +54,8 @@ class Runtime:
     @classmethod
     def open(cls, cfg: Config, device: torch.device, placement: Placement, rank: int = 0, world: int = 1) -> "Runtime":
         tiers = Tiers(device, placement.hbm_budget, placement.dram_budget, placement.nvme_budget,
-                      pin=device.type == "cuda")
+                      pin=device.type == "cuda", hbm_pool_bytes=placement.fetched_peak,
+                      hbm_pool_sizes=placement.shared_sizes)
         staging = ChunkPool(tiers, placement.chunk_bytes, placement.pool_chunks)
         try:
             store = cls.open_store(cfg, rank) if placement.uses_nvme else None
@@ -82,7 +83,8 @@ class Runtime:
         chunks and budget charges returned), then the pool, and removes the swap files. Each part is
         closed even when another fails; such a failure is logged, not raised (the error that mattered was
         raised when it happened). An interrupt while closing (Ctrl-C, offload.Stopped) is not held back."""
-        parts = [self.h2d, self.d2h, self.reader, *(h for h in handles if h is not None), self.staging, self.store]
+        parts = [self.h2d, self.d2h, self.reader, *(h for h in handles if h is not None), self.staging, self.store,
+                 self.tiers]
         for part in parts:  # a None handle: initialization stopped before that unit
             if part is None:
                 continue

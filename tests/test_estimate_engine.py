@@ -38,16 +38,16 @@ def test_ledger_and_engine_plan_agree_on_model_states(tmp_path):
     """The ZeRO ledger (16 B/param, flat) and the engine's plan (padded units) describe the same states."""
     meta = build_model("small", device="meta")
     cfg = {"precision": "bf16", "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"},
-           "nvme_path": str(tmp_path)}
+           "nvme_path": str(tmp_path), "split_step": 0.5}
     ledger = estimate(shape_of_model(meta), offload_param="nvme", offload_optimizer="nvme")["model_states"]
     plan = engine_plan(meta, cfg)
     # nvme: 2 B weights + 12 B fp32 states (master, exp_avg, exp_avg_sq) per parameter; the 4 B gradient
     # accumulator of the ledger exists on nvme only when the step does not follow each backward at once
     params = sum(p.numel() for p in meta.parameters())
-    whole = engine_plan(meta, {**cfg, "split_step": False})
+    whole = engine_plan(meta, {**cfg, "split_step": 0})
     assert whole["nvme_bytes"] == pytest.approx(ledger["nvme_bytes"] - 4 * params, rel=0.02)
-    # [Note: split step] every other fetched unit's gradient waits on nvme for its step, in bf16: about half
-    # the model's at 2 B (the ledger's 4 B bounds it)
+    # [Note: split step] with split_step 0.5 every other fetched unit's gradient waits on nvme for its step,
+    # in bf16: about half the model's at 2 B (the ledger's 4 B bounds it)
     assert 0.3 * 2 * params < plan["nvme_bytes"] - whole["nvme_bytes"] < 0.7 * 2 * params
     clipped = engine_plan(meta, {**cfg, "gradient_clipping": 1.0})
     assert clipped["nvme_bytes"] == pytest.approx(ledger["nvme_bytes"], rel=0.02)

@@ -185,7 +185,7 @@ def test_a_deferred_step_that_fails_fails_the_engine_in_the_forward_that_waited(
     swap write failing there leaves states partly updated: that forward raises the error, every later call
     StepFailed naming the deferred step; close() still removes the swap files."""
     model, batches = faulty_mlp(), mlp_batches(3)
-    eng = offload.initialize(model, config(tmp_path, "nvme"))
+    eng = offload.initialize(model, config(tmp_path, "nvme", split_step=0.5))
     try:
         train(eng, batches[:1])
         assert eng.placement.deferred
