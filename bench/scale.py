@@ -13,7 +13,8 @@ which needs transformers in the DeepSpeed venv); both train on the same byte-id 
 Peak RSS is sampled by this process every 0.2 s over the worker and its children (DeepSpeed's JIT
 builds count, on a first run before its op cache is warm). The I/O bound of a step is
 bench/iobound.py's: the step's nvme bytes over the swap bandwidth `offload bench nvme` measures in
-the same --dir before training. Everything goes into one new directory under --dir, removed at the end.
+the same --dir, before and after ours' run (the mean of the two: the drive's speed drifts on a shared host;
+both are reported). Everything goes into one new directory under --dir, removed at the end.
 
 python bench/scale.py [--model 3b|PRESET|HF_DIR] [--steps 20] [--batch 1] [--seq 256] --dir DIR
                       [--io-size 2G] [--ds-python PATH] [--no-deepspeed] [--json]
@@ -212,6 +213,14 @@ def _compute_bound(args, shape: list[str]) -> dict | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def bracketed(before: dict, after: dict) -> dict:
+    """The swap bandwidths measured before and after ours' run, and their means (what the bound uses)."""
+    out = dict(before)
+    for k in ("swap_read_gbps", "swap_write_gbps"):
+        out[k + "_before"], out[k + "_after"], out[k] = before[k], after[k], (before[k] + after[k]) / 2
+    return out
+
+
 def _ours_report(ours: dict, bw: dict | None, compute: dict | None = None) -> dict:
     """Ours' figures with the I/O bound (links per link as a list over steps, bound per step and its
     median) and the compute floor measured beside it: the step against the larger of the two."""
@@ -232,7 +241,10 @@ def _ours_report(ours: dict, bw: dict | None, compute: dict | None = None) -> di
 def _print_summary(report: dict) -> None:
     print(f"model {report['model']}: {(report['params'] or 0) / 1e6:.0f}M params, batch {report['batch']} x "
           f"{report['seq']}; swap read {report['swap_read_gbps'] or float('nan'):.2f} GB/s, write "
-          f"{report['swap_write_gbps'] or float('nan'):.2f} GB/s (offload bench nvme in --dir)")
+          f"{report['swap_write_gbps'] or float('nan'):.2f} GB/s (offload bench nvme in --dir, the mean of before "
+          f"and after ours: read {report['swap_read_gbps_before'] or float('nan'):.2f} / "
+          f"{report['swap_read_gbps_after'] or float('nan'):.2f}, write {report['swap_write_gbps_before'] or float('nan'):.2f} / "
+          f"{report['swap_write_gbps_after'] or float('nan'):.2f})")
     print(f"{'':10} {'init s':>7} {'steps':>6} {'step s':>8} {'peak RSS GB':>12}  loss first -> last")
     for name, r in (("ours", report), ("deepspeed", report["deepspeed"])):
         if r is None:
@@ -313,6 +325,8 @@ def _run(args, work: str) -> dict:
     ours = run_sampled([sys.executable, os.path.abspath(__file__), "--worker", "--model", args.model,
                         "--engine-config", args.engine_config, "--dir", ours_dir] + shape, "ours")
     shutil.rmtree(ours_dir, ignore_errors=True)  # a killed run's swap would crowd DeepSpeed's off the drive
+    if bw:  # the drive's speed drifts on a shared host: measured again after ours, the bound uses the mean
+        bw = bracketed(bw, iobound.measure_swap(work, args.io_size, json.loads(args.engine_config)))
     compute = None if args.no_compute_bound else _compute_bound(args, shape)
     ds = None
     if args.ds_python and not args.no_deepspeed:
@@ -323,6 +337,8 @@ def _run(args, work: str) -> dict:
     return {"model": args.model, "batch": args.batch, "seq": args.seq, **_ours_report(ours, bw, compute),
             "swap_read_gbps": bw["swap_read_gbps"] if bw else None,
             "swap_write_gbps": bw["swap_write_gbps"] if bw else None,
+            **{k: bw.get(k) if bw else None for k in ("swap_read_gbps_before", "swap_read_gbps_after",
+                                                      "swap_write_gbps_before", "swap_write_gbps_after")},
             "engine_config": json.loads(args.engine_config), "deepspeed": ds}
 
 
