@@ -13,8 +13,9 @@ spending about 11 s of a core on it. So fetched copies take their memory from a 
 storage (UntypedStorage._swap_data_ptr_), which keeps the storage object autograd's saved views point at,
 as the resize did, and given back on release. Being aligned, an nvme fetch reads straight into it
 (offload.residency). What the pool keeps is bounded three ways, because a cached buffer is held while the
-step's other memory (gradients, the embedding's step) peaks: on the 3b preset peak RSS rose from 5.92 to
-6.43-6.55 GB when every fetched copy's buffer stayed cached. Only sizes that several fetched units share
+step's other memory (gradients, the embedding's step) peaks: on the 3b preset peak RSS rose from 5.76-5.96
+GB (fresh memory) to 6.43-6.55 GB when every fetched copy's buffer stayed cached, and was 6.26 GB with the
+bounds that follow (bench/RESULTS.md). Only sizes that several fetched units share
 are pooled (a model's repeated blocks; one unit's own size, an embedding's, would sit cached between its
 uses); at most two buffers of the largest such size wait cached (a fetch's buffer is mostly one just given
 back); and the cache is emptied when a backward ends (Engine._release_all). Used and cached together stay
