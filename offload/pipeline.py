@@ -26,9 +26,9 @@ close() still works and removes the swap files.
 With the overlapped step and optimizer states on nvme, all of a step's state I/O (read 12 B, write 14 B
 per parameter) fell in the backward, beside its compute, while the forward read only the weights: on a
 host where both phases are busy (the 3b preset here) the step took the forward's compute plus the
-backward's I/O. With split_step (the default) the placement defers every other fetched unit in forward
-order (placement.deferred): in backward such a unit's gradient goes to its nvme accumulator in the
-compute dtype (2 B write) and its step waits; at the next forward's first fetch, every deferred unit's
+backward's I/O. With split_step (a fraction, default 0.25) the placement defers that share of the fetched
+units, spread evenly over the forward order (placement.deferred): in backward such a unit's gradient goes
+to its nvme accumulator in the compute dtype (2 B write) and its step waits; at the next forward's first fetch, every deferred unit's
 step is queued on the d2h thread in forward order (a window pipeline of its own), and each unit's fetch
 waits for its own step (WeightHandle.update) on the reader thread, so the steps run ahead of the forward's
 compute. It is the same update (the same gradient, lr and scale) applied before the unit's next use, so
