@@ -8,6 +8,16 @@ those inputs exist, i.e. after every autograd node between the inputs and the ou
 whose inputs need no gradient (the embedding) is released when backward() ends. Under activation
 checkpointing the recomputed forward fires the forward hooks again; in backward they fetch but do not
 release, since the recomputed forward's own backward follows at once.
+
+[Note: backward without weights]
+An embedding lookup's backward reads the indices, not the table: a use of a unit by a module whose
+forward is nn.Embedding's needs no fetch for its backward, and none is hooked (on the 3b preset the tied
+788 MB table is not read again, nor held, at the end of the backward). Its released parameters take their
+shapes instead (WeightHandle.shape_only: the gradient accumulator checks the gradient against them). This
+is not inferred for other modules: activation checkpointing hides what a forward saves and recomputes it
+outside the module's hooks. As a guard, the use must also leave the unit's parameters and hbm storage
+with no more references than before it (anything autograd saved of them holds one); a torch that cannot
+count them fetches always.
 """
 
 from __future__ import annotations
@@ -38,11 +48,13 @@ def _tensors_requiring_grad(tree):
 
 def register(engine, unit, module: torch.nn.Module) -> list:
     """Hooks `module` (the unit's root or a module using its tied parameters) to fetch/release `unit`."""
-    starts: list[float] = []  # forward start times (a stack: a module may call itself)
+    starts: list[tuple[float, int | None]] = []  # forward start times and storage refs (a stack: a module may call itself)
+    weights = engine.weights[unit.index]
+    lookup = getattr(type(module), "forward", None) is torch.nn.Embedding.forward  # [Note: backward without weights]
 
     def pre_forward(mod, args, kwargs):
         engine.fetch_for_use(unit)
-        starts.append(time.perf_counter())
+        starts.append((time.perf_counter(), weights.refs() if lookup else None))
         if not torch.is_grad_enabled():
             return None
         flat, spec, idx = _tensors_requiring_grad((args, kwargs))
@@ -55,12 +67,17 @@ def register(engine, unit, module: torch.nn.Module) -> list:
         return tree_unflatten(flat, spec)
 
     def post_forward(mod, args, kwargs, output):
+        refs = None
         if starts:
-            engine.telemetry.span("compute", f"forward {unit.name}", starts.pop(), time.perf_counter())
+            t0, refs = starts.pop()
+            engine.telemetry.span("compute", f"forward {unit.name}", t0, time.perf_counter())
+        needs_weights = refs is None or weights.refs() != refs  # [Note: backward without weights]
         if torch.is_grad_enabled():
             flat, _, idx = _tensors_requiring_grad(output)
+            before_backward = ((lambda grad: engine.fetch_for_use(unit, backward=True)) if needs_weights
+                               else (lambda grad: weights.shape_only()))
             for i in idx:
-                flat[i].register_hook(lambda grad: engine.fetch_for_use(unit, backward=True))
+                flat[i].register_hook(before_backward)
         engine.release_after_use(unit, backward=False)
         return None
 

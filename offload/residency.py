@@ -96,9 +96,11 @@ class WeightHandle(_Handle):
         self._pending = None       # completion of the transfer in flight
         self._t0 = 0.0
         self._placeholder = torch.empty(0, dtype=dtype, device=self.hbm.device)
+        self.shaped = False        # released parameters hold their shapes for a backward (shape_only)
         self._write_lock = threading.Lock()
         self._writes: list = []    # (ticket, chunk buffer, t0) of new weights written behind to nvme
         self.update = None         # completion of this unit's deferred step, which the next fetch waits for ([Note: split step])
+        self._accumulators = None  # the parameters' AccumulateGrad nodes, held (refs())
         self._lent = None          # the pool buffer under the hbm copy ([Note: reused host memory for hbm] in offload.tiers)
         if home != "hbm":
             self._free_hbm()
@@ -112,6 +114,17 @@ class WeightHandle(_Handle):
     def _detach(self) -> None:
         for s in self.unit.slots:
             s.param.data = self._placeholder
+        self.shaped = False
+
+    def shape_only(self) -> None:
+        """A backward that needs no weights ([Note: backward without weights] in offload.hooks) is about to
+        run: released parameters take their shapes (a zero expanded, no memory), as the gradient accumulator
+        checks its gradient against them. reset() puts the empty placeholders back."""
+        if self.state in (R.NVME, R.DRAM) and not self.shaped:
+            zero = torch.zeros(1, dtype=self.dtype, device=self.hbm.device)
+            for s in self.unit.slots:
+                s.param.data = zero.expand(s.shape)
+            self.shaped = True
 
     def _free_hbm(self) -> None:
         lent, self._lent = self._lent, None
@@ -133,6 +146,19 @@ class WeightHandle(_Handle):
         begin, end = cb if begin is None else begin, ce if end is None else end
         at = self._local[i] - cb
         return slice(at + begin, at + end)
+
+    def refs(self) -> int | None:
+        """References to the hbm copy (its storage: views; its parameters: saved as they are), or None where
+        torch cannot say ([Note: backward without weights] in offload.hooks). Each trainable parameter's
+        gradient accumulator is held from the first call, so its creation at the parameter's first use in a
+        graph is no new reference."""
+        count = getattr(torch._C, "_storage_Use_Count", None)
+        params = [s.param for s in self.unit.slots]
+        if count is None or not all(hasattr(p, "_use_count") for p in params):
+            return None
+        if self._accumulators is None:
+            self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params if p.requires_grad]
+        return count(self.hbm.untyped_storage()._cdata) + sum(p._use_count() for p in params)
 
     # -- fetch: home -> hbm ---------------------------------------------------------------------------
     def fetch(self) -> None:
@@ -161,7 +187,9 @@ class WeightHandle(_Handle):
     def _read_chunks(self, update=None) -> None:
         """On the reader thread: nvme -> pool chunk -> hbm, chunk by chunk, the next chunk's read in flight
         while the previous one is copied up (READ_AHEAD chunks of the pool at most). Where hbm is host memory
-        (the CPU backend) each chunk is read straight into the hbm copy: no pool chunk, no copy."""
+        (the CPU backend) every chunk is read straight into the hbm copy at once: no pool chunk, no copy.
+        The reads are urgent ([Note: urgent blocks] in swap/engines.py): the compute waits for them, while
+        the optimizer's queued window I/O can wait."""
         if update is not None:
             update.wait()
         self.wait_for_write()  # new weights written behind land before they are read back
@@ -185,12 +213,13 @@ class WeightHandle(_Handle):
         try:
             for i in self.held:
                 b, e = self.chunks[i]
-                if len(flight) == READ_AHEAD:
-                    drain()
                 if direct:
                     buf = self.hbm[b:e]
-                    flight.append(((b, e), buf, store.read(chunk_key(self.key, i), into=buf), time.perf_counter()))
+                    flight.append(((b, e), buf, store.read(chunk_key(self.key, i), into=buf, urgent=True),
+                                   time.perf_counter()))
                     continue
+                if len(flight) == READ_AHEAD:
+                    drain()
                 buf = pool.acquire(e - b, self.dtype, f"{self.unit.name} weights")
                 flight.append(((b, e), buf, _read(store, chunk_key(self.key, i), buf, pool), time.perf_counter()))
             while flight:
@@ -258,6 +287,8 @@ class WeightHandle(_Handle):
             self._set(HOME_STATE[self.home], self.state)
         else:
             self.release()
+        if self.shaped:
+            self._detach()
 
     # -- new weights from the optimizer (on the d2h thread when the step overlaps backward) ------------
     # [Note: updates beside residency]
@@ -359,7 +390,7 @@ class WeightHandle(_Handle):
 
 def _read(store, key: str, buf: torch.Tensor, pool):
     try:
-        return store.read(key, into=buf)
+        return store.read(key, into=buf, urgent=True)
     except BaseException:
         pool.release(buf)
         raise

@@ -6,6 +6,13 @@ One small Protocol, two engines:
 - `threads`: os.preadv/os.pwritev in a pool of `threads` workers (works everywhere).
 `auto` takes libaio when libaio.so.1 loads, else threads, and says which in the log.
 
+[Note: urgent blocks]
+A block marked `urgent` (a weight fetch the compute will wait for) goes ahead of every queued block that
+is not, in the order urgent blocks came; blocks already with the drive are not preempted. So a fetch
+issued while the optimizer's window pipeline keeps the queue full waits for what is in flight, not for
+the windows queued behind it (measured on the 3b preset: the forward's first fetch, 788 MB, took 2.8 s
+behind the deferred steps' windows, against 0.3 s at the drive's speed).
+
 An engine knows nothing about keys, checksums or files' meaning: it gets `Block`s and calls each
 block's `done(block, result)` exactly once, with result = bytes moved or -errno, on its own thread.
 That holds on every path ([Note: no wait without an end] in swap/pending.py): `submit` never raises (a
@@ -21,7 +28,6 @@ import errno
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -42,6 +48,7 @@ class Block:
     addr: int
     nbytes: int
     done: Callable[["Block", int], None]
+    urgent: bool = False  # [Note: urgent blocks]
     error: BaseException | None = None  # set by the engine when it fails the block for a reason errno cannot say
 
 
@@ -50,7 +57,8 @@ class IOEngine(Protocol):
     serial_completions: bool  # True when every `done` runs on one thread (callers then keep it light)
 
     def submit(self, blocks: Sequence[Block]) -> None:
-        """Queue blocks; each one's `done` is called exactly once, later, from an engine thread. Never raises."""
+        """Queue blocks (urgent ones first: [Note: urgent blocks]); each one's `done` is called exactly once,
+        later, from an engine thread. Never raises."""
 
     def close(self) -> None:
         """Finish everything in flight, then release the engine's threads and kernel context."""
@@ -75,23 +83,66 @@ def _fail_with(blocks, error: BaseException) -> None:
         _complete(b, -errno.EIO)
 
 
+class _Queue:
+    """Blocks waiting for the drive: urgent ones ([Note: urgent blocks]) before the rest, each in order."""
+
+    def __init__(self):
+        self.urgent: collections.deque = collections.deque()
+        self.normal: collections.deque = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self.urgent) + len(self.normal)
+
+    def extend(self, blocks) -> None:
+        for b in blocks:
+            (self.urgent if b.urgent else self.normal).append(b)
+
+    def pop(self) -> Block:
+        return self.urgent.popleft() if self.urgent else self.normal.popleft()
+
+    def push_back(self, b: Block) -> None:
+        """A block taken but not submitted: first again in its own lane."""
+        (self.urgent if b.urgent else self.normal).appendleft(b)
+
+    def drain(self) -> list:
+        out = [*self.urgent, *self.normal]
+        self.urgent.clear()
+        self.normal.clear()
+        return out
+
+
 class ThreadsEngine:
-    """os.preadv/os.pwritev from a thread pool; short transfers are continued, not failed."""
+    """os.preadv/os.pwritev from `threads` worker threads; short transfers are continued, not failed."""
 
     name = "threads"
     serial_completions = False
 
     def __init__(self, threads: int = 4):
         self.threads = threads
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="swap-io")
+        self._cond = threading.Condition()
+        self._queue = _Queue()
+        self._closing = False
+        self._workers = [threading.Thread(target=self._work, name=f"swap-io_{i}", daemon=True) for i in range(threads)]
+        for t in self._workers:
+            t.start()
 
     def submit(self, blocks: Sequence[Block]) -> None:
-        for i, b in enumerate(blocks):
-            try:
-                self._pool.submit(self._run, b)
-            except RuntimeError as e:  # the pool is shut down (after close(), or at interpreter exit)
-                _fail_with(blocks[i:], e)
+        with self._cond:
+            if not self._closing:
+                self._queue.extend(blocks)
+                self._cond.notify(len(blocks))
                 return
+        _fail_with(blocks, RuntimeError("ThreadsEngine.submit after close()"))
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:  # closing, and nothing left to do
+                    return
+                b = self._queue.pop()
+            self._run(b)
 
     @staticmethod
     def _run(b: Block) -> None:
@@ -112,7 +163,11 @@ class ThreadsEngine:
         _complete(b, moved)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        for t in self._workers:  # they finish every block queued before close()
+            t.join()
 
 
 class LibaioEngine:
@@ -147,7 +202,7 @@ class LibaioEngine:
         self._slot_block: list[Block | None] = [None] * queue_depth
         self._free_slots = list(range(queue_depth))
         self._cond = threading.Condition()
-        self._waiting: collections.deque = collections.deque()
+        self._waiting = _Queue()
         self._closing = False
         self._dead: BaseException | None = None  # why the reaper died: every block then fails at once
         self._ctx_live = True
@@ -175,7 +230,7 @@ class LibaioEngine:
             n = min(len(self._free_slots), len(self._waiting))
             slots = [self._free_slots.pop() for _ in range(n)]
             for j, slot in enumerate(slots):
-                b = self._waiting.popleft()
+                b = self._waiting.pop()
                 cb = self._iocbs[slot]
                 cb.data = slot + 1  # 0 would read back as None
                 cb.aio_lio_opcode = aio.IO_CMD_PWRITE if b.write else aio.IO_CMD_PREAD
@@ -192,13 +247,13 @@ class LibaioEngine:
                 err = e.errno or errno.EIO
             if done == 0 and self._in_flight > n and err in (0, errno.EAGAIN):
                 for slot in reversed(slots):  # kernel busy: retry after the next reap
-                    self._waiting.appendleft(self._release(slot))
+                    self._waiting.push_back(self._release(slot))
                 break
             if done == 0:  # EBADF, EINVAL, ...: the first block alone fails; the rest are retried
                 refused.append((self._release(slots[0]), err or errno.EIO))
                 slots, done = slots[1:], 0
             for slot in reversed(slots[done:]):  # not taken by the kernel: back to the queue front
-                self._waiting.appendleft(self._release(slot))
+                self._waiting.push_back(self._release(slot))
         if self._in_flight:
             self._cond.notify_all()
         return refused
@@ -239,9 +294,8 @@ class LibaioEngine:
         dead.__cause__ = error
         with self._cond:
             self._dead = dead
-            owed = [b for b in self._slot_block if b is not None] + list(self._waiting)
+            owed = [b for b in self._slot_block if b is not None] + self._waiting.drain()
             self._slot_block = [None] * self.queue_depth
-            self._waiting.clear()
         self._release_context()
         _fail_with(owed, dead)
 

@@ -308,11 +308,12 @@ class SwapStore:
                 raise SwapCorruptionError(f"checksum mismatch in {key!r} (read {got:#034x}, written {want:#034x})",
                                           path=str(self.path), offset=entry.offset + start, nbytes=n)
 
-    def read(self, key: str, into: torch.Tensor, *, verify: bool = True) -> Ticket:
+    def read(self, key: str, into: torch.Tensor, *, verify: bool = True, urgent: bool = False) -> Ticket:
         """Start reading `key` into the contiguous tensor `into` (same nbytes as written).
 
         verify=False (checksums on): the blocks are not hashed here; the caller hashes what it reads
-        and passes the digests to `check_digests` before it uses or writes back any of it."""
+        and passes the digests to `check_digests` before it uses or writes back any of it.
+        urgent: its blocks go ahead of queued ones that are not ([Note: urgent blocks] in swap/engines.py)."""
         self._check_open()
         _check_host(into, "into")
         if not into.is_contiguous():
@@ -334,7 +335,7 @@ class SwapStore:
                 raise first_err
             _copy_out(into, dst, staged, nbytes)
 
-        return self._start(key, False, entry.offset, nbytes, dst, entry.crcs if verify else None, finish)
+        return self._start(key, False, entry.offset, nbytes, dst, entry.crcs if verify else None, finish, urgent)
 
     def delete(self, key: str) -> None:
         self._settle(key, writes_only=False)
@@ -474,7 +475,7 @@ class SwapStore:
     def _digest_spans(self, nbytes: int) -> list[tuple[int, int]]:
         return digest_spans(nbytes, self.block_bytes)
 
-    def _start(self, key, write, offset, nbytes, buf, crcs, finish) -> Ticket:
+    def _start(self, key, write, offset, nbytes, buf, crcs, finish, urgent: bool = False) -> Ticket:
         body = nbytes - nbytes % ALIGN_BYTES
         tail_page = aligned_empty(ALIGN_BYTES) if nbytes > body else None
         if write and tail_page is not None:
@@ -494,10 +495,10 @@ class SwapStore:
         blocks = []
         for i, (s, n) in enumerate(spans):
             done = functools.partial(self._block_done, ticket, i, n, crcs, write)
-            blocks.append(Block(write, self._fd, offset + s, buf.data_ptr() + s, n, done))
+            blocks.append(Block(write, self._fd, offset + s, buf.data_ptr() + s, n, done, urgent))
         if tail_page is not None:
             done = functools.partial(self._block_done, ticket, len(spans), nbytes - body, crcs, write)
-            blocks.append(Block(write, self._fd, offset + body, tail_page.data_ptr(), ALIGN_BYTES, done))
+            blocks.append(Block(write, self._fd, offset + body, tail_page.data_ptr(), ALIGN_BYTES, done, urgent))
         with held():  # [Note: held sections] in swap/pending.py: registered means queued, whole
             with self._lock:
                 self._pending.setdefault(key, set()).add(ticket)

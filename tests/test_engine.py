@@ -45,10 +45,11 @@ def test_hbm_budget_of_two_units_holds(tmp_path, monkeypatch, delayed):
     st = eng.stats()
     assert most_fetched <= 2
     assert st["tiers"]["hbm"]["peak_bytes"] <= budget
-    # dram holds only the chunk pool the placement planned, never the model: 2 optimizer windows x (4 fp32
-    # states + 1 chunk of new weights); on the CPU backend a fetch reads straight into hbm (on CUDA: 2 more)
+    # dram holds only the chunk pool the placement planned, never the model: 3 optimizer windows (one
+    # stepped, two read ahead) x (4 fp32 states + 1 chunk of new weights); on the CPU backend a fetch reads
+    # straight into hbm (on CUDA: 2 more)
     planned = eng.placement.need["dram"]
-    assert planned == eng.placement.pool_chunks * eng.placement.chunk_bytes == 10 * eng.placement.chunk_bytes
+    assert planned == eng.placement.pool_chunks * eng.placement.chunk_bytes == 15 * eng.placement.chunk_bytes
     assert eng.placement.chunk_bytes < eng.cfg.chunk_bytes  # capped at the largest unit's fp32 buffer
     assert st["tiers"]["dram"]["peak_bytes"] == planned
     eng.close()
@@ -397,3 +398,80 @@ def test_fetched_copies_reuse_pooled_host_memory(tmp_path, monkeypatch, param):
                 assert pool.used_bytes == 0 and w.hbm.untyped_storage().nbytes() == 0  # all given back
             runs[swap] = eng.full_state_dict()
     assert all(torch.equal(runs[True][k], runs[False][k]) for k in runs[True])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_embedding_backward_fetches_no_weights(tmp_path, monkeypatch, tied):
+    """[Note: backward without weights] in offload.hooks: the embedding lookup's backward is not preceded by
+    a fetch of its unit (the tied head's backward still is), and training gives the same numbers as with
+    every backward fetched (a torch that cannot count references)."""
+    from tests.engine_util import LlamaLoss, llama, llama_batches
+
+    def run(path, count_refs: bool):
+        if not count_refs:
+            monkeypatch.setattr("offload.residency.WeightHandle.refs", lambda self: None)
+        eng = offload.initialize(LlamaLoss(llama(tied=tied)), cfg(path, units={"min_numel": 512}, reuse_bytes=0))
+        embed = next(u.index for u in eng.units if isinstance(u.module, torch.nn.Embedding))
+        fetches = []
+        original = eng.fetch_for_use
+        monkeypatch.setattr(eng, "fetch_for_use", lambda unit, backward=False: (
+            fetches.append((unit.index, backward)), original(unit, backward))[-1])
+        losses = []
+        for ids, labels in llama_batches(3):
+            loss = eng(ids, labels)
+            eng.backward(loss)
+            eng.step()
+            losses.append(loss.item())
+        sd = {k: v.clone() for k, v in eng.full_state_dict().items()}
+        eng.close()
+        monkeypatch.undo()
+        return losses, sd, fetches.count((embed, True))
+
+    losses, sd, backward_fetches = run(tmp_path / "a", True)
+    ref_losses, ref_sd, ref_fetches = run(tmp_path / "b", False)
+    assert losses == ref_losses and all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
+    assert ref_fetches == (2 if tied else 1) * 3  # every use's backward fetched
+    assert backward_fetches == (1 if tied else 0) * 3  # the head's only
+
+
+def test_a_unit_is_fetched_before_its_prefetches(tmp_path, monkeypatch):
+    """The unit about to run is fetched first, the units fetched ahead after it (their reads queue behind)."""
+    from offload.residency import WeightHandle
+
+    eng = offload.initialize(MLP(d=64, n_blocks=4), cfg(tmp_path, prefetch_units=2))
+    batches = mlp_batches(2)
+    eng.backward(eng(*batches[0]))  # the first step records the trace the prefetches follow
+    eng.step()
+    order = []
+    original = WeightHandle.fetch
+    monkeypatch.setattr(WeightHandle, "fetch", lambda self: (
+        order.append(self.unit.index) if self.state in (R.NVME, R.DRAM) else None, original(self))[-1])
+    first = []
+    monkeypatch.setattr(eng, "fetch_for_use", lambda unit, backward=False, f=eng.fetch_for_use: (
+        first.append(unit.index) if not first else None, f(unit, backward))[-1])
+    eng.backward(eng(*batches[1]))
+    eng.step()
+    eng.close()
+    assert order[0] == first[0] and len(set(order[:3])) == 3  # the unit, then two fetched ahead of it
+
+
+def test_optimizer_reads_windows_ahead(tmp_path, monkeypatch):
+    """The window pipeline (offload.step) steps a window with OPTIMIZER_READ_AHEAD windows loaded ahead of
+    it (nvme states), never more: the pool's optimizer share."""
+    import offload.step as step_mod
+    from offload.memory import OPTIMIZER_READ_AHEAD
+
+    eng = offload.initialize(MLP(d=64, n_blocks=3), cfg(tmp_path, chunk_bytes=8192))
+    loaded = []
+    original = step_mod.step_window
+
+    def counting(ctx, unit, i, **kw):
+        loaded.append(sum(st.loaded(j) for st in ctx.states if st is not None for j in range(len(st.windows))))
+        return original(ctx, unit, i, **kw)
+
+    monkeypatch.setattr(step_mod, "step_window", counting)
+    x, y = mlp_batches(1)[0]
+    eng.backward(eng(x, y))
+    eng.step()
+    eng.close()
+    assert len(loaded) > 2 * (1 + OPTIMIZER_READ_AHEAD) and max(loaded) == 1 + OPTIMIZER_READ_AHEAD

@@ -85,3 +85,41 @@ def test_open_engine_validates_and_auto_says_which(caplog, monkeypatch):
         open_engine("libaio", queue_depth=0)
     with pytest.raises(ValueError, match="threads=0"):
         open_engine("threads", threads=0)
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_urgent_blocks_go_ahead_of_queued_ones(tmp_path, name):
+    """[Note: urgent blocks]: with the drive busy (one block in flight, its completion held), urgent blocks
+    submitted after normal ones are served first, in their own order; nothing is lost."""
+    engine = open_engine(name, queue_depth=1, threads=1)
+    size = ALIGN_BYTES
+    buf = aligned_empty(8 * size).random_(0, 256)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    order, held, release, all_done = [], threading.Event(), threading.Event(), threading.Event()
+
+    def done(block, res):
+        assert res == size
+        if not order and not held.is_set():
+            held.set()
+            assert release.wait(30)  # the first block's completion holds the only worker / the reaper
+        order.append(block.offset // size)
+        if len(order) == 7:
+            all_done.set()
+
+    try:
+        def block(i, urgent=False):
+            return Block(True, fd, i * size, buf.data_ptr() + i * size, size, done, urgent)
+
+        engine.submit([block(0)])
+        assert held.wait(30)  # block 0 is with the drive (done): the rest queue behind it
+        engine.submit([block(1), block(2), block(3)])
+        engine.submit([block(4, True), block(5, True)])
+        engine.submit([block(6)])
+        release.set()
+        assert all_done.wait(30)
+        # libaio's slot is free again while block 0's completion runs: block 1 went to the drive at once
+        in_flight = [0, 1] if name == "libaio" else [0]
+        assert order == in_flight + [4, 5] + [i for i in (1, 2, 3, 6) if i not in in_flight]
+    finally:
+        engine.close()
+        os.close(fd)
