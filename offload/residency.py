@@ -66,7 +66,8 @@ class WeightHandle(_Handle):
     fetched (resized; on the CPU backend, reused pool memory: [Note: reused host memory for hbm] in
     offload.tiers): autograd saves views of that storage in forward, and sees the refilled bytes in backward.
     Parameters point at views of it while fetched and at an empty placeholder while released, so a user
-    touching a released parameter gets an empty tensor, never freed memory.
+    touching a released parameter gets an empty tensor, never freed memory (during a backward that needs
+    no weights, a zero expanded to each parameter's shape: shape_only).
     """
 
     def __init__(self, unit: Unit, home: str, dtype: torch.dtype, rt):
