@@ -111,6 +111,7 @@ class WeightHandle(_Handle):
     def _attach(self) -> None:
         for s in self.unit.slots:
             s.param.data = self.hbm[s.offset:s.offset + s.numel].view(s.shape)
+        self.shaped = False
 
     def _detach(self) -> None:
         for s in self.unit.slots:
@@ -120,8 +121,9 @@ class WeightHandle(_Handle):
     def shape_only(self) -> None:
         """A backward that needs no weights ([Note: backward without weights] in offload.hooks) is about to
         run: released parameters take their shapes (a zero expanded, no memory), as the gradient accumulator
-        checks its gradient against them. reset() puts the empty placeholders back."""
-        if self.state in (R.NVME, R.DRAM) and not self.shaped:
+        checks its gradient against them. reset() puts the empty placeholders back. A fetch in flight is not
+        waited for (a partitioned one would gather out of turn): its views replace the shapes when it lands."""
+        if self.state is not R.HBM and not self.shaped:
             zero = torch.zeros(1, dtype=self.dtype, device=self.hbm.device)
             for s in self.unit.slots:
                 s.param.data = zero.expand(s.shape)
