@@ -122,17 +122,27 @@ class ThreadsEngine:
         self._cond = threading.Condition()
         self._queue = _Queue()
         self._closing = False
-        self._workers = [threading.Thread(target=self._work, name=f"swap-io_{i}", daemon=True) for i in range(threads)]
-        for t in self._workers:
-            t.start()
+        self._dead: BaseException | None = None  # why a worker died: every block then fails at once
+        self._workers = [start_thread(self._work, f"swap-io_{i}", self._worker_died) for i in range(threads)]
 
     def submit(self, blocks: Sequence[Block]) -> None:
         with self._cond:
-            if not self._closing:
+            gone = self._dead or (RuntimeError("ThreadsEngine.submit after close()") if self._closing else None)
+            if gone is None:
                 self._queue.extend(blocks)
                 self._cond.notify(len(blocks))
                 return
-        _fail_with(blocks, RuntimeError("ThreadsEngine.submit after close()"))
+        _fail_with(blocks, gone)
+
+    def _worker_died(self, error: BaseException) -> None:
+        """A worker died outside a transfer (_run completes every block it takes): what waits, and every
+        later submit, fails instead of waiting for workers that may all be gone."""
+        dead = RuntimeError(f"a swap I/O worker thread died ({error!r})")
+        dead.__cause__ = error
+        with self._cond:
+            self._dead = dead
+            owed = self._queue.drain()
+        _fail_with(owed, dead)
 
     def _work(self) -> None:
         while True:

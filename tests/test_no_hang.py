@@ -96,6 +96,27 @@ def test_a_failing_completion_callback_fails_the_ticket(tmp_path, monkeypatch, e
     assert not store.run_dir.exists()
 
 
+def test_a_dead_threads_worker_fails_what_was_queued_and_every_later_block(tmp_path, monkeypatch, caplog):
+    from swap import engines
+
+    with SwapStore(tmp_path, engine="threads", threads=1, block_bytes=64 << 10) as store:
+        store.write("a", torch.ones(1000)).wait()
+
+        def broken(self):
+            raise RuntimeError("injected queue failure")
+
+        monkeypatch.setattr(engines._Queue, "pop", broken)
+        err = within(10, lambda: store.write("b", torch.ones(100_000)).wait())
+        assert isinstance(err, SwapIOError) and err.errno == errno.EIO
+        assert "worker thread died" in str(err) and "injected queue failure" in str(err)
+        monkeypatch.undo()
+        err = within(10, lambda: store.read("a", torch.empty(1000)).wait())  # submitted after its death
+        assert isinstance(err, SwapIOError) and "worker thread died" in str(err)
+        assert any("thread died" in r.message for r in caplog.records)
+        assert within(10, store.close) is None
+    assert not store.run_dir.exists()
+
+
 @pytest.mark.libaio
 def test_a_dead_libaio_reaper_fails_what_it_owed_and_every_later_block(tmp_path, monkeypatch, caplog):
     from libaio import libaio as aio
