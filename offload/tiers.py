@@ -20,7 +20,11 @@ are pooled (a model's repeated blocks; one unit's own size, an embedding's, woul
 uses); at most two buffers of the largest such size wait cached (a fetch's buffer is mostly one just given
 back); and the cache is emptied when a backward ends (Engine._release_all). Used and cached together stay
 under the planned peak of those fetched weights (placement.fetched_peak), as CUDA's caching allocator keeps
-freed blocks; a request the pool does not serve at once gets fresh memory as before.
+freed blocks. A request the pool does not serve at once (an embedding's size, or no buffer free) gets
+fresh memory, aligned too and marked for huge pages, not populated: the fetch's reads fault it in off the
+GIL. It used to be the allocator's (a resized storage), whose address O_DIRECT cannot use, so every chunk
+was read into a fresh aligned staging buffer and copied: the 3b preset's 788 MB embedding, fetched twice
+a forward, took about 1 s each time beside the optimizer's I/O.
 On CUDA, and with a torch that lacks UntypedStorage._swap_data_ptr_ (older releases), storages are resized.
 """
 
@@ -88,36 +92,42 @@ class Tiers:
         self.hbm_device, self.pin = hbm_device, pin
         self.acct = {"hbm": Accountant("hbm", hbm_budget), "dram": Accountant("dram", dram_budget),
                      "nvme": Accountant("nvme", nvme_budget)}
-        reusable = hbm_device.type == "cpu" and STORAGE_SWAP
+        self.reusable = hbm_device.type == "cpu" and STORAGE_SWAP
         # [Note: reused host memory for hbm]; timeout 0: a request that does not fit gets fresh memory
         cached = 2 * max(hbm_pool_sizes, default=0)  # a fetch's next buffer is one just given back
         self.hbm_pool = (BufferPool(hbm_pool_bytes, timeout_s=0.0, max_cached_bytes=cached)
-                         if reusable and hbm_pool_bytes > 0 else None)
+                         if self.reusable and hbm_pool_bytes > 0 else None)
         self.hbm_pool_sizes = hbm_pool_sizes  # nbytes of the fetched units that share their size
 
-    def give_hbm_memory(self, t: torch.Tensor, nbytes: int) -> torch.Tensor | None:
-        """Puts `nbytes` of memory under hbm tensor t's storage (empty now); returns the pool buffer lent for
-        it (None: fresh memory) to pass to take_hbm_memory ([Note: reused host memory for hbm])."""
+    def give_hbm_memory(self, t: torch.Tensor, nbytes: int):
+        """Puts `nbytes` of memory under hbm tensor t's storage (empty now); returns what to pass to
+        take_hbm_memory: None (resized storage) or (buffer, pooled) ([Note: reused host memory for hbm])."""
         storage = t.untyped_storage()
+        if not self.reusable:
+            storage.resize_(nbytes)
+            return None
+        buf = None
         if self.hbm_pool is not None and nbytes in self.hbm_pool_sizes:
             try:
                 buf = self.hbm_pool.acquire(nbytes)
             except PoolExhaustedError:
-                buf = None
-            if buf is not None:
-                storage._swap_data_ptr_(buf.untyped_storage())
-                return buf
-        storage.resize_(nbytes)
-        return None
+                pass
+        pooled = buf is not None
+        if buf is None:  # fresh, but aligned: a fetch reads straight into it, faulting it in (huge pages)
+            buf = aligned_empty(nbytes, populate=False)
+        storage._swap_data_ptr_(buf.untyped_storage())
+        return buf, pooled
 
-    def take_hbm_memory(self, t: torch.Tensor, lent: torch.Tensor | None) -> None:
-        """Empties hbm tensor t's storage; the memory goes back to the pool it was lent from."""
+    def take_hbm_memory(self, t: torch.Tensor, lent) -> None:
+        """Empties hbm tensor t's storage; pooled memory goes back to the pool, fresh memory is unmapped."""
         storage = t.untyped_storage()
         if lent is None:
             storage.resize_(0)
             return
-        storage._swap_data_ptr_(lent.untyped_storage())  # t's storage empty again, the buffer whole again
-        self.hbm_pool.release(lent)
+        buf, pooled = lent
+        storage._swap_data_ptr_(buf.untyped_storage())  # t's storage empty again, the buffer whole again
+        if pooled:
+            self.hbm_pool.release(buf)
 
     def drop_cached_hbm(self) -> None:
         """Gives the pool's cached buffers back ([Note: reused host memory for hbm]); lent ones stay."""

@@ -40,16 +40,20 @@ def is_aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % ALIGN_BYTES == 0
 
 
-def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, pin: bool = False) -> torch.Tensor:
+def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, pin: bool = False,
+                  populate: bool = True) -> torch.Tensor:
     """A 1-D contiguous tensor of `numel` elements whose data_ptr is 4 KiB-aligned and whose
-    storage extends to a multiple of 4 KiB past it; pages are pre-faulted (see the Note above)."""
+    storage extends to a multiple of 4 KiB past it; pages are pre-faulted (see the Note above) unless
+    `populate` is False: then a large one is faulted in as it is first written (in huge pages where the
+    kernel has them), by whoever writes it. (Populating runs under the GIL: 788 MB held every thread of
+    the process for up to 2 s when the kernel had to compact memory for huge pages.)"""
     if numel < 0:
         raise ValueError(f"numel={numel}: must be >= 0")
     itemsize = torch.empty((), dtype=dtype).element_size()
     padded = max(round_up(numel * itemsize), ALIGN_BYTES)
     pin = pin and torch.cuda.is_available()
     if pin or padded >= _MMAP_MIN_BYTES:
-        raw = _mmap_populated(padded, register=pin)  # [Note: pinned buffers are our own]
+        raw = _mmap_populated(padded, register=pin, populate=populate or pin)  # [Note: pinned buffers are our own]
     else:  # numpy's block, sliced: the storage itself starts aligned, as the mmap path's does
         block = np.empty(padded + ALIGN_BYTES, dtype=np.uint8)
         skip = (-block.ctypes.data) % ALIGN_BYTES
@@ -81,9 +85,9 @@ def _cudart():
     return torch.cuda.cudart()
 
 
-def _mmap_populated(padded: int, register: bool = False) -> torch.Tensor:
-    """Anonymous memory, 2 MiB-aligned and marked for transparent huge pages when large, populated;
-    registered with CUDA (pinned) when `register`."""
+def _mmap_populated(padded: int, register: bool = False, populate: bool = True) -> torch.Tensor:
+    """Anonymous memory, 2 MiB-aligned and marked for transparent huge pages when large, populated (unless
+    not `populate`); registered with CUDA (pinned) when `register`."""
     huge = padded >= 2 * _HUGE_BYTES
     region = _Mapping(-1, padded + (_HUGE_BYTES if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge and hasattr(mmap, "MADV_HUGEPAGE"):
@@ -95,7 +99,8 @@ def _mmap_populated(padded: int, register: bool = False) -> torch.Tensor:
     # the storage itself starts aligned (offload.tiers puts it under another storage); keeps `region` alive
     raw = torch.frombuffer(memoryview(region)[skip : skip + padded], dtype=torch.uint8)
     try:
-        region.madvise(_MADV_POPULATE_WRITE)  # the kernel faults everything in, in one call
+        if populate:
+            region.madvise(_MADV_POPULATE_WRITE)  # the kernel faults everything in, in one call
     except (OSError, ValueError):  # kernels before 5.14
         raw.zero_()
     if register:
