@@ -198,6 +198,8 @@ class WeightHandle(_Handle):
         self.wait_for_write()  # new weights written behind land before they are read back
         pool, store, tel = self.rt.staging, self.rt.store, self.rt.telemetry
         direct = self.hbm.device.type == "cpu"
+        if direct:
+            self.rt.tiers.fault_in(self.hbm, self._lent)
         flight: collections.deque = collections.deque()
 
         def drain() -> None:

@@ -35,6 +35,7 @@ import threading
 import torch
 
 from swap import BufferPool, PoolExhaustedError, aligned_empty
+from swap.buffers import populate
 
 TIERS = ("hbm", "dram", "nvme")
 STORAGE_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")  # [Note: reused host memory for hbm]
@@ -128,6 +129,14 @@ class Tiers:
         storage._swap_data_ptr_(buf.untyped_storage())  # t's storage empty again, the buffer whole again
         if pooled:
             self.hbm_pool.release(buf)
+
+    @staticmethod
+    def fault_in(t: torch.Tensor, lent) -> None:
+        """Fresh memory under hbm tensor t (give_hbm_memory's) is faulted in now, off the GIL, so the reads
+        into it move at the drive's speed (faulted in by O_DIRECT as they were submitted, the 3b preset's
+        788 MB embedding took 0.2-1.9 s instead of about 0.25)."""
+        if lent is not None and not lent[1]:
+            populate(t)
 
     def drop_cached_hbm(self) -> None:
         """Gives the pool's cached buffers back ([Note: reused host memory for hbm]); lent ones stay."""

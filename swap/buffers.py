@@ -19,6 +19,7 @@ is unregistered before it is unmapped (_Mapping.__del__ runs before the mapping'
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import threading
 import time
@@ -79,6 +80,20 @@ class _Mapping(mmap.mmap):
         if self._registered is not None:
             ptr, self._registered = self._registered, None
             _cudart().cudaHostUnregister(ptr)
+
+
+def populate(t: torch.Tensor) -> bool:
+    """Faults in the pages under host tensor t now, on the calling thread, without holding the GIL
+    (MADV_POPULATE_WRITE through ctypes); False where the kernel lacks it (the first write faults them)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    begin = t.data_ptr() - t.data_ptr() % ALIGN_BYTES
+    length = round_up(t.data_ptr() + t.numel() * t.element_size() - begin)
+    return _libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) == 0
+
+
+_libc = None
 
 
 def _cudart():

@@ -51,7 +51,7 @@ def test_runtime_buffers_follow_their_stated_formula():
     parts = {p["name"]: p["bytes"] for p in r["parts"]}
     assert parts["fetched weights"] == 4 * 2 * U        # 1 in use + 2 prefetched + 1 kept by reuse_distance
     assert parts["gradients in flight"] == 2 * 2 * U
-    assert parts["chunk pool"] == (2 + 4 * 5) * (1 << 20)   # 2 per fetch + 4 windows x (4 states + new weights)
+    assert parts["chunk pool"] == (2 + 3 * 5) * (1 << 20)   # 2 per fetch + 3 windows x (4 states + new weights)
     assert r["hbm_bytes"] == 12 * U and r["dram_bytes"] == parts["chunk pool"]
     assert runtime_bytes(10 * U, ledger_terms(3, "nvme", "nvme"), chunk_bytes=1 << 20)["dram_bytes"] == r["dram_bytes"]
 
