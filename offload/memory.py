@@ -10,8 +10,8 @@ never more than all fetched weights), and the gradients on their way to dram (th
 `grad_units` trainable units in the compute dtype). dram: one pool of equal chunks (offload.chunks):
 a fetch from nvme streams through READ_AHEAD chunks (on CUDA; on the CPU backend it reads straight into
 hbm, which is host memory); the optimizer pipeline holds 1 + OPTIMIZER_READ_AHEAD +
-OPTIMIZER_WRITES_IN_FLIGHT windows (one stepped, one read ahead, one whose writes may still be in flight
-when the next read starts) of four fp32 chunks (master, exp_avg, exp_avg_sq, gradient)
+OPTIMIZER_WRITES_IN_FLIGHT windows (one stepped, two read ahead; by default no window's writes are still in
+flight when the next read starts) of four fp32 chunks (master, exp_avg, exp_avg_sq, gradient)
 for nvme states plus one chunk of new weights where they cannot be written in place (nvme weights,
 hbm on a GPU, or a dram copy not to be touched before nvme states are checked). Activations are not included: they depend on batch and sequence length.
 
@@ -32,8 +32,8 @@ from scheduler.trace import ExecutionTrace
 STATE_KINDS = 4    # fp32 master, exp_avg, exp_avg_sq, gradient (of a unit, or one chunk of each in a window)
 SWAP_SLACK_BYTES = 64 << 10  # beside the swap data: the run directory's owner file, allocation granularity
 READ_AHEAD = 2     # chunks of one nvme fetch in flight (offload.residency)
-OPTIMIZER_READ_AHEAD = 1  # windows the optimizer pipeline reads ahead of the one it steps (offload.step)
-OPTIMIZER_WRITES_IN_FLIGHT = 1  # windows whose writes may still be in flight when another read starts
+OPTIMIZER_READ_AHEAD = 2  # windows the optimizer pipeline reads ahead of the one it steps (offload.step)
+OPTIMIZER_WRITES_IN_FLIGHT = 0  # windows whose writes may still be in flight when another read starts (offload.step)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,15 +3,16 @@
 A WindowPipeline steps windows in the order the caller gives units (all of them after backward, or one
 unit at a time during backward as its gradient becomes final) with up to READ_AHEAD windows read ahead
 and up to WRITES_IN_FLIGHT + 1 written behind: the pool's optimizer share is 1 + READ_AHEAD +
-WRITES_IN_FLIGHT windows' chunks at any model size (offload.memory). When every write landed before the
-next read was queued, the drive emptied its queue once a window (the reads queued before a window's
-writes were served first, so once its writes were done nothing was left until the thread woke and read
-on): 80-110 ms a window on the 3b preset with one window read ahead, against 59 ms at the swap
-bandwidth, and 61 ms with two. With one window's writes still in flight when the next read is queued,
-the drive always holds a window's writes while the thread wakes: the window pattern alone over a 40 GB
-working set (2026-12-02, the drive drifting) took 50.0 and 54.0 ms a window with one read ahead, 49.5
-and 50.5 ms with two (one more window of chunks), 61.1 ms with two and no write in flight. CPU Adam
-writes each window's new weights straight into the weight tier's buffer.
+WRITES_IN_FLIGHT windows' chunks at any model size (offload.memory). With one window read ahead the
+drive idled between a window's writes and the next read (3b preset: 80-110 ms a window against 59 ms at
+the swap bandwidth); two keep a read queued while the previous window's writes land. Writes still in
+flight when the next read is queued (WRITES_IN_FLIGHT > 0, one more window of chunks each) keep the
+drive's queue from emptying while the thread wakes: the window pattern replayed alone over a 40 GB
+working set took 49.5-54.4 ms a window with one, 61.1 ms with none, but the 3b preset's step did not show
+it (2026-12-02: 1.32x its I/O bound twice with one and two ahead, 1.39x with one and one ahead, 1.30x with
+none, within the host's drift; bench/RESULTS.md), while its peak RSS reached 6.03 GB with the extra
+window, so the default is none. CPU Adam writes each window's new weights straight into the weight
+tier's buffer.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def test_hbm_budget_of_two_units_holds(tmp_path, monkeypatch, delayed):
     assert most_fetched <= 2
     assert st["tiers"]["hbm"]["peak_bytes"] <= budget
     # dram holds only the chunk pool the placement planned, never the model: 3 optimizer windows (one
-    # stepped, one read ahead, one written behind) x (4 fp32 states + 1 chunk of new weights); on the CPU
+    # stepped, two read ahead) x (4 fp32 states + 1 chunk of new weights); on the CPU
     # backend a fetch reads straight into hbm (on CUDA: 2 more)
     planned = eng.placement.need["dram"]
     assert planned == eng.placement.pool_chunks * eng.placement.chunk_bytes == 15 * eng.placement.chunk_bytes
