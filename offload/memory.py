@@ -9,9 +9,8 @@ hbm (weights not resident): the fetched units (the one in use, `prefetch_units` 
 never more than all fetched weights), and the gradients on their way to dram (the largest
 `grad_units` trainable units in the compute dtype). dram: one pool of equal chunks (offload.chunks):
 a fetch from nvme streams through READ_AHEAD chunks (on CUDA; on the CPU backend it reads straight into
-hbm, which is host memory); the optimizer pipeline holds 1 + OPTIMIZER_READ_AHEAD +
-OPTIMIZER_WRITES_IN_FLIGHT windows (one stepped, two read ahead; by default no window's writes are still in
-flight when the next read starts) of four fp32 chunks (master, exp_avg, exp_avg_sq, gradient)
+hbm, which is host memory); the optimizer pipeline holds 1 + OPTIMIZER_READ_AHEAD windows (one
+stepped, two read ahead, the one written behind landing before another read starts) of four fp32 chunks (master, exp_avg, exp_avg_sq, gradient)
 for nvme states plus one chunk of new weights where they cannot be written in place (nvme weights,
 hbm on a GPU, or a dram copy not to be touched before nvme states are checked). Activations are not included: they depend on batch and sequence length.
 
@@ -33,7 +32,6 @@ STATE_KINDS = 4    # fp32 master, exp_avg, exp_avg_sq, gradient (of a unit, or o
 SWAP_SLACK_BYTES = 64 << 10  # beside the swap data: the run directory's owner file, allocation granularity
 READ_AHEAD = 2     # chunks of one nvme fetch in flight (offload.residency)
 OPTIMIZER_READ_AHEAD = 2  # windows the optimizer pipeline reads ahead of the one it steps (offload.step)
-OPTIMIZER_WRITES_IN_FLIGHT = 0  # windows whose writes may still be in flight when another read starts (offload.step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +56,7 @@ def pool_chunks(w_home: str, s_home: str, device_type: str, read_ahead: bool) ->
     new_w = 1 if s_home == "nvme" or w_home == "nvme" or (w_home == "hbm" and device_type != "cpu") else 0
     per_window = (STATE_KINDS if s_home == "nvme" else 0) + new_w
     # nvme states: the window stepped and those read ahead; else only new weights pass through (2 as before)
-    windows = (1 + OPTIMIZER_READ_AHEAD + OPTIMIZER_WRITES_IN_FLIGHT if s_home == "nvme" else 2) if read_ahead else 1
+    windows = (1 + OPTIMIZER_READ_AHEAD if s_home == "nvme" else 2) if read_ahead else 1
     terms = [f"{fetch} per nvme fetch"] if fetch else []
     if per_window:
         terms.append(f"{windows} optimizer windows x {per_window}")

@@ -99,7 +99,7 @@ class WeightHandle(_Handle):
         self._placeholder = torch.empty(0, dtype=dtype, device=self.hbm.device)
         self.shaped = False        # released parameters hold their shapes for a backward (shape_only)
         self._write_lock = threading.Lock()
-        self._writes: list = []    # (chunk index, ticket, chunk buffer, t0) of new weights written behind to nvme
+        self._writes: list = []    # (ticket, chunk buffer, t0) of new weights written behind to nvme
         self.update = None         # completion of this unit's deferred step, which the next fetch waits for ([Note: split step])
         self._accumulators = None  # the parameters' AccumulateGrad nodes, held (refs())
         self._lent = None          # the pool buffer under the hbm copy ([Note: reused host memory for hbm] in offload.tiers)
@@ -332,7 +332,7 @@ class WeightHandle(_Handle):
                 self.rt.staging.release(buf)
                 raise
             with self._write_lock:
-                self._writes.append((i, ticket, buf, time.perf_counter()))
+                self._writes.append((ticket, buf, time.perf_counter()))
             return
         try:
             self.rt.h2d.copy(self.hbm[begin:end], buf[:end - begin]).wait()
@@ -359,13 +359,11 @@ class WeightHandle(_Handle):
         if not (self.home == "dram" or (self.home == "hbm" and self.hbm.device.type == "cpu")):
             self.rt.staging.release(buf)
 
-    def wait_for_write(self, i: int | None = None) -> None:
-        """Waits for the nvme writes of new weights behind (of chunk i only, if given); their chunks return."""
+    def wait_for_write(self) -> None:
         with self._write_lock:
-            writes = [w for w in self._writes if i is None or w[0] == i]
-            self._writes = [w for w in self._writes if not (i is None or w[0] == i)]
+            writes, self._writes = self._writes, []
         error = None
-        for _, ticket, buf, t0 in writes:
+        for ticket, buf, t0 in writes:
             try:
                 ticket.wait()
                 self.rt.telemetry.link("dram_to_nvme", buf.numel() * buf.element_size(), time.perf_counter() - t0)

@@ -2,17 +2,14 @@
 
 A WindowPipeline steps windows in the order the caller gives units (all of them after backward, or one
 unit at a time during backward as its gradient becomes final) with up to READ_AHEAD windows read ahead
-and up to WRITES_IN_FLIGHT + 1 written behind: the pool's optimizer share is 1 + READ_AHEAD +
-WRITES_IN_FLIGHT windows' chunks at any model size (offload.memory). With one window read ahead the
-drive idled between a window's writes and the next read (3b preset: 80-110 ms a window against 59 ms at
-the swap bandwidth); two keep a read queued while the previous window's writes land. Writes still in
-flight when the next read is queued (WRITES_IN_FLIGHT > 0, one more window of chunks each) keep the
-drive's queue from emptying while the thread wakes: the window pattern replayed alone over a 40 GB
-working set took 49.5-54.4 ms a window with one, 61.1 ms with none, but the 3b preset's step did not show
-it (2026-12-02: 1.32x its I/O bound twice with one and two ahead, 1.39x with one and one ahead, 1.30x with
-none, within the host's drift; bench/RESULTS.md), while its peak RSS reached 6.03 GB with the extra
-window, so the default is none. CPU Adam writes each window's new weights straight into the weight
-tier's buffer.
+and one written behind (landed before another read starts): the pool's optimizer share is READ_AHEAD + 1
+windows' chunks at any model size (offload.memory). With one window ahead the drive idled between a
+window's writes and the next read (3b preset: 80-110 ms a window against 59 ms at the swap bandwidth);
+two keep a read queued while the previous window's writes land. Keeping one window's writes in flight
+while the next read starts (one more window of chunks) was tried on 2026-12-02: the window pattern replayed
+alone took 49.5-54.4 ms a window with it, 61.1 ms without, but the 3b preset's step did not show it
+beyond the host's drift (1.32x its I/O bound against 1.30x) and its peak RSS reached 6.03 GB, so it is not
+done (bench/RESULTS.md). CPU Adam writes each window's new weights straight into the weight tier's buffer.
 """
 
 from __future__ import annotations
@@ -24,14 +21,13 @@ import torch
 from torch.profiler import record_function
 
 from offload.cpu_adam import StepDigests, adam_step
-from offload.memory import OPTIMIZER_READ_AHEAD as READ_AHEAD, OPTIMIZER_WRITES_IN_FLIGHT as WRITES_IN_FLIGHT
+from offload.memory import OPTIMIZER_READ_AHEAD as READ_AHEAD
 from offload.optim import KINDS, OptimState
 from offload.units import Unit
 
 
 class WindowPipeline:
-    """Steps units' windows with READ_AHEAD windows read ahead and WRITES_IN_FLIGHT + 1 written behind
-    (if `read_ahead`; else one window at a time, its writes landed before the next read).
+    """Steps units' windows with READ_AHEAD windows read ahead (if `read_ahead`) and one written behind.
 
     order: the unit indices in the order they are expected; a unit stepped out of that order is loaded
     when its turn comes (the read-ahead slots stay with the windows they hold, so the pool bound holds).
@@ -45,8 +41,7 @@ class WindowPipeline:
         self.failed = False
         self.started = False  # a window's update began: states or weights may differ from before
         self.ahead: collections.deque[tuple[int, int]] = collections.deque()  # (unit index, window) read ahead, in order
-        self.behind: collections.deque[tuple[int, int]] = collections.deque()  # windows written behind, oldest first
-        self.writes = WRITES_IN_FLIGHT if read_ahead else 0
+        self.last: tuple[int, int] | None = None    # the window written behind
         first = next((u for u in order if ctx.states[u].mine), None)
         if self.depth and first is not None:
             self._load((first, ctx.states[first].mine[0]))
@@ -66,11 +61,10 @@ class WindowPipeline:
         written: see step_window), and no later unit is stepped. Idempotent."""
         self.failed = True
         self.ahead.clear()
-        while self.behind:  # each window's writes settled, whatever the others did
-            try:
-                self._land(len(self.behind) - 1)
-            except Exception:  # the first error is the one reported (an interrupt is not held back)
-                pass
+        try:
+            self._land_last()
+        except Exception:  # the first error is the one reported (an interrupt is not held back)
+            pass
         for st in self.ctx.states:
             for i in range(len(st.windows) if st is not None else 0):
                 st.discard(i)
@@ -82,19 +76,19 @@ class WindowPipeline:
             if item in self.ahead:  # the first, unless units come out of order
                 self.ahead.remove(item)
             if not st.loaded(i):
-                self._land(self.writes)  # chunks return before this window takes new ones
+                self._land_last()       # its chunks return before this window takes new ones
                 st.load(i, self.kinds)
             st.wait_loaded(i)
-            self._land(self.writes)
+            self._land_last()
             self._fill(item)
             self.started = True
             step_window(self.ctx, unit, i, **self.args)
-            self.behind.append(item)
+            self.last = item
         st.count_steps()
         self.done.add(unit.index)
 
     def finish(self) -> None:
-        self._land(0)
+        self._land_last()
 
     def _fill(self, current: tuple[int, int]) -> None:
         """Reads ahead the windows after `current` (or after the last one read ahead) up to the depth."""
@@ -117,12 +111,12 @@ class WindowPipeline:
         self.ahead.append(item)
         self.ctx.states[item[0]].load(item[1], self.kinds)
 
-    def _land(self, keep: int) -> None:
-        """Waits for the oldest windows written behind until `keep` are in flight; their chunks return."""
-        while len(self.behind) > keep:
-            index, i = self.behind.popleft()
+    def _land_last(self) -> None:
+        if self.last is not None:
+            index, i = self.last
+            self.last = None
             self.ctx.states[index].wait_stored(i)
-            self.ctx.weights[index].wait_for_write(i)
+            self.ctx.weights[index].wait_for_write()
 
 
 def step_window(ctx, unit: Unit, i: int, lr: float, grad_scale: float) -> None:

@@ -31,6 +31,7 @@ ALIGN_BYTES = 4096
 _MMAP_MIN_BYTES = 1 << 20  # below this, a malloc'd block + zero_() is cheaper than an mmap syscall
 _HUGE_BYTES = 2 << 20
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not in Python's mmap module yet
+_libc = ctypes.CDLL(None, use_errno=True)  # its madvise runs without the GIL (populate)
 
 
 def round_up(nbytes: int, align: int = ALIGN_BYTES) -> int:
@@ -85,15 +86,9 @@ class _Mapping(mmap.mmap):
 def populate(t: torch.Tensor) -> bool:
     """Faults in the pages under host tensor t now, on the calling thread, without holding the GIL
     (MADV_POPULATE_WRITE through ctypes); False where the kernel lacks it (the first write faults them)."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
     begin = t.data_ptr() - t.data_ptr() % ALIGN_BYTES
     length = round_up(t.data_ptr() + t.numel() * t.element_size() - begin)
     return _libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) == 0
-
-
-_libc = None
 
 
 def _cudart():
