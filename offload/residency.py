@@ -199,7 +199,7 @@ class WeightHandle(_Handle):
         pool, store, tel = self.rt.staging, self.rt.store, self.rt.telemetry
         direct = self.hbm.device.type == "cpu"
         if direct:
-            self.rt.tiers.fault_in(self.hbm, self._lent)
+            self.rt.tiers.fault_in(self._lent)
         flight: collections.deque = collections.deque()
 
         def drain() -> None:

@@ -21,8 +21,12 @@ uses); at most two buffers of the largest such size wait cached (a fetch's buffe
 back); and the cache is emptied when a backward ends (Engine._release_all). Used and cached together stay
 under the planned peak of those fetched weights (placement.fetched_peak), as CUDA's caching allocator keeps
 freed blocks. A request the pool does not serve at once (an embedding's size, or no buffer free) gets
-fresh memory, aligned too and marked for huge pages, not populated here: the fetch faults it in on the
-reader thread before its reads (fault_in, off the GIL). It used to be the allocator's (a resized storage),
+fresh memory, aligned too and marked for huge pages, and faulted in at once on a thread of its own
+(swap.buffers.populate, off the GIL), so that this overlaps whatever the reader thread still has queued
+before the fetch: its reads wait for it (fault_in). Faulting in is not free: on a VM that hands freed
+memory back to its host (virtio-balloon free page reporting, as here) the 3b preset's 788 MB embedding took
+1.4-1.7 s to fault in, most of the time at the tied head, where it sat on the reader thread behind the last
+deferred step with the drive idle. It used to be the allocator's (a resized storage),
 whose address O_DIRECT cannot use, so every chunk was read into a fresh aligned staging buffer and copied:
 the 3b preset's 788 MB embedding, fetched twice a forward, stalled the forward 0.2-1.9 s each time.
 On CUDA, and with a torch that lacks UntypedStorage._swap_data_ptr_ (older releases), storages are resized.
@@ -34,6 +38,7 @@ import threading
 
 import torch
 
+from scheduler.streams import JobThread
 from swap import BufferPool, PoolExhaustedError, aligned_empty
 from swap.buffers import populate
 
@@ -99,10 +104,12 @@ class Tiers:
         self.hbm_pool = (BufferPool(hbm_pool_bytes, timeout_s=0.0, max_cached_bytes=cached)
                          if self.reusable and hbm_pool_bytes > 0 else None)
         self.hbm_pool_sizes = hbm_pool_sizes  # nbytes of the fetched units that share their size
+        self._faulter: JobThread | None = None  # faults fresh hbm memory in; started by the first that needs it
 
     def give_hbm_memory(self, t: torch.Tensor, nbytes: int):
         """Puts `nbytes` of memory under hbm tensor t's storage (empty now); returns what to pass to
-        take_hbm_memory: None (resized storage) or (buffer, pooled) ([Note: reused host memory for hbm])."""
+        take_hbm_memory and fault_in: None (resized storage) or (buffer, pooled, faulted: the completion of
+        fresh memory's faulting in, None if pooled) ([Note: reused host memory for hbm])."""
         storage = t.untyped_storage()
         if not self.reusable:
             storage.resize_(nbytes)
@@ -113,11 +120,16 @@ class Tiers:
                 buf = self.hbm_pool.acquire(nbytes)
             except PoolExhaustedError:
                 pass
-        pooled = buf is not None
-        if buf is None:  # fresh, but aligned: a fetch faults it in (fault_in) and reads straight into it
+        fresh = buf is None
+        if fresh:  # but aligned: faulted in from now on (below), and a fetch reads straight into it
             buf = aligned_empty(nbytes, populate=False)
-        storage._swap_data_ptr_(buf.untyped_storage())
-        return buf, pooled
+        storage._swap_data_ptr_(buf.untyped_storage())  # t holds the memory now, buf none
+        faulted = None
+        if fresh:
+            if self._faulter is None:
+                self._faulter = JobThread("hbm-fault")
+            faulted = self._faulter.submit(populate, t)
+        return buf, not fresh, faulted
 
     def take_hbm_memory(self, t: torch.Tensor, lent) -> None:
         """Empties hbm tensor t's storage; pooled memory goes back to the pool, fresh memory is unmapped."""
@@ -125,25 +137,30 @@ class Tiers:
         if lent is None:
             storage.resize_(0)
             return
-        buf, pooled = lent
+        buf, pooled, faulted = lent
+        if faulted is not None:
+            faulted.settle()  # no page is faulted in after its bytes were refunded (an error: the reader's)
         storage._swap_data_ptr_(buf.untyped_storage())  # t's storage empty again, the buffer whole again
         if pooled:
             self.hbm_pool.release(buf)
 
     @staticmethod
-    def fault_in(t: torch.Tensor, lent) -> None:
-        """Fresh memory under hbm tensor t (give_hbm_memory's) is faulted in now, off the GIL, so the reads
-        into it move at the drive's speed (faulted in by O_DIRECT as they were submitted, the 3b preset's
-        788 MB embedding took 0.2-1.9 s instead of about 0.25)."""
-        if lent is not None and not lent[1]:
-            populate(t)
+    def fault_in(lent) -> None:
+        """Waits until fresh memory given by give_hbm_memory is faulted in, so the reads into it move at the
+        drive's speed (faulted in by O_DIRECT as they were submitted, the 3b preset's 788 MB embedding took
+        0.2-1.9 s instead of about 0.25). Pooled memory is faulted in already."""
+        if lent is not None and lent[2] is not None:
+            lent[2].wait()
 
     def drop_cached_hbm(self) -> None:
         """Gives the pool's cached buffers back ([Note: reused host memory for hbm]); lent ones stay."""
         if self.hbm_pool is not None:
             self.hbm_pool.clear()
 
-    close = drop_cached_hbm
+    def close(self) -> None:
+        self.drop_cached_hbm()
+        if self._faulter is not None:
+            self._faulter.close()
 
     def empty(self, tier: str, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
         """A 1-D tensor in `tier`, charged to its accountant (refund with `free`)."""
@@ -162,3 +179,4 @@ class Tiers:
 
     def stats(self) -> dict:
         return {name: a.stats() for name, a in self.acct.items()}
+

@@ -400,7 +400,7 @@ def test_fetched_copies_reuse_pooled_host_memory(tmp_path, monkeypatch, param):
                 monkeypatch.setattr(eng.rt.store, "_destination", destination)
                 alone[0].fetch()
                 alone[0].wait_for_fetch()
-                buf, pooled = alone[0]._lent  # a size no other unit has: fresh memory, not held between uses,
+                buf, pooled, _ = alone[0]._lent  # a size no other unit has: fresh memory, not held between uses,
                 assert not pooled and alone[0].hbm.data_ptr() % 4096 == 0  # but aligned: reads land in it
                 assert not any(staged) and bool(staged) == (param == "nvme")
                 alone[0].release()
@@ -409,6 +409,40 @@ def test_fetched_copies_reuse_pooled_host_memory(tmp_path, monkeypatch, param):
                 assert pool.used_bytes == 0 and w.hbm.untyped_storage().nbytes() == 0  # all given back
             runs[swap] = eng.full_state_dict()
     assert all(torch.equal(runs[True][k], runs[False][k]) for k in runs[True])
+
+
+def test_fresh_hbm_memory_faults_in_while_the_reader_is_busy(tmp_path):
+    """[Note: reused host memory for hbm] A fetch's fresh hbm copy (a size the pool does not serve) starts
+    faulting in when the fetch is issued, on a thread of its own: not behind the reader thread's earlier jobs
+    (the 3b preset's tied head waited there behind the last deferred step, the drive idle). The fetch's
+    reads still wait for it, and land the unit's weights."""
+    import threading
+
+    from tests.test_swap_buffers import _resident_pages
+
+    with offload.initialize(MLP(), cfg(tmp_path, "nvme", prefetch_units=0)) as eng:
+        if not eng.rt.tiers.reusable:
+            pytest.skip("this torch lacks UntypedStorage._swap_data_ptr_: hbm storages are resized")
+        fetched = [w for u, w in zip(eng.units, eng.weights) if not u.persistent]
+        alone = next(w for w in fetched if w.nbytes not in eng.placement.shared_sizes)
+        home = eng.full_state_dict()
+        gate = threading.Event()
+        busy = eng.rt.reader.submit(gate.wait, 30)  # the reader thread is held, as by a deferred step
+        try:
+            alone.fetch()
+            buf, pooled, faulted = alone._lent
+            assert not pooled and faulted is not None
+            faulted.wait(10)  # faulted in while the reader is still held
+            assert not busy.done() and alone.state is R.NVME_TO_HBM
+            resident, pages = _resident_pages(alone.hbm)
+            assert resident == pages
+        finally:
+            gate.set()
+        alone.wait_for_fetch()
+        for s in alone.unit.slots:
+            assert torch.equal(s.param.data, home[s.name].to(s.param.dtype))
+        alone.release()
+        assert alone._lent is None
 
 
 @pytest.mark.parametrize("tied", [True, False])
