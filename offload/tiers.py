@@ -108,8 +108,8 @@ class Tiers:
 
     def give_hbm_memory(self, t: torch.Tensor, nbytes: int):
         """Puts `nbytes` of memory under hbm tensor t's storage (empty now); returns what to pass to
-        take_hbm_memory and fault_in: None (resized storage) or (buffer, pooled, faulted: the completion of
-        fresh memory's faulting in, None if pooled) ([Note: reused host memory for hbm])."""
+        take_hbm_memory and fault_in: None (resized storage) or (buffer, faulted: the completion of fresh
+        memory's faulting in, None for a pool buffer) ([Note: reused host memory for hbm])."""
         storage = t.untyped_storage()
         if not self.reusable:
             storage.resize_(nbytes)
@@ -121,15 +121,14 @@ class Tiers:
             except PoolExhaustedError:
                 pass
         fresh = buf is None
-        if fresh:  # but aligned: faulted in from now on (below), and a fetch reads straight into it
+        if fresh:  # but aligned: a fetch reads straight into it
             buf = aligned_empty(nbytes, populate=False)
         storage._swap_data_ptr_(buf.untyped_storage())  # t holds the memory now, buf none
-        faulted = None
-        if fresh:
-            if self._faulter is None:
-                self._faulter = JobThread("hbm-fault")
-            faulted = self._faulter.submit(populate, t)
-        return buf, not fresh, faulted
+        if not fresh:
+            return buf, None
+        if self._faulter is None:
+            self._faulter = JobThread("hbm-fault")
+        return buf, self._faulter.submit(populate, t)  # faulted in from now on
 
     def take_hbm_memory(self, t: torch.Tensor, lent) -> None:
         """Empties hbm tensor t's storage; pooled memory goes back to the pool, fresh memory is unmapped."""
@@ -137,11 +136,11 @@ class Tiers:
         if lent is None:
             storage.resize_(0)
             return
-        buf, pooled, faulted = lent
+        buf, faulted = lent
         if faulted is not None:
             faulted.settle()  # no page is faulted in after its bytes were refunded (an error: the reader's)
         storage._swap_data_ptr_(buf.untyped_storage())  # t's storage empty again, the buffer whole again
-        if pooled:
+        if faulted is None:
             self.hbm_pool.release(buf)
 
     @staticmethod
@@ -149,8 +148,8 @@ class Tiers:
         """Waits until fresh memory given by give_hbm_memory is faulted in, so the reads into it move at the
         drive's speed (faulted in by O_DIRECT as they were submitted, the 3b preset's 788 MB embedding took
         0.2-1.9 s instead of about 0.25). Pooled memory is faulted in already."""
-        if lent is not None and lent[2] is not None:
-            lent[2].wait()
+        if lent is not None and lent[1] is not None:
+            lent[1].wait()
 
     def drop_cached_hbm(self) -> None:
         """Gives the pool's cached buffers back ([Note: reused host memory for hbm]); lent ones stay."""
@@ -179,4 +178,3 @@ class Tiers:
 
     def stats(self) -> dict:
         return {name: a.stats() for name, a in self.acct.items()}
-

@@ -400,8 +400,8 @@ def test_fetched_copies_reuse_pooled_host_memory(tmp_path, monkeypatch, param):
                 monkeypatch.setattr(eng.rt.store, "_destination", destination)
                 alone[0].fetch()
                 alone[0].wait_for_fetch()
-                buf, pooled, _ = alone[0]._lent  # a size no other unit has: fresh memory, not held between uses,
-                assert not pooled and alone[0].hbm.data_ptr() % 4096 == 0  # but aligned: reads land in it
+                buf, faulted = alone[0]._lent  # a size no other unit has: fresh memory, not held between uses,
+                assert faulted is not None and alone[0].hbm.data_ptr() % 4096 == 0  # but aligned: reads land in it
                 assert not any(staged) and bool(staged) == (param == "nvme")
                 alone[0].release()
                 assert alone[0]._lent is None and alone[0].hbm.untyped_storage().nbytes() == 0
@@ -430,8 +430,8 @@ def test_fresh_hbm_memory_faults_in_while_the_reader_is_busy(tmp_path):
         busy = eng.rt.reader.submit(gate.wait, 30)  # the reader thread is held, as by a deferred step
         try:
             alone.fetch()
-            buf, pooled, faulted = alone._lent
-            assert not pooled and faulted is not None
+            buf, faulted = alone._lent
+            assert faulted is not None  # fresh memory, not a pool buffer
             faulted.wait(10)  # faulted in while the reader is still held
             assert not busy.done() and alone.state is R.NVME_TO_HBM
             resident, pages = _resident_pages(alone.hbm)
