@@ -131,8 +131,7 @@ class Engine(nn.Module):
         and after a failure, when fetches in flight are settled and dropped (WeightHandle.reset)."""
         for w in self.weights:
             w.reset()
-        self.policy.release_all()
-        self.rt.tiers.drop_cached_hbm()  # between steps the hbm pool keeps no buffer nobody uses
+        self.policy.release_all()  # the buffers they give back stay cached for the next step's fetches
 
     # -- backward and step: the step pipeline (offload.pipeline) -----------------------------------------
     def backward(self, loss: torch.Tensor) -> None:

@@ -55,7 +55,7 @@ class Runtime:
     def open(cls, cfg: Config, device: torch.device, placement: Placement, rank: int = 0, world: int = 1) -> "Runtime":
         tiers = Tiers(device, placement.hbm_budget, placement.dram_budget, placement.nvme_budget,
                       pin=device.type == "cuda", hbm_pool_bytes=placement.fetched_peak,
-                      hbm_pool_sizes=placement.shared_sizes)
+                      hbm_pool_sizes=placement.shared_sizes, reuse_bytes=placement.reuse_bytes)
         staging = ChunkPool(tiers, placement.chunk_bytes, placement.pool_chunks)
         try:
             store = cls.open_store(cfg, rank) if placement.uses_nvme else None
