@@ -25,8 +25,9 @@ the backward and takes them all again in the next forward: bench-200m emptied it
 backward ended and faulted 14 fresh 25 MB copies in on the compute thread every step (0.06 s each on this
 VM, 0.5-1.7 s of system time a step), 4.5-5.3 s a step against 4.0-4.2 with the cache kept
 (bench/RESULTS.md). Used and cached together stay under the planned peak of those fetched weights
-(placement.fetched_peak), as CUDA's caching allocator keeps freed blocks. A request the pool does not serve at once (an embedding's size, or no buffer free) gets
-fresh memory, aligned too and marked for huge pages, and faulted in at once on a thread of its own
+(placement.fetched_peak), as CUDA's caching allocator keeps freed blocks. A request the pool does not
+serve at once (an embedding's size, or no buffer free) gets fresh memory, aligned too and marked for huge
+pages, and faulted in at once on a thread of its own
 (swap.buffers.populate, off the GIL), so that this overlaps whatever the reader thread still has queued
 before the fetch: its reads wait for it (fault_in). Faulting in is not free: on a VM that hands freed
 memory back to its host (virtio-balloon free page reporting, as here) the 3b preset's 788 MB embedding took
@@ -158,7 +159,7 @@ class Tiers:
 
     def close(self) -> None:
         if self.hbm_pool is not None:
-            self.hbm_pool.clear()  # its cached buffers ([Note: reused host memory for hbm]); lent ones stay valid
+            self.hbm_pool.clear()  # the cached buffers; lent ones stay valid
         if self._faulter is not None:
             self._faulter.close()
 
