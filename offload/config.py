@@ -152,7 +152,7 @@ class Config:
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     prefetch_units: int = 2        # units fetched ahead of use along the recorded trace (0: on demand)
-    reuse_distance: int = 1        # keep a unit in hbm when the trace uses it again within this many fetches (-1: off)
+    reuse_distance: int = 1        # keep a unit in hbm when the trace uses it again within this many fetches (-1: off, and no free holds)
     reuse_bytes: int | None = None  # also keep units used again later in the step up to this many bytes (null: derived, README)
     overlap_step: bool = True      # step each unit as soon as its gradients are final, during backward (not with clipping or fp16)
     split_step: float = 0.25       # nvme states, overlapped step: this fraction of the units steps as it is fetched for the next forward (0: none; README)

@@ -63,7 +63,7 @@ class Engine(nn.Module):
             raise
         self.pipeline = StepPipeline(rt, self.units, self.weights, self.states, self.trace, self._release_all)
         self.policy = ResidencyPolicy(self.trace, [w.nbytes for w in self.weights], *_agreed_keeping(self.placement),
-                                      self.pipeline.grad_reserve)
+                                      self.pipeline.grad_reserve, self.placement.knobs.held)
         self._handles = [h for u in self.units if not u.persistent for m in [u.module, *u.users]
                          for h in hooks.register(self, u, m)]
         self._grad_hooks = [s.param.register_post_accumulate_grad_hook(self.pipeline.grad_hook(u))

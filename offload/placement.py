@@ -20,8 +20,8 @@ import torch
 from offload.chunks import window_owners, windows
 from offload.config import CHUNK_ALIGN_BYTES
 from offload.estimate import OFFLOAD_TIER as HOME  # offload device -> tier
-from offload.memory import (MINIMUM, STATE_KINDS, Knobs, grad_reserve, pool_chunks, runtime_parts, totals,
-                            working_set_peak)
+from offload.memory import (MINIMUM, STATE_KINDS, Knobs, free_holds, grad_reserve, pool_chunks, runtime_parts,
+                            totals, working_set_peak)
 from offload.units import Unit
 
 SAFETY = 0.85  # of the memory available at start, when a budget is not given
@@ -160,6 +160,11 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     if cfg.reuse_bytes is None:  # derived from the room the rest leaves
         p.knobs = replace(p.knobs, reuse_bytes=reuse_allowance(fetched, itemsize, p, device))
         p.parts, p.need = plan(p.knobs)
+    if fetch_home != "hbm" and order is not None and not weight_owners and p.knobs.reuse_distance >= 0:
+        # not over ranks (they would have to agree), nor where the user asked for every unit released after use
+        reserve = grad_reserve(trainable, itemsize, p.knobs)
+        p.knobs = replace(p.knobs, held=free_holds(order, [u.numel for u in units], [u.trainable_numel for u in units],
+                                                   itemsize, p.knobs, reserve))
     if fetch_home != "hbm" and order is not None:  # [Note: reused host memory for hbm] in offload.tiers
         sizes = collections.Counter(n * itemsize for n in fetched)
         p.shared_sizes = frozenset(n for n, count in sizes.items() if count > 1)

@@ -9,7 +9,8 @@ handles; the policy keeps its own account of which units' weights it holds in hb
   at that moment (the caller charges it as it starts the fetch).
 - After a unit ran (`after_use`): its weights are kept when the trace uses it again within
   `reuse_distance` fetches, or while the kept bytes fit `reuse_bytes` (a forward's units kept for their
-  backward); otherwise released. A forward recomputed inside backward (activation checkpointing) is
+  backward), or after a forward use when it is one of the `held` units (offload.memory.free_holds: a
+  tied embedding from its lookup to the output head); otherwise released. A forward recomputed inside backward (activation checkpointing) is
   kept: its own backward follows at once.
 """
 
@@ -22,11 +23,13 @@ from scheduler.trace import ExecutionTrace
 
 class ResidencyPolicy:
     def __init__(self, trace: ExecutionTrace, nbytes: Sequence[int], reuse_distance: int, reuse_bytes: int,
-                 grad_reserve: int):
+                 grad_reserve: int, held: frozenset = frozenset()):
         self.trace, self.nbytes = trace, nbytes
         self.reuse_distance, self.reuse_bytes, self.grad_reserve = reuse_distance, reuse_bytes, grad_reserve
+        self.held = held                  # units kept from a forward use to their next use
         self.resident: set[int] = set()   # units whose weights are in hbm or on their way
         self.kept: dict[int, int] = {}    # units kept within reuse_bytes -> their bytes
+        self.backward = False             # the phase of the last use
 
     def before_use(self, unit: int, room: int, backward: bool = False) -> list[int]:
         """`unit` is about to run (its forward, or its backward), with `room` hbm bytes free: the units to
@@ -41,6 +44,7 @@ class ResidencyPolicy:
             room -= self.nbytes[nxt]
         self.resident.update(ahead)
         self.resident.add(unit)
+        self.backward = backward
         self.kept.pop(unit, None)
         return ahead
 
@@ -49,7 +53,8 @@ class ResidencyPolicy:
         if recompute:
             return False
         distance = self.trace.next_use_distance(unit)
-        if distance is not None and (distance <= self.reuse_distance or self._keep(unit)):
+        held = unit in self.held and not self.backward
+        if distance is not None and (distance <= self.reuse_distance or held or self._keep(unit)):
             return False
         self.resident.discard(unit)
         self.kept.pop(unit, None)

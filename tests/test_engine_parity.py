@@ -257,20 +257,24 @@ def test_reuse_distance_keeps_the_last_block_and_changes_no_number(tmp_path, par
 @pytest.mark.parametrize("param", ["cpu", "nvme"])
 def test_reuse_bytes_keeps_forward_weights_for_backward_and_changes_no_number(tmp_path, monkeypatch, param):
     """reuse_bytes: units used again in the step stay in hbm while the kept bytes fit. Derived (None, all of
-    this model), bounded (one block's worth) and off (0) train to the reference's numbers exactly, fetch
-    less the more they keep, and a bounded run's hbm peak stays within the plan; with copy delays injected."""
+    this model), bounded (one block's worth), off (0) and every unit released after use (reuse_distance -1,
+    which also turns off free holds: offload.memory.free_holds) train to the reference's numbers exactly,
+    fetch less the more they keep, and a bounded run's hbm peak stays within the plan; with copy delays
+    injected. This model's tied embedding is held from lookup to head in all but the last (free), which is
+    what a block's worth of reuse_bytes kept before free holds."""
     monkeypatch.setenv("OFFLOAD_TEST_COPY_DELAY_S", "0.002")
     model = LlamaLoss(llama(tied=True))
     block = sum(p.numel() for p in model.lm.model.layers[0].parameters()) * 2
     runs = {}
-    for reuse in (None, block, 0):
+    for reuse in (None, block, 0, "release"):
         torch.manual_seed(0)
-        c = config(tmp_path / str(reuse), param, param, "bf16", reuse_bytes=reuse, units={"min_numel": 4096})
+        keep = {"reuse_bytes": 0, "reuse_distance": -1} if reuse == "release" else {"reuse_bytes": reuse}
+        c = config(tmp_path / str(reuse), param, param, "bf16", **keep, units={"min_numel": 4096})
         out = train_both(copy.deepcopy(model), c, llama_batches(4), steps=4)
         check(*out[:4])
         runs[reuse] = out
     fetched = {r: out[4]["links"]["dram_to_hbm"]["bytes"] for r, out in runs.items()}
-    assert fetched[None] < fetched[block] < fetched[0], fetched
+    assert fetched[None] < fetched[block] <= fetched[0] < fetched["release"], fetched
     with offload.initialize(copy.deepcopy(model), config(tmp_path / "plan", param, param, "bf16", reuse_bytes=None,
                                                          units={"min_numel": 4096})) as eng:
         weights = sum(w.nbytes for u, w in zip(eng.units, eng.weights) if not u.persistent)

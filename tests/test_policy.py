@@ -67,3 +67,34 @@ def test_a_diverged_step_fetches_on_demand_only():
     run(p, trace, STEP)
     order = [(u, False) for u in (0, 2, 1, 3)] + [(u, True) for u in (3, 1, 2, 0)]
     assert all(ahead == [] for _, ahead, _ in run(p, trace, order)[1:])
+
+
+def test_a_held_unit_stays_from_a_forward_use_to_its_next_use_and_goes_after_its_backward():
+    # unit 0 is used twice in the forward (a tied embedding: lookup, then output head) and once in backward
+    tied = [(0, False), (1, False), (2, False), (3, False), (0, False), (0, True), (3, True), (2, True), (1, True)]
+    trace = ExecutionTrace(0)
+    p = ResidencyPolicy(trace, [10] * 4, 0, 0, 0, held=frozenset({0}))
+    run(p, trace, tied)
+    released = {(u, b): r for (u, b), (_, _, r) in zip(tied, run(p, trace, tied))}
+    assert released[(0, False)] is False and released[(0, True)] is True  # held in forward only
+    assert released[(1, False)] is True  # the others as before
+    unheld, trace = policy(lookahead=0)
+    run(unheld, trace, tied)
+    assert run(unheld, trace, tied)[0][2] is True  # without it, released after the lookup
+
+
+def test_free_holds_keeps_a_tied_unit_only_where_holding_it_raises_no_peak():
+    from offload.memory import Knobs, free_holds, working_set_peak
+
+    order = [0, 1, 2, 3, 0]  # unit 0 used again at the forward's end
+    knobs = Knobs(prefetch_units=1, reuse_distance=0, reuse_bytes=0)
+    # a large tied unit: the peak is at the turn, where it is held anyway; holding it through the forward is free
+    numels, trainables = [40, 10, 10, 10], [40, 10, 10, 10]
+    held = free_holds(order, numels, trainables, 1, knobs, 0)
+    assert held == {0}
+    assert working_set_peak(order, numels, trainables, 1, Knobs(prefetch_units=1, reuse_distance=0, held=held), 0) \
+        == working_set_peak(order, numels, trainables, 1, knobs, 0)
+    # a frozen block larger than the turn: the forward at it is the peak, and holding unit 0 beside it raises
+    # it (220 -> 250 B), so unit 0 is released after its lookup and fetched again for the head
+    big, frozen = [40, 10, 200, 10], [40, 10, 0, 10]
+    assert free_holds(order, big, frozen, 1, knobs, 0) == frozenset()
