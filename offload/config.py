@@ -81,6 +81,7 @@ class AioConfig:
     block_bytes: int = 8 << 20     # bytes per I/O request: in training 8 MiB beat 1 MiB by ~10% (RESULTS.md)
     queue_depth: int = 32
     threads: int = 4
+    background_bytes: int = 64 << 20  # libaio: bytes in flight of transfers no compute waits on (states, writes): a weight fetch waits behind at most this; 0: no limit
 
     def validate(self, path: str) -> None:
         if self.engine not in ("auto", "libaio", "threads"):
@@ -90,6 +91,8 @@ class AioConfig:
         for name in ("queue_depth", "threads"):
             if getattr(self, name) < 1:
                 _fail(f"{path}.{name}", getattr(self, name), "must be >= 1", "for example 4")
+        if isinstance(self.background_bytes, bool) or self.background_bytes < 0:
+            _fail(f"{path}.background_bytes", self.background_bytes, "must be >= 0 (0: no limit)", "for example 67108864")
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ class Runtime:
     def open_store(cfg: Config, rank: int = 0) -> SwapStore:
         a = cfg.aio
         return SwapStore(cfg.swap_dir(rank), engine=a.engine, block_bytes=a.block_bytes, queue_depth=a.queue_depth,
-                         threads=a.threads, checksum=cfg.swap_checksum)
+                         threads=a.threads, checksum=cfg.swap_checksum, background_bytes=a.background_bytes or None)
 
     def close(self, handles=()) -> None:
         """Stops the threads (their queued jobs finish first), closes `handles` (their I/O settled, their

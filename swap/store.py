@@ -219,7 +219,8 @@ class SwapStore:
 
     def __init__(self, directory, *, engine: str | IOEngine = "auto", block_bytes: int = DEFAULT_BLOCK_BYTES,
                  queue_depth: int = DEFAULT_QUEUE_DEPTH, threads: int = DEFAULT_THREADS,
-                 checksum: bool = DEFAULT_CHECKSUM, direct: bool | None = None):
+                 checksum: bool = DEFAULT_CHECKSUM, direct: bool | None = None,
+                 background_bytes: int | None = None):
         if block_bytes < ALIGN_BYTES or block_bytes % ALIGN_BYTES:
             raise ValueError(f"block_bytes={block_bytes}: must be a positive multiple of {ALIGN_BYTES}; "
                              f"1048576 (1 MiB) suits most NVMe drives")
@@ -227,7 +228,8 @@ class SwapStore:
         self.checksum = checksum
         self._closed = True  # until construction succeeds (so __del__ of a half-built store is a no-op)
         self._owns_engine = isinstance(engine, str)
-        self.engine = open_engine(engine, queue_depth=queue_depth, threads=threads) if self._owns_engine else engine
+        self.engine = (open_engine(engine, queue_depth=queue_depth, threads=threads, background_bytes=background_bytes)
+                       if self._owns_engine else engine)
         try:
             self.run_dir = make_run_dir(directory)
             try:

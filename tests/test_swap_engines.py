@@ -85,6 +85,8 @@ def test_open_engine_validates_and_auto_says_which(caplog, monkeypatch):
         open_engine("libaio", queue_depth=0)
     with pytest.raises(ValueError, match="threads=0"):
         open_engine("threads", threads=0)
+    with pytest.raises(ValueError, match="background_bytes=0"):
+        open_engine("libaio", background_bytes=0)
 
 
 @pytest.mark.parametrize("name", ENGINES)
@@ -123,3 +125,47 @@ def test_urgent_blocks_go_ahead_of_queued_ones(tmp_path, name):
     finally:
         engine.close()
         os.close(fd)
+
+
+@pytest.mark.skipif(not libaio_available(), reason="libaio.so.1 not installed")
+def test_background_bytes_keeps_queued_state_blocks_from_the_drive_while_urgent_ones_pass(tmp_path):
+    """[Note: urgent blocks]: with background_bytes one block, only one non-urgent block is with the drive
+    at a time (the rest wait in the engine's queue, where urgent ones pass them), and urgent blocks still
+    take the free slots at once; with no limit every free slot takes a queued block."""
+    for limit in (ALIGN_BYTES, None):
+        engine = open_engine("libaio", queue_depth=8, background_bytes=limit)
+        buf = aligned_empty(8 * ALIGN_BYTES).random_(0, 256)
+        fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        order, seen, held, release, all_done = [], [], threading.Event(), threading.Event(), threading.Event()
+
+        def done(block, res):
+            assert res == ALIGN_BYTES
+            seen.append(engine._background_in_flight)
+            if not order and not held.is_set():
+                held.set()
+                assert release.wait(30)  # the reaper is held: what is in flight stays in flight
+            order.append(block.offset // ALIGN_BYTES)
+            if len(order) == 7:
+                all_done.set()
+
+        def block(i, urgent=False):
+            return Block(True, fd, i * ALIGN_BYTES, buf.data_ptr() + i * ALIGN_BYTES, ALIGN_BYTES, done, urgent)
+
+        try:
+            engine.submit([block(0)])
+            assert held.wait(30)
+            engine.submit([block(1), block(2), block(3)])
+            in_flight = 8 - len(engine._free_slots)
+            engine.submit([block(4, True), block(5, True)])
+            engine.submit([block(6)])
+            release.set()
+            assert all_done.wait(30)
+        finally:
+            engine.close()
+            os.close(fd)
+        if limit is None:
+            assert in_flight == 3 and sorted(order) == list(range(7))
+        else:
+            assert in_flight == 1  # block 1: blocks 2 and 3 wait for it
+            assert set(order[1:4]) == {1, 4, 5} and order[4:] == [2, 3, 6]
+            assert max(seen) <= limit
