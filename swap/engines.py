@@ -14,8 +14,9 @@ the windows queued behind it (measured on the 3b preset: the forward's first fet
 behind the deferred steps' windows, against 0.3 s at the drive's speed).
 Blocks already with the drive are the rest of its wait, so the libaio engine can also keep the bytes of
 non-urgent blocks in flight under `background_bytes`: with 8 MiB blocks and queue depth 32, 256 MiB of
-state windows were ahead of each weight fetch at the start of bench-200m's forward (0.11-0.16 s of
-stall a step on a 2.2 GB/s drive), while 2-4 such blocks in flight already reach the drive's bandwidth.
+state windows were ahead of each weight fetch at the start of bench-200m's forward (0.13-0.16 s of
+stall a step on a 2.2 GB/s drive; 0.07-0.10 s with 64 MiB), while 2-4 such blocks in flight already
+reach the drive's bandwidth (bench/RESULTS.md, 2026-12-03).
 Urgent blocks still take any free slot. The swap layer's default is no limit (what `offload bench nvme`
 measures: the drive at full depth); the Engine passes `aio.background_bytes`.
 
