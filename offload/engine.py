@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import weakref
 
 import torch
 from torch import nn
@@ -31,6 +32,7 @@ from scheduler.policy import ResidencyPolicy
 from scheduler.trace import ExecutionTrace
 
 log = logging.getLogger("offload")
+_WRAPPED: weakref.WeakSet = weakref.WeakSet()  # models an Engine has taken over: their parameters are placeholders
 
 
 class Engine(nn.Module):
@@ -42,6 +44,11 @@ class Engine(nn.Module):
         cfg = load_config(config)
         if not any(True for _ in model.parameters()):
             raise ValueError("model: has no parameters; offload trains parameters, pass the model to train")
+        if model in _WRAPPED:
+            raise ValueError("model: already wrapped by an offload engine (open or closed), so its parameters are "
+                             "that engine's empty placeholders, not values; build the model again (or deepcopy it "
+                             "before the first initialize); to go on from the earlier engine's values, load its "
+                             "state_dict(), taken before its close(), into the new engine: load_state_dict(sd)")
         self.cfg, self.module = cfg, model
         self.rank, self.world = _check_unsupported(cfg)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -56,6 +63,7 @@ class Engine(nn.Module):
         self._closed = False
         self.weights: list[WeightHandle] = []
         self.states: list[OptimState | None] = []
+        _WRAPPED.add(model)  # from here on its parameters become the engine's placeholders
         try:
             materialize(self)
         except BaseException:

@@ -223,6 +223,23 @@ def test_model_without_parameters():
         offload.initialize(torch.nn.ReLU())
 
 
+def test_a_model_an_engine_took_over_is_refused_but_a_failed_start_leaves_it_usable(tmp_path):
+    """A second initialize of the same module (after close()) met its placeholders in the forward ("mat2
+    must be a matrix, got 1-D tensor"); now it is refused by name. A start that failed before the
+    parameters moved (budgets too small) leaves the model as it was, so trying again works."""
+    model = MLP()
+    with pytest.raises(PlacementError):
+        offload.initialize(model, cfg(tmp_path, "cpu", "cpu", budgets={"dram_bytes": 4096}))
+    sd = None
+    with offload.initialize(model, cfg(tmp_path, "cpu", "cpu")) as eng:
+        sd = eng.state_dict()
+    with pytest.raises(ValueError, match=r"already wrapped by an offload engine .* load_state_dict\(sd\)"):
+        offload.initialize(model, cfg(tmp_path, "cpu", "cpu"))
+    with offload.initialize(MLP(), cfg(tmp_path, "cpu", "cpu")) as eng:
+        eng.load_state_dict(sd)
+        assert all(torch.equal(v, sd[k]) for k, v in eng.state_dict().items())
+
+
 def test_step_before_backward(tmp_path):
     with offload.initialize(MLP(), cfg(tmp_path, "cpu", "cpu")) as eng:
         with pytest.raises(RuntimeError, match=r"step\(\) called before backward\(\)"):
