@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEVICES = ("none", "cpu", "nvme")
+PRECISION_CHOICES = ("auto", "bf16", "fp16", "fp32")  # offload.precision.CHOICES, without importing torch here
 
 
 def _fail(path: str, value: Any, why: str, fix: str) -> typing.NoReturn:
@@ -141,7 +142,7 @@ class LRScheduleConfig:
 
 @dataclass(frozen=True)
 class Config:
-    precision: str = "bf16"
+    precision: str = "auto"
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 0.0
@@ -172,8 +173,9 @@ class Config:
             v = getattr(self, f.name)
             if dataclasses.is_dataclass(v):
                 v.validate(f.name)
-        if self.precision not in ("bf16", "fp16", "fp32"):
-            _fail("precision", self.precision, "unknown precision", 'use "bf16", "fp16" or "fp32"')
+        if self.precision not in PRECISION_CHOICES:
+            _fail("precision", self.precision, "unknown precision",
+                  'use "bf16", "fp16", "fp32" or "auto" (the default: chosen for the compute device)')
         if self.gradient_accumulation_steps < 1:
             _fail("gradient_accumulation_steps", self.gradient_accumulation_steps, "must be >= 1", "use 1 for none")
         if not self.gradient_clipping >= 0:
@@ -212,9 +214,10 @@ class Config:
 
     @property
     def compute_dtype(self):
-        import torch
+        """The dtype of weights and gradients; "auto" resolved for this host's compute device."""
+        from offload.precision import resolve_precision
 
-        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.precision]
+        return resolve_precision(self.precision).dtype
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -356,7 +359,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="directory for swap files (needed for nvme); several, comma-separated (one per drive): "
                         "each rank of a node takes its turn")
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO partitioning stage")
-    g.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="compute dtype")
+    g.add_argument("--precision", choices=PRECISION_CHOICES, default=None,
+                   help="compute dtype (default auto: bf16 where the device runs it natively, fp16 on an older GPU, "
+                        "fp32 on other CPUs)")
     g.add_argument("--delayed-update", action="store_true", default=None,
                    help="one-step delayed parameter update (the step overlaps the next backward; weights lag one step)")
     g.add_argument("--offload-config", default=None, metavar="PATH", help="a .json/.yaml config; flags override it")

@@ -26,8 +26,9 @@ BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 REGENERATE = "python -m offload.config_doc --write README.md"
 
 HELP = {
-    "precision": 'compute dtype of weights and gradients: "bf16", "fp16" or "fp32"; master weights and '
-                 "optimizer states are always fp32",
+    "precision": 'compute dtype of weights and gradients: "auto" (bf16 where the device runs it natively, fp16 '
+                 'on an older GPU, fp32 on other CPUs; README "Which precision"), "bf16", "fp16" or "fp32"; master '
+                 "weights and optimizer states are always fp32",
     "optimizer": "the optimizer, run on the CPU over fp32 states (CPU Adam)",
     "optimizer.type": '"adamw" (decoupled weight decay) or "adam" (L2 weight decay)',
     "optimizer.lr": "base learning rate; lr_schedule multiplies it",

@@ -12,6 +12,7 @@ import logging
 import math
 import sys
 import weakref
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from offload.materialize import materialize, unit_values
 from offload.optim import OptimState
 from offload.pipeline import Phase, StepPipeline
 from offload.placement import Placement, plan_placement
+from offload.precision import resolve_precision
 from offload.ranks import reduced
 from offload.residency import R, WeightHandle
 from offload.runtime import Runtime
@@ -49,13 +51,15 @@ class Engine(nn.Module):
                              "that engine's empty placeholders, not values; build the model again (or deepcopy it "
                              "before the first initialize); to go on from the earlier engine's values, load its "
                              "state_dict(), taken before its close(), into the new engine: load_state_dict(sd)")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.precision = resolve_precision(cfg.precision, self.device, warn=True)  # "auto" chosen for this device
+        cfg = replace(cfg, precision=self.precision.name)  # everything below sees the precision that runs
         self.cfg, self.module = cfg, model
         self.rank, self.world = _check_unsupported(cfg)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.dtype = cfg.compute_dtype
         self.units: list[Unit] = partition(model, cfg.units.min_numel, cfg.units.classes)
         self.placement: Placement = plan_placement(self.units, cfg, self.device, order=forward_order(model, self.units),
-                                                   world=self.world, rank=self.rank)
+                                                   world=self.world, rank=self.rank, precision=self.precision)
         self.rt = rt = Runtime.open(cfg, self.device, self.placement, self.rank, self.world)
         self.tiers, self.telemetry, self.staging, self.store = rt.tiers, rt.telemetry, rt.staging, rt.store
         self.chunk_numel = rt.chunk_numel

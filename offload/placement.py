@@ -22,6 +22,7 @@ from offload.config import CHUNK_ALIGN_BYTES
 from offload.estimate import OFFLOAD_TIER as HOME  # offload device -> tier
 from offload.memory import (MINIMUM, STATE_KINDS, Knobs, free_holds, grad_reserve, pool_chunks, runtime_parts,
                             totals, working_set_peak)
+from offload.precision import PrecisionChoice, resolve_precision
 from offload.units import Unit
 
 SAFETY = 0.85  # of the memory available at start, when a budget is not given
@@ -52,6 +53,7 @@ class Placement:
     deferred: tuple = ()             # units whose step waits for their next fetch, in forward order ([Note: split step])
     fetched_peak: int = 0            # the peak of fetched weights of shared_sizes in the hbm working set
     shared_sizes: frozenset = frozenset()  # nbytes several fetched units share ([Note: reused host memory for hbm])
+    precision: PrecisionChoice | None = None  # what runs and why (offload.precision)
 
     @property
     def uses_nvme(self) -> bool:
@@ -74,7 +76,7 @@ class Placement:
 
     def summary(self) -> str:
         """Per tier: need of budget, and the runtime's parts with their formulas."""
-        lines = []
+        lines = [f"  {self.precision.line()}"] if self.precision is not None else []
         for tier in ("hbm", "dram", "nvme"):
             budget = getattr(self, f"{tier}_budget")
             lines.append(f"  {tier}: needs {self.need[tier] / 2**20:.1f} MiB of a {budget / 2**20:.1f} MiB budget")
@@ -92,12 +94,16 @@ def _default_budgets(device: torch.device) -> tuple[int, int]:
 
 
 def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = True,
-                   order: list[int] | None = None, world: int = 1, rank: int = 0) -> Placement:
+                   order: list[int] | None = None, world: int = 1, rank: int = 0,
+                   precision: PrecisionChoice | None = None) -> Placement:
     """Homes per unit and the bytes each tier needs (on `rank` of `world`); `check` runs the preflight
     (raises PlacementError). order: the units of a forward (offload.units.forward_order), for hbm's working
     set (offload.memory). With zero_stage 1-3 over several ranks a rank holds the states of the windows it
     owns (offload.chunks.window_owners) and two more pool chunks (the gradient reduce, offload.optim); with
-    stage 3 also only the weights of its chunks of every unit that is fetched (not the persistent ones)."""
+    stage 3 also only the weights of its chunks of every unit that is fetched (not the persistent ones).
+    precision: the engine's choice for cfg.precision on `device`; resolved here when not given ("auto")."""
+    precision = precision or resolve_precision(cfg.precision, device)
+    cfg = replace(cfg, precision=precision.name)  # the plan follows the precision that runs
     itemsize = cfg.compute_dtype.itemsize
     # A chunk larger than every unit's largest fp32 buffer would only hold empty pool bytes.
     largest = max((u.numel for u in units), default=0) * 4
@@ -129,7 +135,7 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     default_hbm, default_dram = _default_budgets(device)
     p = Placement(weight_home, state_home, dict(states), cfg.budgets.hbm_bytes or default_hbm,
                   cfg.budgets.dram_bytes or default_dram, _free_disk(cfg.swap_dir(rank)) if cfg.nvme_path else 0, rows)
-    p.swap_dir = cfg.swap_dir(rank)
+    p.swap_dir, p.precision = cfg.swap_dir(rank), precision
     p.deferred = deferred_units(units, cfg, weight_home, state_home, sharded, order)
     for i in p.deferred:  # their gradient waits on nvme for the next forward, in the compute dtype
         states["nvme"] += units[i].trainable_numel * itemsize

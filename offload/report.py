@@ -116,6 +116,7 @@ def build_report(run: dict, cfg, info: dict, history: dict, final: dict, init_s:
     tail = history["losses"][-min(10, steps):] if steps else []  # none: a run stopped before its first step
     return {
         "model": run["model"], "params": info["params"], "data": run["data"] or "bundled", "steps": steps,
+        "precision": cfg.precision,  # the engine's: "auto" resolved for this host (offload.precision)
         "tokenizer": "bytes" if info["tokenizer"] is None else type(info["tokenizer"]).__name__,
         "tokens_per_step": tokens_per_step, "tokens": steps * tokens_per_step,
         "first_loss": history["losses"][0] if steps else None, "final_loss": tail[-1] if tail else None,

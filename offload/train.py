@@ -1,7 +1,8 @@
 """The main job as a plain function: `train(args_or_config) -> report dict` (the CLI is thin on top).
 
 With no arguments it fine-tunes the `small` preset on the bundled corpus with weights and optimizer
-states swapped to NVMe under ./.offload-swap, in bf16, for a few minutes on two CPU cores. `--model` also
+states swapped to NVMe under ./.offload-swap, in the precision "auto" picks for the host (fp32 on a CPU
+without native bf16), for a few minutes on two CPU cores. `--model` also
 takes a local Hugging Face Llama directory, whose weights stream tensor by tensor from its safetensors
 shards into their tiers (the model is built on the meta device and never exists whole in memory).
 
@@ -354,6 +355,7 @@ def train(args_or_config=None) -> dict:
         try:
             kernel_backend()  # build/load the CPU Adam kernel now, not inside the first timed step
             with offload.initialize(model, cfg, weights=weights) as engine:
+                cfg = engine.cfg  # its precision as resolved for this host ("auto": offload.precision)
                 if resume is not None:
                     engine.load_checkpoint(resume[0])
                     run = {**run, "start_step": resume[1], "resumed_from": resume[0]}

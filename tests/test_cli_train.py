@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from offload.cli import build_parser, main
 
@@ -85,6 +86,9 @@ def test_json_report_is_the_last_stdout_line(tmp_path):
     lines = proc.stdout.strip().splitlines()
     report = json.loads(lines[-1])
     assert report["steps"] == 2 and len(report["losses"]) == 2 and report["tokens_per_step"] == 64
+    picked = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"  # what auto picks on this CPU
+    assert report["precision"] == report["config"]["precision"] == picked
+    assert f"precision {picked} (auto: this CPU" in proc.stderr  # the memory plan says what was chosen and why
     assert any(line.strip().startswith("loss") for line in lines[:-1])     # the summary table came first
     assert "step/s" in proc.stderr or "s/step" in proc.stderr                # the progress bar, on stderr
     assert sorted(os.listdir(out)) == ["memory_and_links.png", "report.json"]

@@ -17,13 +17,14 @@ def run_json(capsys, *argv):
 @pytest.mark.parametrize("stage,exact,shown", [(0, 120_000_000_000, "120 GB"), (1, 31_406_250_000, "31.4 GB"),
                                                (2, 16_640_625_000, "16.6 GB"), (3, 1_875_000_000, "1.88 GB")])
 def test_zero_paper_example_7_5b_params_64_ranks(capsys, stage, exact, shown):
-    # ZeRO (Rajbhandari et al. 2020), Figure 1: Psi = 7.5B, N_d = 64, K = 12.
-    out = run_json(capsys, "--params", "7.5e9", "--dp", "64", "--stage", str(stage))
+    # ZeRO (Rajbhandari et al. 2020), Figure 1: Psi = 7.5B, N_d = 64, K = 12 (mixed precision: bf16 given,
+    # since the default, "auto", is fp32 on a CPU without native bf16).
+    out = run_json(capsys, "--params", "7.5e9", "--dp", "64", "--stage", str(stage), "--precision", "bf16")
     assert out["model_states"] == {"hbm_bytes": exact, "dram_bytes": 0, "nvme_bytes": 0}
     assert format_bytes(out["model_states"]["hbm_bytes"]) == shown
     assert out["K"] == 12 and isinstance(out["formula"], str)
     assert out["per_rank"] == {k: out["model_states"][k] + out["runtime"][k] for k in out["per_rank"]}
-    assert cli.main(["estimate", "--params", "7.5B", "--dp", "64", "--stage", str(stage)]) == 0
+    assert cli.main(["estimate", "--params", "7.5B", "--dp", "64", "--stage", str(stage), "--precision", "bf16"]) == 0
     assert shown in capsys.readouterr().out
 
 
@@ -141,7 +142,8 @@ def test_non_llama_config_is_refused(tmp_path, capsys):
 
 
 def test_resident_units_sets_the_fetch_window(capsys):
-    base = ["--params", "1B", "--unit-numel", "1000000", "--offload-param", "nvme", "--offload-optimizer", "nvme"]
+    base = ["--params", "1B", "--unit-numel", "1000000", "--offload-param", "nvme", "--offload-optimizer", "nvme",
+            "--precision", "bf16"]  # 2 B weights
     default = {p["name"]: p["bytes"] for p in run_json(capsys, *base)["runtime"]["parts"]}
     two = {p["name"]: p["bytes"] for p in run_json(capsys, *base, "--resident-units", "2")["runtime"]["parts"]}
     assert default["fetched weights"] == 4 * 2 * 1_000_000 and two["fetched weights"] == 2 * 2 * 1_000_000

@@ -16,7 +16,7 @@ def _resolve(**kw):
 def test_defaults_are_the_demo_recipe():
     cfg, run = _resolve()
     assert (cfg.offload_param.device, cfg.offload_optimizer.device) == ("nvme", "nvme")
-    assert cfg.nvme_path == recipe.DEFAULT_SWAP_DIR and cfg.precision == "bf16"
+    assert cfg.nvme_path == recipe.DEFAULT_SWAP_DIR and cfg.precision == "auto"  # resolved by the engine
     assert cfg.optimizer.lr == recipe.RECIPE["lr"] and cfg.gradient_clipping == recipe.RECIPE["clip"]
     assert cfg.lr_schedule.type == "cosine" and cfg.lr_schedule.total_steps == recipe.RECIPE["steps"]
     assert run == {k: recipe.RECIPE[k] for k in ("model", "steps", "batch_size", "seq_len")} | {"data": None,

@@ -9,6 +9,7 @@ import os
 
 from offload import estimate as est
 from offload.models import PRESETS
+from offload.precision import resolve_precision
 
 
 def register(subparsers) -> None:
@@ -23,7 +24,9 @@ def register(subparsers) -> None:
     p.add_argument("--stage", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
     p.add_argument("--offload-param", default="none", choices=("none", "cpu", "nvme"))
     p.add_argument("--offload-optimizer", default="none", choices=("none", "cpu", "nvme"))
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+                   help="compute dtype of weights and gradients (default auto: what the engine picks on this host, "
+                        "README 'Which precision')")
     p.add_argument("--unit-numel", type=int, default=None,
                    help="parameters in the largest unit (default: from the model; with --params, params/"
                         f"{est.DEFAULT_UNITS_FOR_PARAMS})")
@@ -54,12 +57,15 @@ def run(args) -> int:
     if (args.resident_units is not None and args.resident_units < 1) or args.activation_bytes < 0:
         raise ValueError(f"--resident-units={args.resident_units}, --activation-bytes={args.activation_bytes}: "
                          f"need at least 1 resident unit and non-negative bytes")
+    choice = resolve_precision(args.precision)  # as the engine would resolve it on this host
+    args.precision = choice.name
     result = est.estimate(_shape(args), dp=args.dp, stage=args.stage, offload_param=args.offload_param,
                           offload_optimizer=args.offload_optimizer, precision=args.precision,
                           hbm_units=args.resident_units, activation_bytes=args.activation_bytes)
+    result["precision_reason"] = choice.line()
     if args.model is not None and args.dp == 1 and (args.model in PRESETS or os.path.isdir(args.model)):
         result["engine_plan"] = _engine_plan(args)
-    table = est.format_table(result)
+    table = est.format_table(result) + "\n" + choice.line()
     if "engine_plan" in result:
         plan = result["engine_plan"]
         table += ("\nthe engine's own plan for this model in one process (padded unit buffers, staging, working "
