@@ -37,6 +37,7 @@ import os
 import random
 import sys
 import time
+import uuid
 from collections import OrderedDict
 
 import torch
@@ -45,6 +46,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from offload import checkpoint_format as fmt
 from offload.checkpoint_format import CheckpointError
 from offload.chunks import chunk_key
+from offload.pipeline import TRANSITIONS, Phase
 
 log = logging.getLogger("offload")
 
@@ -71,14 +73,22 @@ def save(engine, directory: str, name: str | None = None, keep: int | None = Non
     with fmt.writing(directory, name) as tmp:
         part = _save_part(engine, tmp, accumulator)
         fmt.write_manifest(tmp, {**manifest, **_merge([part])})
-    return _published(directory, name, keep)
+    return _published(engine, directory, name, keep)
 
 
-def _published(directory: str, name: str, keep: int | None) -> str:
+def _published(engine, directory: str, name: str, keep: int | None) -> str:
     fmt.point_latest(directory, name)
     if keep is not None:
-        fmt.prune(directory, keep)
+        fmt.prune(directory, keep, run_id(engine))
     return os.path.join(directory, name)
+
+
+def run_id(engine) -> str:
+    """The run `engine` continues: the one of the last checkpoint it loaded, else its own, made at its first
+    save ([Note: a manifest that is checked]: `keep` prunes only this run's checkpoints)."""
+    if engine.checkpoint_run_id is None:
+        engine.checkpoint_run_id = uuid.uuid4().hex
+    return engine.checkpoint_run_id
 
 
 def _save_part(engine, tmp: str, accumulator: bool) -> dict:
@@ -144,7 +154,7 @@ def _save_ranks(engine, directory: str, name: str, keep: int | None, manifest: d
                 raise CheckpointError(f"saving {final}: " + "; ".join(failed) + "; nothing was published")
             fmt.write_manifest(tmp, {**manifest, "world_size": engine.world, **_merge(parts)})
             fmt.commit(tmp, final)
-            outcome = [_published(directory, name, keep)]
+            outcome = [_published(engine, directory, name, keep)]
         except BaseException as e:
             fmt.abort(tmp)
             outcome = [f"{type(e).__name__}: {e}"]
@@ -167,7 +177,8 @@ def _manifest_head(engine, counters: dict, accumulator: bool, extra: dict | None
     essentials = json.loads(json.dumps(cfg.to_dict()))
     return {"format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "world_size": engine.world,
             "zero_stage": cfg.zero_stage, "precision": cfg.precision, **counters, "accumulator": accumulator,
-            "saved_at": time.time(), "config": {k: essentials[k] for k in CONFIG_KEYS}, "extra": extra}
+            "saved_at": time.time(), "config": {k: essentials[k] for k in CONFIG_KEYS}, "extra": extra,
+            "run_id": run_id(engine)}
 
 
 def _save_parameters(engine, out: fmt.DataFile, accumulator: bool, states: bool = True, weights: bool = True) -> dict:
@@ -281,17 +292,48 @@ def load(engine, path: str) -> dict:
     buffers = _match_buffers(engine.module, manifest, ckpt)
     with fmt.Reader(ckpt, manifest) as files:
         files.verify_all(manifest)
-        engine.pipeline.release_all()  # no fetched copy may outlive the update of its home
-        for unit in engine.units:
-            _load_unit(engine, unit, {s.offset: plan[(unit.index, s.offset)] for s in unit.slots}, files,
-                       manifest["accumulator"])
-        for name, (b, entry) in buffers.items():
-            value = torch.empty(b.numel(), dtype=fmt.dtype_of(entry["dtype"]))
-            files.read_elements(entry, 0, b.numel(), value, f"buffer {name}")
-            b.copy_(value.view(b.shape))
-    engine.pipeline.restore(manifest)
+        try:
+            _write_all(engine, manifest, plan, buffers, files)
+        except BaseException as e:
+            _fail_half_loaded(engine, ckpt, e)
+            raise
     _set_rng_state(manifest["rng"].get(str(engine.rank)))
+    engine.checkpoint_run_id = manifest.get("run_id") or run_id(engine)  # the run it continues
     return manifest["extra"]
+
+
+def _write_all(engine, manifest: dict, plan: dict, buffers: dict, files: fmt.Reader) -> None:
+    """The checkpoint's states into the units' homes, its buffers into the module, its counters into the
+    step pipeline: the part of a load that changes the engine."""
+    engine.pipeline.release_all()  # no fetched copy may outlive the update of its home
+    for unit in engine.units:
+        _load_unit(engine, unit, {s.offset: plan[(unit.index, s.offset)] for s in unit.slots}, files,
+                   manifest["accumulator"])
+    for name, (b, entry) in buffers.items():
+        value = torch.empty(b.numel(), dtype=fmt.dtype_of(entry["dtype"]))
+        files.read_elements(entry, 0, b.numel(), value, f"buffer {name}")
+        b.copy_(value.view(b.shape))
+    engine.pipeline.restore(manifest)
+
+
+# [Note: a load that fails half-way]
+# Everything a load can check (manifest, names, shapes, ranges, every crc32) is checked before the first
+# write; what can still fail after it is I/O (a swap write's ENOSPC or EIO, a file shortened while read).
+# Staging the whole checkpoint beside the engine's states to swap it in at once would double their disk or
+# memory, so a load that fails after its first write fails the engine, as a failed step does: every later
+# forward, backward, step or save is refused with the cause, and the user loads into a new engine.
+# The step pipeline has no public way to fail from outside a step, so its public phase and failure are set
+# here, through the same transition table.
+
+def _fail_half_loaded(engine, ckpt: str, error: BaseException) -> None:
+    pipe = engine.pipeline
+    if (pipe.phase, Phase.FAILED) not in TRANSITIONS:
+        return  # closed meanwhile: nothing trains on
+    pipe.failure = (f"loading the checkpoint {ckpt} failed after it began writing the engine's states "
+                    f"({type(error).__name__}: {error}); weights and optimizer states are partly the "
+                    "checkpoint's, so this engine trains no further. close() it and load the checkpoint into a "
+                    "new engine (offload.initialize)")
+    pipe.phase = Phase.FAILED
 
 
 def _load_unit(engine, unit, entries: dict, files: fmt.Reader, accumulator: bool) -> None:

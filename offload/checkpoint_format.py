@@ -11,25 +11,39 @@ the step pipeline's counters (offload.checkpoint, [Note: what a checkpoint holds
 "nbytes"}}, "extra", "tensors": {name: {"shape", "dtype" (compute dtype), "trainable", "aliases" (the tied
 names of the same parameter), "step", "has_grad", and per kind (master, exp_avg, exp_avg_sq, grad; or
 weight when frozen) {"dtype", "ranges": [{"begin", "end", "file", "offset", "nbytes", "crc32"}]}}},
-"buffers": {name: {"shape", "dtype", "ranges"}}}. A range holds elements [begin, end) of the flattened
-tensor at bytes [offset, offset + nbytes) of `file`, with the crc32 of those bytes; it is at most one
+"buffers": {name: {"shape", "dtype", "ranges"}}, "run_id", "manifest_sha256"}. A range holds elements
+[begin, end) of the flattened tensor at bytes [offset, offset + nbytes) of `file`, with the crc32 of those bytes; it is at most one
 chunk. The engine's flat buffers, their padding and their windows over ranks are not part of the format,
 so any placement, and any world size, reads a tensor by name and element range (over ranks, a tensor's
 ranges of one kind may lie in several ranks' files).
+
+[Note: a manifest that is checked]
+"manifest_sha256" is the sha256 of the manifest's canonical JSON (sorted keys, no spaces) without that key,
+so a flipped digit in `step_count`, `loss_scale` or a shape is refused by name, as a flipped data byte is by
+its range's crc32; its structure (every key a load reads, of its type) is checked before anything is used.
+"run_id" names the run that wrote it (a run that loads a checkpoint continues its run): `keep` prunes only
+that run's checkpoints. Checkpoints written before these two fields existed still load, with a one-line
+warning that their manifest is not verified (refusing them would strand a user's earlier runs), and are
+never pruned (no run id says whose they are).
 
 [Note: atomic saves]
 Everything is written under <dir>/.tmp-<name> and fsynced; the directory is renamed to <dir>/<name> and
 the parent directory fsynced; only then is `latest` replaced (a temporary file, fsynced, renamed). A save
 interrupted at any point (an exception, SIGKILL, power loss) leaves the previous checkpoint and `latest`
-as they were; a later save of the same name removes the leftover. `keep` prunes the oldest complete
-checkpoints (by the time they were written), never the one `latest` names.
+as they were; a later save of the same name removes the leftover. Files are created with O_CREAT|O_EXCL|
+O_NOFOLLOW, so a name planted in the directory (a symlink at `.latest.tmp`) is never written through.
+`latest` holds one path component naming a checkpoint of its own directory; anything else (`../x`, an
+absolute path, a symlink) is refused. `keep` prunes the oldest complete checkpoints of the saving run (by
+the step in their manifests), never the one `latest` names.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
+import logging
 import os
 import shutil
 import zlib
@@ -39,6 +53,11 @@ import torch
 FORMAT, FORMAT_VERSION = "offload-checkpoint", 1
 MANIFEST, LATEST = "manifest.json", "latest"
 VERIFY_BYTES = 8 << 20  # checksums are verified reading this much at a time
+DIGEST = "manifest_sha256"
+# New files: never through a symlink or over an existing name ([Note: atomic saves])
+CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+log = logging.getLogger("offload")
 
 
 class CheckpointError(ValueError):
@@ -92,20 +111,27 @@ class DataFile:
     """One rank's data file, written front to back; every range gets its crc32."""
 
     def __init__(self, directory: str, name: str):
-        self.name, self.nbytes = name, 0
-        self.f = open(os.path.join(directory, name), "wb")
+        self.name, self.nbytes, self.path = name, 0, os.path.join(directory, name)
+        self.f = create(self.path)
 
     def write(self, t: torch.Tensor, begin: int, end: int) -> dict:
         data = as_bytes(t)
-        self.f.write(data)
+        try:
+            self.f.write(data)
+        except OSError as e:  # a full disk: say which file and where
+            raise OSError(e.errno, f"{e.strerror or e} (writing {len(data)} bytes at byte {self.nbytes})",
+                          self.path) from e
         r = {"begin": begin, "end": end, "file": self.name, "offset": self.nbytes, "nbytes": len(data),
              "crc32": zlib.crc32(data)}
         self.nbytes += len(data)
         return r
 
     def sync(self) -> None:
-        self.f.flush()
-        os.fsync(self.f.fileno())
+        try:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+        except OSError as e:
+            raise OSError(e.errno, f"{e.strerror or e} (flushing {self.nbytes} bytes)", self.path) from e
 
     def __enter__(self) -> "DataFile":
         return self
@@ -115,51 +141,77 @@ class DataFile:
 
 
 def write_manifest(directory: str, manifest: dict) -> None:
+    """manifest.json with its digest ([Note: a manifest that is checked])."""
+    manifest = {**manifest, DIGEST: manifest_digest(manifest)}
     _write_synced(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1).encode())
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's canonical JSON, its own digest left out."""
+    body = {k: v for k, v in manifest.items() if k != DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def point_latest(directory: str, name: str) -> None:
     """<directory>/latest names `name`, replaced atomically: readers see the old or the new name."""
     path, tmp = os.path.join(directory, LATEST), os.path.join(directory, f".{LATEST}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # left by an interrupted save, or planted: unlink removes a symlink, not its target
     try:
         _write_synced(tmp, f"{name}\n".encode())
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise
     _fsync_dir(directory)
 
 
-def list_checkpoints(directory: str) -> list[str]:
-    """Names of the complete checkpoints in `directory`, oldest first (by when their manifest was written)."""
+def list_checkpoints(directory: str, run_id: str | None = None) -> list[str]:
+    """Names of the complete checkpoints in `directory`, oldest first by the step in their manifests (then by
+    when they were saved); with `run_id`, only that run's. A manifest that does not read is left out."""
     found = []
     for name in os.listdir(directory):
-        manifest = os.path.join(directory, name, MANIFEST)
-        if not name.startswith(".") and os.path.isfile(manifest):
-            found.append((os.stat(manifest).st_mtime_ns, name))
+        path = os.path.join(directory, name)
+        if name.startswith(".") or os.path.islink(path) or not os.path.isfile(os.path.join(path, MANIFEST)):
+            continue
+        try:
+            m = read_manifest(path, quiet=True)
+        except (CheckpointError, OSError):
+            continue
+        if run_id is None or m.get("run_id") == run_id:
+            found.append(((m["step_count"], m["micro_step"], m["saved_at"]), name))
     return [name for _, name in sorted(found)]
 
 
-def prune(directory: str, keep: int) -> None:
-    """Removes all but the newest `keep` checkpoints, never the one `latest` names."""
+def prune(directory: str, keep: int, run_id: str) -> None:
+    """Removes all but the newest `keep` checkpoints of run `run_id`, never the one `latest` names, never
+    another run's (nor one without a run id: written by an older offload)."""
     with open(os.path.join(directory, LATEST)) as f:
         latest = f.read().strip()
     for name in os.listdir(directory):
         if name.startswith(".del-"):  # a prune interrupted earlier
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-    for name in list_checkpoints(directory)[:-keep]:
+    for name in list_checkpoints(directory, run_id)[:-keep]:
         if name != latest:
             trash = os.path.join(directory, f".del-{name}")  # renamed first: never a half-removed checkpoint
             os.rename(os.path.join(directory, name), trash)
             shutil.rmtree(trash, ignore_errors=True)
 
 
+def create(path: str):
+    """A new file at `path`, open for binary writing: never an existing name, never through a symlink."""
+    return os.fdopen(os.open(path, CREATE_FLAGS, 0o644), "wb")
+
+
 def _write_synced(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with create(path) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror or e} (writing {len(data)} bytes)", path) from e
 
 
 def _fsync_dir(path: str) -> None:
@@ -173,13 +225,22 @@ def _fsync_dir(path: str) -> None:
 # -- reading ---------------------------------------------------------------------------------------------------
 
 def resolve(path: str) -> str:
-    """The checkpoint at `path`: a checkpoint directory itself, or the one `path/latest` names."""
+    """The checkpoint at `path`: a checkpoint directory itself, or the one `path/latest` names (one path
+    component: a checkpoint of `path` itself, [Note: atomic saves])."""
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return path
     latest = os.path.join(path, LATEST)
     if os.path.isfile(latest):
         with open(latest) as f:
-            ckpt = os.path.join(path, f.read().strip())
+            name = f.read().strip()
+        if not name or name in (".", "..") or name.startswith(".") or "/" in name or os.sep in name or "\0" in name:
+            raise CheckpointError(f"{latest}: names {name!r}, which is not a checkpoint of {path} (one name, no "
+                                  "'/', not hidden); write the name of one of its checkpoints into it, or pass "
+                                  "the checkpoint's directory itself")
+        ckpt = os.path.join(path, name)
+        if os.path.islink(ckpt):
+            raise CheckpointError(f"{latest}: names {ckpt}, a symlink; a checkpoint of {path} is a directory "
+                                  "in it: pass the checkpoint's own path")
         if not os.path.isfile(os.path.join(ckpt, MANIFEST)):
             raise CheckpointError(f"{latest}: names {ckpt}, which holds no {MANIFEST}")
         return ckpt
@@ -187,7 +248,9 @@ def resolve(path: str) -> str:
                             f"(no {LATEST})", path)
 
 
-def read_manifest(ckpt: str) -> dict:
+def read_manifest(ckpt: str, quiet: bool = False) -> dict:
+    """The manifest of checkpoint `ckpt`, its digest and structure checked ([Note: a manifest that is
+    checked]); one without a digest (an older offload's) is read with a warning, unless `quiet`."""
     path = os.path.join(ckpt, MANIFEST)
     with open(path) as f:
         try:
@@ -201,7 +264,69 @@ def read_manifest(ckpt: str) -> dict:
         newer = isinstance(version, int) and version > FORMAT_VERSION
         raise CheckpointError(f"{path}: format_version={version!r}; this offload reads version {FORMAT_VERSION}"
                               + ("; written by a newer offload: upgrade offload to load it" if newer else ""))
+    if DIGEST not in m:
+        if not quiet:
+            log.warning("offload: %s has no %s (written by an older offload): its manifest is not verified, and "
+                        "`keep` never prunes it", path, DIGEST)
+    elif m[DIGEST] != manifest_digest(m):
+        raise CheckpointError(f"{path}: its sha256 is {manifest_digest(m)}, the {DIGEST} it holds is {m[DIGEST]!r}; "
+                              "the manifest was damaged or edited (a step, a shape, a checksum): load another checkpoint")
+    problem = _structure_problem(m)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}; the manifest is damaged: load another checkpoint")
     return m
+
+
+# What a load reads from a manifest, and its type ([Note: the format]); checked before any of it is used
+_TOP = {"world_size": int, "zero_stage": int, "precision": str, "step_count": int, "micro_step": int,
+        "loss_scale": (int, float), "good_steps": int, "skipped_steps": int, "accumulator": bool,
+        "last_grad_norm": (int, float, type(None)), "pending_update": (dict, type(None)), "saved_at": (int, float),
+        "config": dict, "extra": dict, "rng": dict, "files": dict, "tensors": dict, "buffers": dict}
+_RANGE = {"begin": int, "end": int, "file": str, "offset": int, "nbytes": int, "crc32": int}
+_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad", "weight")
+
+
+def _structure_problem(m: dict) -> str | None:
+    """What is missing or of the wrong type in manifest `m`, or None."""
+    problem = _fields(m, _TOP, "") or _fields(m["config"], {"gradient_accumulation_steps": int}, "config")
+    if problem:
+        return problem
+    for rank, state in m["rng"].items():
+        problem = problem or _fields(state, {"python": list, "torch": str}, f"rng.{rank}")
+    for name, info in m["files"].items():
+        problem = problem or _fields(info, {"rank": int, "nbytes": int}, f"files.{name}")
+    for name, entry in m["tensors"].items():
+        where = f"tensors.{name}"
+        problem = problem or _fields(entry, {"shape": list, "dtype": str, "trainable": bool, "aliases": list}, where)
+        for kind in _KINDS:
+            if problem is None and kind in entry:
+                problem = _stored(entry[kind], f"{where}.{kind}")
+        if problem is None and not all(type(d) is int and d >= 0 for d in entry["shape"]):
+            problem = f"{where}.shape is {entry['shape']!r}, not a list of sizes"
+    for name, entry in m["buffers"].items():
+        where = f"buffers.{name}"
+        problem = problem or _fields(entry, {"shape": list}, where) or _stored(entry, where)
+    return problem
+
+
+def _stored(where: dict, what: str) -> str | None:
+    """A tensor's bytes of one kind: {"dtype", "ranges": [{begin, end, file, offset, nbytes, crc32}]}."""
+    problem = _fields(where, {"dtype": str, "ranges": list}, what)
+    for i, r in enumerate(where["ranges"] if problem is None else ()):
+        problem = problem or _fields(r, _RANGE, f"{what}.ranges[{i}]")
+    return problem
+
+
+def _fields(d, types: dict, what: str) -> str | None:
+    if not isinstance(d, dict):
+        return f"{what or 'the manifest'} is {type(d).__name__}, not an object"
+    for key, typ in types.items():
+        if key not in d:
+            return f"{what + '.' if what else ''}{key} is missing"
+        value, allowed = d[key], typ if isinstance(typ, tuple) else (typ,)
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):  # True is an int
+            return f"{what + '.' if what else ''}{key} is {value!r}, not of the type a checkpoint holds"
+    return None
 
 
 def check_ranges(what: str, where: dict, numel: int, files: dict) -> list[str]:
@@ -235,8 +360,8 @@ class Reader:
         try:
             for name, info in manifest["files"].items():
                 path = os.path.join(ckpt, name)
-                fd = os.open(path, os.O_RDONLY)
-                self.fds[name] = (fd, path)
+                self.fds[name] = (_open_data(path, name, info), path)
+                fd = self.fds[name][0]
                 size = os.fstat(fd).st_size
                 if size != info["nbytes"]:
                     raise CheckpointError(f"{path}: {size} bytes, the manifest says {info['nbytes']} ("
@@ -290,6 +415,16 @@ class Reader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _open_data(path: str, name: str, info: dict) -> int:
+    if name != os.path.basename(name) or name.startswith("."):
+        raise CheckpointError(f"{path}: the manifest names data file {name!r}, not a file of the checkpoint itself")
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: missing (the manifest lists it: rank {info['rank']}'s {info['nbytes']} "
+                              "bytes); the checkpoint is incomplete: copy it whole, or load another") from e
 
 
 def verify(ckpt: str, manifest: dict) -> None:

@@ -65,6 +65,7 @@ class Engine(nn.Module):
         self.chunk_numel = rt.chunk_numel
         self.trace = ExecutionTrace(self.placement.knobs.prefetch_units)
         self._closed = False
+        self.checkpoint_run_id: str | None = None  # the run its checkpoints belong to (offload.checkpoint.run_id)
         self.weights: list[WeightHandle] = []
         self.states: list[OptimState | None] = []
         _WRAPPED.add(model)  # from here on its parameters become the engine's placeholders

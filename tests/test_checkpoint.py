@@ -188,6 +188,188 @@ def test_format_version_names_and_shapes_are_checked(saved, tmp_path):
     _load_fails(model, cfg, path, r"format_version=2; this offload reads version 1; written by a newer offload")
 
 
+# --- the manifest checked, names contained, this run's prune, never half-loaded ---------------------------------
+
+def test_a_flipped_digit_in_the_manifest_is_refused_by_name(saved, capsys):
+    model, cfg, path = saved
+    manifest = os.path.join(path, "manifest.json")
+    text = open(manifest).read()
+    assert '"step_count": 2,' in text
+    with open(manifest, "w") as f:  # valid JSON, a plausible step: only the digest tells
+        f.write(text.replace('"step_count": 2,', '"step_count": 3,'))
+    _load_fails(model, cfg, path, r"manifest\.json: its sha256 is [0-9a-f]{64}, the manifest_sha256 it holds is .*"
+                                  r"damaged or edited")
+    assert main(["checkpoint", "inspect", path]) == 2
+    assert "manifest.json: its sha256" in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_an_older_offload_loads_with_one_warning(saved, caplog):
+    """Written before the digest and the run id: loaded (refusing would strand earlier runs), said in one
+    line, and never pruned (no run id says whose it is)."""
+    model, cfg, path = saved
+    manifest = os.path.join(path, "manifest.json")
+    m = json.load(open(manifest))
+    del m["manifest_sha256"], m["run_id"]
+    json.dump(m, open(manifest, "w"))
+    caplog.set_level("WARNING", logger="offload")
+    with offload.initialize(copy.deepcopy(model), cfg) as eng:
+        eng.load_checkpoint(path)
+        assert eng.step_count == 2
+        old = [r.message for r in caplog.records if "manifest_sha256" in r.message]
+        assert len(old) == 1 and "older offload" in old[0] and "\n" not in old[0]
+        d = os.path.dirname(path)
+        eng.backward(eng(*mlp_batches(3)[2]))
+        eng.step()
+        eng.save_checkpoint(d, keep=1)
+    assert sorted(fmt.list_checkpoints(d)) == ["step00000002", "step00000003"]
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda m: m.pop("tensors"), r"manifest\.json: tensors is missing"),
+    (lambda m: m["tensors"]["blocks.0.fc1.weight"]["master"]["ranges"][0].pop("crc32"),
+     r"manifest\.json: tensors\.blocks\.0\.fc1\.weight\.master\.ranges\[0\]\.crc32 is missing"),
+    (lambda m: m.__setitem__("step_count", "2"), r"manifest\.json: step_count is '2', not of the type"),
+    (lambda m: m["files"]["rank0.bin"].__setitem__("nbytes", None), r"files\.rank0\.bin\.nbytes is None"),
+])
+def test_a_manifest_of_broken_structure_is_a_checkpoint_error_naming_the_file(saved, damage, match):
+    """A manifest edited with its digest recomputed (or an older one without): its structure is checked, so a
+    missing or mistyped field is a CheckpointError naming the file and the field, not a KeyError."""
+    model, cfg, path = saved
+    manifest = os.path.join(path, "manifest.json")
+    m = json.load(open(manifest))
+    damage(m)
+    m["manifest_sha256"] = fmt.manifest_digest(m)
+    json.dump(m, open(manifest, "w"))
+    _load_fails(model, cfg, path, match)
+
+
+def test_a_missing_data_file_is_a_checkpoint_error_naming_it(saved):
+    model, cfg, path = saved
+    os.remove(os.path.join(path, "rank0.bin"))
+    _load_fails(model, cfg, path, r"rank0\.bin: missing \(the manifest lists it: rank 0's \d+ bytes\); the "
+                                  r"checkpoint is incomplete")
+
+
+def test_latest_names_one_checkpoint_of_its_own_directory(saved, tmp_path):
+    model, cfg, path = saved
+    d = os.path.dirname(path)
+    outside = tmp_path / "outside"
+    os.makedirs(outside)
+    os.rename(path, outside / "ckpt")  # a real checkpoint, outside the directory `latest` is in
+    os.symlink(outside / "ckpt", os.path.join(d, "linked"))
+    for name in ("../outside/ckpt", str(outside / "ckpt"), "..", ".tmp-step00000002"):
+        with open(os.path.join(d, "latest"), "w") as f:
+            f.write(name + "\n")
+        with pytest.raises(CheckpointError, match=r"latest: names .*, which is not a checkpoint of .*; write the "
+                                                  r"name of one of its checkpoints"):
+            fmt.resolve(d)
+    with open(os.path.join(d, "latest"), "w") as f:
+        f.write("linked\n")
+    with pytest.raises(CheckpointError, match=r"latest: names .*linked, a symlink"):
+        fmt.resolve(d)
+    assert fmt.resolve(str(outside / "ckpt")) == str(outside / "ckpt")  # named itself, it loads
+
+
+def test_a_symlink_planted_at_the_latest_temporary_is_not_written_through(tmp_path, monkeypatch):
+    """`.latest.tmp` in a directory others can write: a symlink there is replaced, never followed; and every
+    file a save creates is opened O_CREAT|O_EXCL|O_NOFOLLOW (without either flag a race between the removal
+    of a planted name and the open would write through it)."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    d = tmp_path / "ckpts"
+    d.mkdir()
+    os.symlink(victim, d / ".latest.tmp")
+    opened = []
+    real_open = os.open
+
+    def recording_open(path, flags, *args, **kwargs):
+        if str(path).startswith(str(d)) and flags & (os.O_WRONLY | os.O_RDWR):
+            opened.append((os.path.basename(path), flags))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    with offload.initialize(MLP(), config(tmp_path, "cpu")) as eng:
+        path = eng.save_checkpoint(str(d))
+    assert victim.read_text() == "precious\n"
+    assert (d / "latest").read_text() == "step00000000\n" and not os.path.lexists(d / ".latest.tmp")
+    assert {name for name, _ in opened} == {"rank0.bin", "manifest.json", ".latest.tmp"}
+    for name, flags in opened:
+        assert flags & os.O_CREAT and flags & os.O_EXCL and flags & os.O_NOFOLLOW, name
+    assert fmt.resolve(str(d)) == path
+
+
+def test_keep_prunes_this_runs_oldest_by_step_not_by_file_time(tmp_path):
+    """Two runs share a directory: each prunes only its own checkpoints, the oldest by the step in their
+    manifests (a copied or restored checkpoint's file time says nothing); a run resumed from a checkpoint
+    continues that run and prunes its earlier checkpoints."""
+    torch.manual_seed(0)
+    d, batches = str(tmp_path / "ckpts"), mlp_batches(5)
+    with offload.initialize(MLP(), config(tmp_path / "other", "cpu")) as other:
+        other.save_checkpoint(d, name="other-run")
+    with offload.initialize(MLP(), config(tmp_path, "cpu")) as eng:
+        for x, y in batches[:2]:
+            eng.backward(eng(x, y))
+            eng.step()
+            eng.save_checkpoint(d)
+        os.utime(os.path.join(d, "step00000002", "manifest.json"), (1, 1))  # newest step, oldest file time
+        eng.backward(eng(*batches[2]))
+        eng.step()
+        eng.save_checkpoint(d, keep=2)
+        assert sorted(os.listdir(d)) == ["latest", "other-run", "step00000002", "step00000003"]
+    with offload.initialize(MLP(), config(tmp_path / "resumed", "cpu")) as eng:
+        eng.load_checkpoint(os.path.join(d, "step00000002"))
+        eng.backward(eng(*batches[2]))
+        eng.step()
+        eng.save_checkpoint(d, name="step00000003-again", keep=2)  # the same run: step 2 is its oldest now
+    assert sorted(os.listdir(d)) == ["latest", "other-run", "step00000003", "step00000003-again"]
+    assert fmt.list_checkpoints(d) == ["other-run", "step00000003", "step00000003-again"]
+
+
+class _FailingStoreWrites:
+    """The swap store's writes fail from the `after`-th on (as a drive that fills up would)."""
+
+    def __init__(self, store, after: int):
+        self.store, self.left = store, after
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def __contains__(self, key):
+        return key in self.store
+
+    def write(self, *a, **kw):
+        self.left -= 1
+        if self.left < 0:
+            raise OSError(28, "No space left on device (injected)")
+        return self.store.write(*a, **kw)
+
+
+def test_a_load_that_fails_after_verification_fails_the_engine(saved, tmp_path):
+    """Everything verified, then a swap write fails half-way through writing the states: the engine is not
+    left half-loaded and usable; it is failed with the cause, as a failed step is, and close() still works."""
+    from offload.pipeline import Phase, StepFailed
+
+    model, cfg, path = saved
+    eng = offload.initialize(copy.deepcopy(model), {**cfg, "nvme_path": str(tmp_path / "swap2")})
+    try:
+        eng.store = eng.rt.store = failing = _FailingStoreWrites(eng.store, after=3)  # checkpoints write through both
+        with pytest.raises(OSError, match="injected"):
+            eng.load_checkpoint(path)
+        eng.store = eng.rt.store = failing.store
+        assert eng.phase is Phase.FAILED
+        x, y = mlp_batches(1)[0]
+        for call in (lambda: eng(x, y), eng.step, eng.full_state_dict, lambda: eng.save_checkpoint(str(tmp_path))):
+            with pytest.raises(StepFailed, match=r"loading the checkpoint .*step00000002 failed after it began "
+                                                 r"writing the engine's states \(OSError: .*injected.*load the "
+                                                 r"checkpoint into a new engine"):
+                call()
+    finally:
+        eng.close()
+    with offload.initialize(copy.deepcopy(model), cfg) as again:  # the checkpoint itself is fine
+        again.load_checkpoint(path)
+        assert again.step_count == 2
+
+
 # --- atomic saves --------------------------------------------------------------------------------------------
 
 class Interrupted(Exception):
@@ -457,7 +639,7 @@ def test_offload_train_resume_continues_the_loss_curve(tmp_path, capsys):
 
     assert main(["checkpoint", "inspect", d, "--verify", "--json"]) == 0
     info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert info["step_count"] == 4 and info["verified"] and info["precision"] == "bf16"
+    assert info["step_count"] == 4 and info["verified"] and info["precision"] == straight["precision"]  # auto: the host's
     assert info["extra"] == ["hf_config", "hf_names", "train"]
     transformers = pytest.importorskip("transformers")
     assert main(["checkpoint", "export", d, str(tmp_path / "hf"), "--dtype", "bf16"]) == 0
