@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import difflib
+import errno
 import json
 import os
 import signal
@@ -374,6 +375,9 @@ def train(args_or_config=None) -> dict:
         except Stopped as stop:  # the engine is closed: its swap files are gone
             stop.report = _stopped(stop, args, run, cfg, info, history, engine, init_s, out_dir)
             raise
+        except SaveFailed as failed:  # the steps done are reported; the last good checkpoint is untouched
+            failed.report = _save_failed(failed, args, run, cfg, info, history, engine, init_s, out_dir)
+            raise
         finally:
             if weights is not None:
                 weights.close()
@@ -450,6 +454,19 @@ def _stopped(stop: Stopped, args, run: dict, cfg: Config, info: dict, history: d
     where = "after" if engine is not None else "while setting up, before"
     print(f"offload train: stopped by {stop.name} {where} step {done} of {run['steps']}; {files}"
           + (f"; partial report in {out_dir}" if report else ""), file=sys.stderr, flush=True)
+    return report
+
+
+def _save_failed(failed: "SaveFailed", args, run: dict, cfg: Config, info: dict, history: dict, engine, init_s,
+                 out_dir: str) -> dict:
+    """After a checkpoint save failed: the report of the steps done, with what failed."""
+    from offload import report as rep
+
+    report = rep.build_report(run, cfg, info, history, engine.stats(), init_s, out_dir, None)
+    report["failed"] = {"checkpoint": failed.path, "step": failed.step, "error": str(failed.cause),
+                        "last_good_checkpoint": failed.last_good}
+    _publish(report, args)
+    failed.out_dir = out_dir
     return report
 
 
@@ -577,12 +594,45 @@ class Checkpoints:
         return step % self.every == 0 or step == self.steps
 
     def save(self, engine, step: int) -> str:
+        """Saves after `step`; a save that fails (a full disk) raises SaveFailed naming the path and step."""
+        from offload.checkpoint_format import CheckpointError
+
         extra = {**self.extra, "train": {**self.extra["train"], "step": step}}
         name, again = f"step{step:08d}", 0
         while os.path.lexists(os.path.join(self.directory, name)):  # resumed from an earlier one: never overwrite
             again += 1
             name = f"step{step:08d}-{again}"
-        return engine.save_checkpoint(self.directory, name=name, keep=self.keep, extra=extra)
+        try:
+            return engine.save_checkpoint(self.directory, name=name, keep=self.keep, extra=extra)
+        except (OSError, CheckpointError) as e:  # saves are atomic: the previous checkpoints are as they were
+            raise SaveFailed(os.path.join(self.directory, name), step, e, self.last_good()) from e
+
+    def last_good(self) -> str | None:
+        from offload import checkpoint_format as fmt
+
+        try:
+            return fmt.resolve(self.directory) if os.path.isfile(os.path.join(self.directory, fmt.LATEST)) else None
+        except (OSError, ValueError):
+            return None
+
+
+class SaveFailed(OSError):
+    """A checkpoint `offload train` could not save (ENOSPC on --checkpoint-dir): training stops after that
+    step, the report of the steps done is written, the last good checkpoint stays as it was; the CLI
+    prints this one line and exits 2."""
+
+    def __init__(self, path: str, step: int, cause: BaseException, last_good: str | None):
+        super().__init__(getattr(cause, "errno", None) or errno.EIO, str(cause), path)
+        self.path, self.step, self.cause, self.last_good = path, step, cause, last_good
+        self.out_dir: str | None = None  # set once the report is written
+        self.report: dict | None = None
+
+    def __str__(self) -> str:
+        resume = (f"the last good checkpoint is {self.last_good} (continue from it with --resume)"
+                  if self.last_good else "no checkpoint was saved before it")
+        report = f"; report in {self.out_dir}" if self.out_dir else ""
+        return (f"saving the checkpoint {self.path} after step {self.step} failed ({self.cause}); training stopped "
+                f"there and {resume}{report}; free space on --checkpoint-dir or point it elsewhere")
 
 
 def _resume_point(args, run: dict, cfg: Config) -> tuple[str, int] | None:

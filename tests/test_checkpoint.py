@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -646,6 +647,55 @@ def test_offload_train_resume_continues_the_loss_curve(tmp_path, capsys):
     hf, loading = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not loading["missing_keys"] and not loading["unexpected_keys"]
     assert hf.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+
+
+class _FullFile:
+    """A file on a disk that is full: every write raises ENOSPC."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        raise OSError(28, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def test_offload_train_names_a_failed_save_keeps_the_last_good_checkpoint_and_reports(tmp_path, monkeypatch, capsys):
+    """ENOSPC on --checkpoint-dir at step 4: one line naming the checkpoint's path, the step, the cause and the
+    last good checkpoint; the report of the 4 steps done is written; exit 2; resuming continues from step 2."""
+    d, out = tmp_path / "ckpts", tmp_path / "run"
+    real_create = fmt.create
+
+    def full_at_step_4(path):
+        f = real_create(path)
+        return _FullFile(f) if f"{os.sep}.tmp-step00000004{os.sep}" in path else f
+
+    monkeypatch.setattr(fmt, "create", full_at_step_4)
+    flags = ["train", "--model", "tiny", "--steps", "6", "--batch-size", "2", "--seq-len", "32", "--nvme-path",
+             str(tmp_path / "swap"), "--no-progress", "--save-every", "2", "--checkpoint-dir", str(d)]
+    assert main([*flags, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"offload train: error: saving the checkpoint {re.escape(str(d / 'step00000004'))} after step 4 "
+                        r"failed \(\[Errno 28\] No space left on device \(writing \d+ bytes at byte 0\): '.*rank0\.bin'\); "
+                        rf"training stopped there and the last good checkpoint is {re.escape(str(d / 'step00000002'))} "
+                        rf"\(continue from it with --resume\); report in {re.escape(str(out))}; free space on "
+                        r"--checkpoint-dir or point it elsewhere", err), err
+    report = json.load(open(out / "report.json"))
+    assert len(report["losses"]) == 4 and report["failed"]["step"] == 4
+    assert report["failed"]["last_good_checkpoint"] == str(d / "step00000002")
+    assert sorted(os.listdir(d)) == ["latest", "step00000002"]  # the failed save removed itself
+    monkeypatch.undo()
+    assert main([*flags, "--out", str(tmp_path / "run2"), "--resume", "--json"]) == 0
+    resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert resumed["run"]["start_step"] == 2 and resumed["losses"][:2] == report["losses"][2:]
 
 
 def test_export_loads_with_from_pretrained_and_gives_the_engines_logits(tmp_path):
