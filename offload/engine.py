@@ -83,8 +83,10 @@ class Engine(nn.Module):
                             for u in self.units for s in u.slots if s.trainable]
         self._guards = checkpoint.guard_module(model)  # model.state_dict() would read placeholders: kept after close
         log.info("%s", self.placement.describe())
-        print("offload: memory plan (per tier: need of budget; the runtime's parts)\n" + self.placement.summary(),
-              file=sys.stderr, flush=True)  # where a user sees it: a training script's logging may show no INFO
+        # On stderr, where a user sees it: a training script's logging may show no INFO.
+        swap_line = f"\n  {self.store.describe()}" if self.store is not None else ""
+        print("offload: memory plan (per tier: need of budget; the runtime's parts)\n" + self.placement.summary()
+              + swap_line, file=sys.stderr, flush=True)
 
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -256,12 +258,13 @@ class Engine(nn.Module):
     def stats(self) -> dict:
         snap = self.telemetry.snapshot()
         tiers = self.tiers.stats()
+        swap = None
         if self.store is not None:
-            used = self.store.disk_bytes  # lists the run directory: read once
-            tiers["nvme"]["used_bytes"] = used
-            tiers["nvme"]["peak_bytes"] = max(tiers["nvme"]["peak_bytes"], used)
+            swap = self.store.where()  # the unlinked data file: its directory, /proc path and bytes
+            tiers["nvme"]["used_bytes"] = swap["disk_bytes"]
+            tiers["nvme"]["peak_bytes"] = max(tiers["nvme"]["peak_bytes"], swap["disk_bytes"])
         return {"step": self.step_count, "tiers": tiers, **snap, "last_step": self.pipeline.last_step,
-                "loss_scale": self.loss_scale, "skipped_steps": self.skipped_steps}
+                "loss_scale": self.loss_scale, "skipped_steps": self.skipped_steps, "swap": swap}
 
     def close(self) -> None:
         """Frees pinned memory, stops the threads and removes the swap files; also after an error (it does

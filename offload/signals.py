@@ -1,4 +1,4 @@
-"""Stopping on SIGTERM and SIGINT with the swap files removed.
+"""Stopping on SIGTERM and SIGINT with the engine closed, for callers that ask (`offload train` does).
 
 [Note: signals]
 SLURM and Kubernetes stop a job with SIGTERM (and SIGKILL after a grace period); Ctrl-C sends SIGINT.
@@ -12,9 +12,11 @@ signal is also recorded: the `check()` the block receives raises Stopped again (
 step), and so does the end of a block that finished normally after a signal. Inside a swap submission
 (between registering a transfer and queueing its blocks: [Note: held sections] in swap/pending.py) the
 handler defers its exception to the section's end, so no transfer is left that nobody will complete.
-Outside it nothing changes, except that a SIGTERM nobody handles removes the swap files before it ends
-the process as before (swap/store.py, [Note: files at exit]); Ctrl-C raises KeyboardInterrupt as usual,
-and the swap files go at interpreter exit.
+Outside it the library handles no signal: SIGTERM keeps its default action and ends the process at once,
+even inside a long C call (a handler in Python would wait for that call to return), and the swap data
+file's bytes go with the process since it has no name ([Note: unlinked data file] in swap/rundir.py; the
+stale run directory left, owner.json only, goes with `offload clean`). Ctrl-C raises KeyboardInterrupt as
+usual, and the run directories go at interpreter exit.
 """
 
 from __future__ import annotations

@@ -1,12 +1,23 @@
-"""Run directories: one private subdirectory per store, recognisable after a crash.
+"""Run directories: one private subdirectory per store, so a person can see what is running.
 
 Layout under the user's swap directory (nvme_path):
     <nvme_path>/offload-swap-<host>-<pid>-<token>/    0700, one per SwapStore
-        owner.json                                   0600: pid, host, process start time
-        data.bin                                     0600: the entries
-Two runs sharing one nvme_path never collide (the token is random, mkdir is exclusive). A directory
-whose owner process is gone (or whose pid now belongs to a younger process) is stale: `offload clean
-DIR` lists and removes those; live runs are left alone unless forced.
+        owner.json                                   0600: pid, host, process start time, bytes, fd
+The store's data file lives in the run directory but has no name there ([Note: unlinked data file]), so
+`ls` and `du` do not show it; owner.json says how many bytes it holds and which fd of which process holds
+them (/proc/<pid>/fd/<fd>). Two runs sharing one nvme_path never collide (the token is random, mkdir is
+exclusive). A directory whose owner process is gone (or whose pid now belongs to a younger process) is
+stale: its bytes went with its process, and `offload clean DIR` removes what is left (owner.json, and the
+named data.bin of versions before the data file was unlinked); live runs are left alone unless forced.
+
+[Note: unlinked data file]
+A process can end without running any cleanup: SIGKILL, the OOM killer, a crash in C code, a SIGTERM
+whose default action ends it at once. A named data file would then keep gigabytes on the drive until
+someone removes it. So the data file is created without a name: O_TMPFILE in the run directory where the
+file system supports it (ext4, xfs, btrfs, tmpfs), else opened under a name that is unlinked at once. The
+kernel frees its blocks when the last descriptor closes, however the process ends. O_DIRECT works on it as
+on any file. A forked child closes its copy of the descriptor (swap/store.py), so a DataLoader worker
+outliving its parent does not hold the bytes.
 """
 
 from __future__ import annotations
@@ -49,8 +60,50 @@ def create_file(path: Path, flags: int = os.O_RDWR) -> int:
     return fd
 
 
-def make_run_dir(directory: str | os.PathLike) -> Path:
-    """Create `directory` (0700) if missing, then a fresh run-unique 0700 subdirectory in it."""
+# O_TMPFILE is refused with EOPNOTSUPP by a file system without it, and with EISDIR by a kernel older than
+# 3.11 (which sees only its O_DIRECTORY bit). EINVAL is not among them: with O_DIRECT it means the file
+# system refuses O_DIRECT, which the caller handles (supports_direct).
+_NO_TMPFILE = (errno.EOPNOTSUPP, errno.EISDIR)
+
+
+def open_unlinked(run: Path, flags: int = os.O_RDWR) -> tuple[int, str]:
+    """A new 0600 file in `run` that has no name ([Note: unlinked data file]); returns (fd, how):
+    "O_TMPFILE", or "unlinked after open" where the file system has no O_TMPFILE."""
+    tmpfile = getattr(os, "O_TMPFILE", 0)
+    if tmpfile:
+        try:
+            fd = os.open(run, flags | tmpfile | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except OSError as e:
+            if e.errno not in _NO_TMPFILE:
+                raise
+        else:
+            return fd, "O_TMPFILE"  # created with mode & ~umask, so never more than 0600
+    path = run / f"data-{secrets.token_hex(4)}.bin"
+    fd = create_file(path, flags)
+    try:
+        os.unlink(path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, "unlinked after open"
+
+
+def write_owner(run: Path, owner: dict) -> None:
+    """Replace run/owner.json with `owner`, atomically (a reader sees the old file or the new one)."""
+    tmp = run / f".{OWNER_FILE}.{secrets.token_hex(4)}"
+    fd = create_file(tmp, os.O_WRONLY)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(owner, f)
+        os.replace(tmp, run / OWNER_FILE)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def make_run_dir(directory: str | os.PathLike) -> tuple[Path, dict]:
+    """Create `directory` (0700) if missing, then a fresh run-unique 0700 subdirectory in it with its
+    owner.json; returns the subdirectory and what owner.json holds."""
     base = Path(directory)
     try:
         if not base.exists():
@@ -61,14 +114,12 @@ def make_run_dir(directory: str | os.PathLike) -> Path:
         run.mkdir(mode=0o700)
         os.chmod(run, 0o700)
         owner = {"pid": os.getpid(), "host": socket.gethostname(),
-                 "started": _process_start(os.getpid()), "created": time.time()}
-        fd = create_file(run / OWNER_FILE, os.O_WRONLY)
-        with os.fdopen(fd, "w") as f:
-            json.dump(owner, f)
+                 "started": _process_start(os.getpid()), "created": time.time(), "bytes": 0}
+        write_owner(run, owner)
     except OSError as e:
         raise SwapIOError(e.errno or errno.EIO, f"cannot create a swap run directory ({e.strerror})",
                           path=str(e.filename or base), offset=0, nbytes=0) from e
-    return run
+    return run, owner
 
 
 @dataclass(frozen=True)
@@ -77,23 +128,39 @@ class RunDir:
     pid: int | None
     host: str | None
     alive: bool  # owner process still running (or on another host: assumed alive)
+    swap_bytes: int | None = None  # the unlinked data file's size, as its owner last recorded it
+    named_bytes: int = 0  # files with a name besides owner.json (an earlier version's data.bin), as du counts
 
     @property
     def stale(self) -> bool:
         return not self.alive
 
 
+def _named_bytes(path: Path) -> int:
+    """Bytes on disk of the run directory's files other than owner.json (not following links)."""
+    total = 0
+    for f in path.iterdir():
+        if f.name != OWNER_FILE:
+            try:
+                total += f.lstat().st_blocks * 512
+            except OSError:
+                pass  # removed meanwhile
+    return total
+
+
 def _inspect(path: Path) -> RunDir:
+    named = _named_bytes(path)
     try:
         owner = json.loads((path / OWNER_FILE).read_text())
         pid, host, started = int(owner["pid"]), str(owner["host"]), owner.get("started")
+        swap_bytes = int(owner["bytes"]) if "bytes" in owner else None  # None: written by an earlier version
     except (OSError, ValueError, KeyError, TypeError):
-        return RunDir(path, None, None, alive=False)  # no readable owner: a crash during creation
+        return RunDir(path, None, None, alive=False, named_bytes=named)  # no readable owner: a crash during creation
     if host != socket.gethostname():
-        return RunDir(path, pid, host, alive=True)  # cannot tell; never remove another host's run
+        return RunDir(path, pid, host, True, swap_bytes, named)  # cannot tell; never remove another host's run
     now_started = _process_start(pid)
     alive = now_started is not None and (started is None or abs(now_started - started) < 1.0)
-    return RunDir(path, pid, host, alive)
+    return RunDir(path, pid, host, alive, swap_bytes if alive else 0, named)
 
 
 def list_runs(directory: str | os.PathLike) -> list[RunDir]:
@@ -134,9 +201,9 @@ def supports_direct(run_dir: Path) -> bool:
 
 
 def _probe_direct(run_dir: Path) -> bool:
-    probe = run_dir / f"probe-{secrets.token_hex(4)}"
+    """Whether an unlinked file in `run_dir` takes O_DIRECT (open + one aligned write)."""
     try:
-        fd = create_file(probe, os.O_RDWR | os.O_DIRECT)
+        fd, _ = open_unlinked(run_dir, os.O_RDWR | os.O_DIRECT)
     except OSError as e:
         if e.errno == errno.EINVAL:
             return False
@@ -150,4 +217,3 @@ def _probe_direct(run_dir: Path) -> bool:
         raise
     finally:
         os.close(fd)
-        probe.unlink()

@@ -1,8 +1,10 @@
-"""The swap store: tensors under stable string keys in one file per run, moved asynchronously.
+"""The swap store: tensors under stable string keys in one unlinked file per run, moved asynchronously.
 
 key -> Entry(offset, nbytes, per-block checksum). Entries are 4 KiB-granular extents of one data file
 (a 10-byte tensor takes 4 KiB, not DeepSpeed's 1 MiB minimum); the file grows at its end with
-fallocate, so O_DIRECT writes land in allocated blocks.
+fallocate, so O_DIRECT writes land in allocated blocks. The file has no name ([Note: unlinked data
+file] in swap/rundir.py): its bytes go when the process ends, however it ends; the run directory's
+owner.json records its size as it grows, `describe()` and `disk_bytes` say where it is and what it holds.
 
 [Note: what a failed write leaves]
 A write removes its key from the index before the first byte moves and puts it back only when every
@@ -25,7 +27,6 @@ import functools
 import logging
 import os
 import shutil
-import signal
 import threading
 import time
 import weakref
@@ -40,7 +41,7 @@ from .buffers import ALIGN_BYTES, aligned_empty, is_aligned, round_up
 from .engines import Block, IOEngine, host_buffer, open_engine
 from .errors import SwapCorruptionError, SwapIOError
 from .pending import Pending, PendingTimeout, held, io_timeout_s
-from .rundir import create_file, make_run_dir, supports_direct
+from .rundir import make_run_dir, open_unlinked, supports_direct, write_owner
 
 log = logging.getLogger("swap")
 
@@ -188,30 +189,29 @@ class Ticket(Pending):
 
 
 # [Note: files at exit]
-# A store removes its files at close(); stores still open go at interpreter exit (atexit: also after an
-# uncaught exception or Ctrl-C's KeyboardInterrupt). SIGTERM ends a process without atexit, so a store
-# made in the main thread while SIGTERM has its default action installs a handler that removes the open
-# stores' files and then ends the process by SIGTERM as before (status 143). A handler someone else
-# installed (offload.stop_on_signals, the user's) is left alone: it is expected to close the engine. A
-# forked child (a DataLoader worker) forgets the parent's stores, so it never removes their files.
+# The data file's bytes need no cleanup: they go with the process ([Note: unlinked data file] in
+# swap/rundir.py). What close() removes is the run directory with its owner.json; stores still open are
+# closed at interpreter exit (atexit: also after an uncaught exception or Ctrl-C's KeyboardInterrupt). The
+# store installs no signal handler: a SIGTERM keeps its default action and ends the process at once, even
+# inside a long C call, leaving a stale run directory (owner.json only) that `offload clean` removes.
+# A forked child (a DataLoader worker) closes its copy of the parent's data files and forgets the stores,
+# so it neither holds their bytes after the parent ended nor removes the parent's run directories.
 _open_stores: "weakref.WeakSet[SwapStore]" = weakref.WeakSet()
-os.register_at_fork(after_in_child=_open_stores.clear)
+
+
+def _forget_stores_in_child() -> None:
+    for store in list(_open_stores):
+        store._forget_after_fork()
+    _open_stores.clear()
+
+
+os.register_at_fork(after_in_child=_forget_stores_in_child)
 
 
 @atexit.register
 def _close_all_at_exit() -> None:
     for store in list(_open_stores):
         store.close()
-
-
-def _on_sigterm(signum, frame) -> None:
-    removed = [s.run_dir for s in list(_open_stores)]
-    for run_dir in removed:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    if removed:  # os.write: a print here could re-enter a print the signal interrupted
-        os.write(2, f"swap: SIGTERM: removed {', '.join(map(str, removed))}\n".encode())
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class SwapStore:
@@ -231,12 +231,18 @@ class SwapStore:
         self.engine = (open_engine(engine, queue_depth=queue_depth, threads=threads, background_bytes=background_bytes)
                        if self._owns_engine else engine)
         try:
-            self.run_dir = make_run_dir(directory)
+            self.run_dir, self._owner = make_run_dir(directory)
             try:
                 self.direct = self._choose_direct(direct)
-                self.path = self.run_dir / "data.bin"
-                self._fd = create_file(self.path, os.O_RDWR | (os.O_DIRECT if self.direct else 0))
+                self._fd, self.file_kind = open_unlinked(self.run_dir, os.O_RDWR | (os.O_DIRECT if self.direct else 0))
+                # What errors name: the directory the bytes are in and where the process holds them.
+                self.path = f"{self.run_dir}/(unlinked data file, /proc/{os.getpid()}/fd/{self._fd})"
+                self._owner_lock = threading.Lock()
+                with self._owner_lock:
+                    self._update_owner(fd=self._fd, data=self.file_kind)
             except BaseException:
+                if getattr(self, "_fd", None) is not None:
+                    os.close(self._fd)
                 self._remove_files()
                 raise
         except BaseException:
@@ -253,8 +259,6 @@ class SwapStore:
         serial = checksum and getattr(self.engine, "serial_completions", False)
         self._digest_pool = ThreadPoolExecutor(2, thread_name_prefix="swap-digest") if serial else None
         _open_stores.add(self)
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _on_sigterm)  # [Note: files at exit]
 
     def _choose_direct(self, direct: bool | None) -> bool:
         ok = supports_direct(self.run_dir)
@@ -281,6 +285,7 @@ class SwapStore:
         offset, err = self._place(key, nbytes)
         if err is not None:
             return self._failed(err)
+        self._record_size_if_needed()
         crcs = None
         if self.checksum:
             crcs = list(digests) if digests is not None else [0] * self._nblocks(nbytes)
@@ -370,16 +375,37 @@ class SwapStore:
 
     @property
     def disk_bytes(self) -> int:
-        """Bytes the run's files occupy on disk (allocated blocks, as `du` counts them)."""
+        """Bytes the data file occupies on disk (allocated blocks, as `du` would count them had it a name)."""
         if self._closed:
             return 0
-        return sum(f.lstat().st_blocks * 512 for f in self.run_dir.iterdir())
+        return os.fstat(self._fd).st_blocks * 512
+
+    @property
+    def fd_path(self) -> str:
+        """A path that opens the data file while the store is open (this process's /proc/self/fd entry)."""
+        self._check_open()
+        return f"/proc/self/fd/{self._fd}"
+
+    def describe(self) -> str:
+        """One line: where the swap bytes are, how many, and why `ls` does not show them."""
+        if self._closed:
+            return f"swap: closed (its data file in {self.run_dir} is gone)"
+        return (f"swap: {self.disk_bytes / 2**20:.1f} MiB in an unlinked data file ({self.file_kind}) in "
+                f"{self.run_dir}, held as /proc/{os.getpid()}/fd/{self._fd}: `ls` does not show it and its "
+                f"bytes go when the process ends; `offload clean --list {self.run_dir.parent}` lists live runs")
+
+    def where(self) -> dict:
+        """What `engine.stats()["swap"]` reports: run_dir, file (how it is unlinked), proc_path, disk_bytes."""
+        return {"run_dir": str(self.run_dir), "file": self.file_kind,
+                "proc_path": None if self._closed else f"/proc/{os.getpid()}/fd/{self._fd}",
+                "disk_bytes": self.disk_bytes}
 
     def close(self) -> None:
-        """Wait for in-flight I/O (up to the I/O timeout in all), stop the engine, remove the run's files.
-        Idempotent; errors of the transfers it waits for are their waiters' to raise, not close()'s. A
-        transfer stuck past the timeout keeps its thread and the file descriptor (a late write must not
-        land in a reused fd); the files are removed all the same."""
+        """Wait for in-flight I/O (up to the I/O timeout in all), stop the engine, close the data file (its
+        bytes go) and remove the run directory. Idempotent; errors of the transfers it waits for are their
+        waiters' to raise, not close()'s. A transfer stuck past the timeout keeps its thread and the file
+        descriptor (a late write must not land in a reused fd), so the bytes stay until the process ends;
+        the run directory is removed all the same."""
         if self._closed:
             return
         self._closed = True
@@ -417,6 +443,31 @@ class SwapStore:
     # ---- internals -------------------------------------------------------------------------------
     def _remove_files(self) -> None:
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: close the inherited data file and never touch the run directory."""
+        self._closed = True
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+
+    def _update_owner(self, **changes) -> None:
+        """Rewrite owner.json with `changes` (swap/rundir.py); the caller holds _owner_lock."""
+        if any(self._owner.get(k) != v for k, v in changes.items()):
+            self._owner = {**self._owner, **changes}
+            write_owner(self.run_dir, self._owner)
+
+    def _record_size_if_needed(self) -> None:
+        """After the file grew: its new size into owner.json, so `offload clean --list` shows it. A failure
+        to write it is logged (the swap itself is fine)."""
+        if self._extents.end_bytes == self._owner["bytes"]:  # the common case: rewritten in place
+            return
+        try:
+            with self._owner_lock:  # the size read under the lock: a later writer never records an older one
+                self._update_owner(bytes=self._extents.end_bytes)
+        except OSError as e:
+            log.warning("swap: cannot record the data file's size in %s/owner.json: %s", self.run_dir, e)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -44,6 +44,12 @@ def test_every_command_has_help(command, capsys):
     assert out.startswith("usage: offload " + " ".join(command)) and len(out.splitlines()) > 3
 
 
+def test_train_help_says_what_sigterm_does(capsys):
+    assert _exit_code(["train", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "SIGTERM first lets the current step end and saves a checkpoint" in out and "143 for SIGTERM" in out
+
+
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
 def test_every_command_rejects_a_bad_flag_in_one_line(command, capsys):
     assert _exit_code([*command, "--no-such-flag"]) == 2

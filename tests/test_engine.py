@@ -351,7 +351,7 @@ def test_corrupted_optimizer_state_raises_and_keeps_what_was_written(tmp_path, p
     assert len(st.digest_bounds(0)) > 3  # several 8 KiB blocks: the step's per-block digests are exercised
     key = st.key("exp_avg_sq", 0)
     entry = eng.store._index[key]
-    with open(eng.store.path, "r+b") as f:  # flip one byte in the middle of its third block
+    with open(eng.store.fd_path, "r+b") as f:  # flip one byte in the middle of its third block
         f.seek(entry.offset + 2 * 8192 + 100)
         b = f.read(1)
         f.seek(entry.offset + 2 * 8192 + 100)

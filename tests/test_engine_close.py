@@ -56,7 +56,7 @@ class Boom(torch.autograd.Function):
 
 def flip_a_byte(eng, key):
     entry = eng.store._index[key]
-    with open(eng.store.path, "r+b") as f:
+    with open(eng.store.fd_path, "r+b") as f:
         f.seek(entry.offset + 100)
         b = f.read(1)
         f.seek(entry.offset + 100)

@@ -1,6 +1,6 @@
 """SIGTERM and SIGINT ([Note: signals] in offload/signals.py): `offload train` stops with its swap files removed,
-a partial report and one line, exit code 128 + signum; a script's engine is cleaned up with or without
-`offload.stop_on_signals`."""
+a partial report and one line, exit code 128 + signum; a script's engine is closed by `offload.stop_on_signals`,
+and without it SIGTERM ends the script at once with no swap bytes left behind."""
 
 import json
 import os
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import offload
+from swap import clean, list_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,7 +66,7 @@ def test_offload_train_stops_cleanly_on_a_signal(tmp_path, sig):
     proc = start([RUN_OFFLOAD, "train", "--model", "tiny", "--steps", "100000", "--batch-size", "2",
                   "--seq-len", "32", "--offload-param", "nvme", "--offload-optimizer", "nvme",
                   "--nvme-path", str(swap_dir), "--out", str(out_dir), "--no-progress"], tmp_path)
-    wait_for(lambda: any(f.endswith("data.bin") for f in swap_files(swap_dir)), "swap files", proc, tmp_path)
+    wait_for(lambda: any(f.endswith("owner.json") for f in swap_files(swap_dir)), "a swap run", proc, tmp_path)
     wait_for(lambda: "steps x 64 tokens" in (tmp_path / "stdout").read_text(), "training (the header)", proc, tmp_path)
     time.sleep(1.0)  # a few steps
     proc.send_signal(sig)
@@ -110,7 +111,8 @@ else:
 
 @pytest.mark.parametrize("opt_in", [False, True], ids=["default", "stop_on_signals"])
 def test_a_script_s_swap_files_go_on_sigterm(tmp_path, opt_in):
-    """Without opt-in, SIGTERM still ends the process by SIGTERM, after the swap files are removed; with
+    """Without opt-in, SIGTERM keeps its default action: the process ends at once and the unlinked data
+    file's bytes go with it, leaving a stale run directory (owner.json only) that clean() removes; with
     offload.stop_on_signals it raises Stopped, `with engine:` closes the engine and the script decides."""
     swap_dir = tmp_path / "swap"
     proc = start([RESET + _SCRIPT, str(swap_dir), "opt-in" if opt_in else "default"], tmp_path)
@@ -121,7 +123,10 @@ def test_a_script_s_swap_files_go_on_sigterm(tmp_path, opt_in):
     if opt_in:
         assert proc.returncode == 143 and "stopped by SIGTERM" in stdout and "Traceback" not in stderr, stderr
     else:
-        assert proc.returncode == -signal.SIGTERM and "swap: SIGTERM: removed" in stderr, stderr
+        assert proc.returncode == -signal.SIGTERM and "Traceback" not in stderr, stderr
+        assert [os.path.basename(f) for f in swap_files(swap_dir)] == ["owner.json"]
+        [run] = list_runs(swap_dir)
+        assert run.stale and run.named_bytes == 0 and clean(swap_dir) == [run]
     assert swap_files(swap_dir) == [] and os.listdir(swap_dir) == []
 
 

@@ -109,7 +109,7 @@ def test_corrupted_entry_raises_instead_of_returning_garbage(tmp_path, engine):
         store.write("x", x).wait()
         store.write("y", x + 1).wait()
         entry = store._index["x"]
-        with open(store.path, "r+b") as f:  # flip one byte in x's third block
+        with open(store.fd_path, "r+b") as f:  # flip one byte in x's third block
             f.seek(entry.offset + 150_000)
             byte = f.read(1)
             f.seek(entry.offset + 150_000)
@@ -120,12 +120,14 @@ def test_corrupted_entry_raises_instead_of_returning_garbage(tmp_path, engine):
         out = torch.empty_like(x)
         store.read("y", out).wait()  # the neighbour is intact
         assert torch.equal(out, x + 1)
-        os.truncate(store.path, 0)  # truncated file: a short read
+        os.truncate(store.fd_path, 0)  # truncated file: a short read
         with pytest.raises(SwapIOError, match="short read"):
             store.read("y", out).wait()
 
 
-def test_permission_bits_and_no_symlink_following(tmp_path):
+def test_permission_bits_and_no_symlink_following(tmp_path, monkeypatch):
+    """A name planted as a symlink is refused, never followed: O_EXCL alone refuses it (so the outcome
+    cannot tell O_NOFOLLOW's absence), hence the flags of the open itself are checked too."""
     base = tmp_path / "new" / "swap"
     with SwapStore(base, engine="threads") as store:
         store.write("a", torch.ones(10)).wait()
@@ -134,10 +136,14 @@ def test_permission_bits_and_no_symlink_following(tmp_path):
         for f in store.run_dir.iterdir():
             assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
         os.symlink(tmp_path / "elsewhere", store.run_dir / "link")
+        flags, real_open = [], os.open
+        monkeypatch.setattr(os, "open", lambda path, f, *a, **k: flags.append(f) or real_open(path, f, *a, **k))
         with pytest.raises(OSError) as e:
             create_file(store.run_dir / "link")
+        monkeypatch.undo()
         assert e.value.errno in (errno.ELOOP, errno.EEXIST)
         assert not (tmp_path / "elsewhere").exists()
+        assert len(flags) == 1 and flags[0] & os.O_NOFOLLOW and flags[0] & os.O_EXCL and flags[0] & os.O_CREAT
 
 
 def test_unwritable_directory_raises_swap_io_error(tmp_path):

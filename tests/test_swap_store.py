@@ -153,7 +153,7 @@ def test_digests_from_the_caller(tmp_path):
         store.read("x", out).wait()  # the store's own check agrees with the caller's digests
         assert torch.equal(out, x)
         entry = store._index["x"]
-        with open(store.path, "r+b") as f:  # corrupt the partial last page
+        with open(store.fd_path, "r+b") as f:  # corrupt the partial last page
             f.seek(entry.offset + 16384 + 7)
             f.write(b"\x55")
         store.read("x", out, verify=False).wait()  # delivered unchecked

@@ -1,4 +1,4 @@
-"""`offload bench nvme`, `offload tune nvme` and `offload clean`: the NVMe swap, measured and tidied."""
+"""`offload bench nvme`, `offload tune nvme` and `offload clean`: the NVMe swap, measured, listed and tidied."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 
+from offload.train import DEFAULT_SWAP_DIR
 from swap import clean, list_runs
 from swap.engines import ENGINES
 from swap.measure import aio_section, format_table, measure, parse_size, sweep, sweep_configs
@@ -56,8 +57,16 @@ def register(subparsers) -> None:
     tune.add_argument("--json", action="store_true")
     tune.set_defaults(func=run_tune)
 
-    cl = subparsers.add_parser("clean", help="remove swap run directories left by crashed runs")
-    cl.add_argument("dir", help="the swap directory (nvme_path)")
+    cl = subparsers.add_parser(
+        "clean", help="list swap runs, or remove the run directories of processes that are gone",
+        description="A run's swap data file has no name (it does not show in ls or du, and its bytes go when "
+                    "its process ends, however it ends); its run directory keeps owner.json (pid, bytes) so "
+                    "you can see what is running. `--list` shows the runs and their bytes; without it, the "
+                    "directories of ended processes (and the named data.bin files of earlier versions) are "
+                    "removed.")
+    cl.add_argument("dir", nargs="?", default=DEFAULT_SWAP_DIR,
+                    help="the swap directory (nvme_path; default %(default)s, where `offload train` swaps)")
+    cl.add_argument("--list", action="store_true", help="show live and stale runs with their bytes; remove nothing")
     cl.add_argument("--force", action="store_true", help="also remove runs whose process is still alive")
     cl.add_argument("--dry-run", action="store_true", help="list what would be removed")
     cl.add_argument("--json", action="store_true")
@@ -134,7 +143,32 @@ def _plot(results: list[dict], path: str) -> str | None:
     return path
 
 
+def _mib(nbytes: int | None) -> str:
+    return "?" if nbytes is None else f"{nbytes / 2**20:.1f} MiB"
+
+
+def list_swap_runs(args: argparse.Namespace) -> int:
+    """`offload clean --list`: each run with its state, pid and bytes (owner.json's figure for a live
+    run's unlinked file; what named files an earlier version left)."""
+    runs = list_runs(args.dir)
+    for r in runs:
+        state = "live" if r.alive else "stale"
+        held = f"swap {_mib(r.swap_bytes)}" if r.alive else "swap freed"
+        named = f", named files {_mib(r.named_bytes)}" if r.named_bytes else ""
+        print(f"{state:5} pid {r.pid} host {r.host}  {held}{named}  {r.path}")
+    if not runs:
+        print(f"no swap run directories in {args.dir}")
+    live = sum(r.swap_bytes or 0 for r in runs if r.alive)
+    print(f"{sum(r.alive for r in runs)} live runs hold {_mib(live)} of swap in {args.dir}")
+    if args.json:
+        print(json.dumps({"runs": [{"path": str(r.path), "pid": r.pid, "host": r.host, "alive": r.alive,
+                                    "swap_bytes": r.swap_bytes, "named_bytes": r.named_bytes} for r in runs]}))
+    return 0
+
+
 def run_clean(args: argparse.Namespace) -> int:
+    if args.list:
+        return list_swap_runs(args)
     runs = list_runs(args.dir)
     if args.dry_run:
         targets = [r for r in runs if r.stale or args.force]
