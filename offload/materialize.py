@@ -26,6 +26,18 @@ a model whose training state is many times the RAM never exists whole in memory.
 - Not in construction order, so not equal to their CPU build: nn.Transformer (its _reset_parameters
   redraws its whole subtree at the end) and nn.TransformerEncoder/Decoder (deep copies of one layer).
   Each of their submodules is initialized by its own default init here.
+- A peft LoRA model (`get_peft_model(base, LoraConfig(...))`) was built in two steps: the base model
+  whole (its post_init included), then, layer by layer, each adapter's lora_A and lora_B with their
+  default init followed by peft's own `reset_lora_parameters` (lora_A drawn, lora_B zero: the model
+  starts as the base model). The adapter modules are left out of the base model's construction and
+  post_init here, and come after it in that order ("peft" events). Inits that read the base weights
+  or data (PiSSA, OLoRA, LoftQ, EVA, DoRA's magnitude, ...) cannot run on the meta device: refused.
+
+[Note: buffers with a weights source]
+With `weights=`, parameters come from the source and no init runs for them. Buffers: a persistent one
+(in state_dict, so in a checkpoint) comes from the source when it has it; a non-persistent one (Llama's
+rotary inv_freq), or a persistent one the source lacks, from the module's own init calls (the same
+calls as above, its parameters in scratch). A float buffer that none of them sets is refused by name.
 """
 
 from __future__ import annotations
@@ -68,15 +80,19 @@ def _from_meta(engine, model: nn.Module, init: bool) -> None:
     modules are allocated and initialized by the CPU build's init calls in its order (module note); else
     in `model.modules()` order, uninitialized (the weights source gives the values)."""
     paths = {m: name or "<root>" for name, m in model.named_modules()}
-    events = _init_events(model) if init else [(None, m, None) for m in model.modules() if _owns_tensors(m)]
+    calls = _init_events(model)
+    events = calls if init else [(None, m, None) for m in model.modules() if _owns_tensors(m)]
     if init:
         _check_initializable(events, paths)
-    last = {m: i for i, (_, m, _) in enumerate(events)}
+    last = _last_events(events)
     tracker = _UnitTracker(engine, model)
     replay: dict = {}  # module -> RNG state before its default init, drawn into scratch earlier
     torch.manual_seed(engine.cfg.seed)
     with torch.no_grad():
         for i, (kind, module, owner) in enumerate(events):
+            if kind == "peft":
+                _init_adapter(tracker, module, owner, replay)
+                continue
             if i < last[module]:  # a default init _init_weights overwrites later: advance the RNG only
                 replay[module] = torch.get_rng_state()
                 with _scratch(module, tracker.specs[module], keep=()):
@@ -86,8 +102,20 @@ def _from_meta(engine, model: nn.Module, init: bool) -> None:
             if kind is not None:
                 with _scratch(module, tracker.specs[module], keep=fresh):  # a tied weight keeps its values
                     _run_init(kind, module, owner, fresh, replay.pop(module, None), paths[module])
+            elif any(n in module._buffers for n in fresh):
+                _buffers_from_source(engine, module, fresh, tracker.specs[module], calls, paths[module])
             tracker.initialized(module)
     tracker.progress.done()
+
+
+def _last_events(events: list) -> dict:
+    """module -> the index of the event that allocates and initializes it: its last one; for an adapter's
+    modules, the "peft" event of their layer (peft's init runs on them together)."""
+    last = {}
+    for i, (kind, m, owner) in enumerate(events):
+        for module in _adapter_group(m, owner) if kind == "peft" else [m]:
+            last[module] = i
+    return last
 
 
 def _run_init(kind: str, module: nn.Module, owner, fresh: set[str], replay_state, path: str) -> None:
@@ -104,8 +132,12 @@ def _run_init(kind: str, module: nn.Module, owner, fresh: set[str], replay_state
         _default_init(module)
 
 
+def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+
+
 def _owns_tensors(module: nn.Module) -> bool:
-    return any(t is not None for t in (*module._parameters.values(), *module._buffers.values()))
+    return bool(_own_tensors(module))
 
 
 def _has_default_init(module: nn.Module) -> bool:
@@ -124,12 +156,15 @@ def _pretrained_model_class():
     return getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
 
 
-def _init_events(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module | None]]:
+def _init_events(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
     """(kind, module, owner) for every init call a CPU build of `model` makes, in its order (module
-    note): ("default", m, None) is m's own default init, ("hf", m, owner) is owner._init_weights(m)."""
+    note): ("default", m, None) is m's own default init, ("hf", m, owner) is owner._init_weights(m),
+    ("peft", layer, (adapter, config)) is peft's init of that adapter's modules in a LoRA layer."""
     pretrained = _pretrained_model_class()
+    adapters = _adapter_layers(model)
+    added = {m for layer in adapters for m in _adapter_modules(layer)}  # built by peft after the base model
     events: list = []
-    seen: set = set()
+    seen: set = set(added)
 
     def construct(m: nn.Module) -> None:
         if m in seen:
@@ -144,17 +179,22 @@ def _init_events(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module | Non
         if _owns_tensors(m) and after_children:
             events.append(("default", m, None))
         if pretrained is not None and isinstance(m, pretrained):
-            events.extend(("hf", x, m) for x in _post_init_order(m, pretrained))
+            events.extend(("hf", x, m) for x in _post_init_order(m, pretrained, added))
 
     construct(model)
+    for layer, configs in adapters.items():  # get_peft_model, layer by layer: build, then peft's init
+        for adapter, config in configs.items():
+            events.extend(("default", m, None) for m in _adapter_group(layer, (adapter, config)))
+            events.append(("peft", layer, (adapter, config)))
     return events
 
 
-def _post_init_order(model: nn.Module, pretrained: type) -> list[nn.Module]:
+def _post_init_order(model: nn.Module, pretrained: type, added: set) -> list[nn.Module]:
     """The modules `model.post_init()` passes to model._init_weights: its subtree children first
-    (transformers' smart_apply), without nested models, which ran their own post_init already."""
+    (transformers' smart_apply), without nested models, which ran their own post_init already, and
+    without peft's adapter modules (`added`), which did not exist yet."""
     order: list = []
-    seen: set = set()
+    seen: set = set(added)
 
     def visit(m: nn.Module) -> None:
         seen.add(m)
@@ -168,16 +208,146 @@ def _post_init_order(model: nn.Module, pretrained: type) -> list[nn.Module]:
     return order
 
 
+# --- peft adapters (module note) ------------------------------------------------------------------------
+
+
+def _peft_classes() -> tuple:
+    """(BaseTuner, BaseTunerLayer, LoraLayer, AuxiliaryTrainingWrapper) if peft is imported, else Nones
+    (then no model holds adapters)."""
+    tuners, lora = sys.modules.get("peft.tuners.tuners_utils"), sys.modules.get("peft.tuners.lora.layer")
+    other = sys.modules.get("peft.utils.other")
+    return (getattr(tuners, "BaseTuner", None), getattr(tuners, "BaseTunerLayer", None),
+            getattr(lora, "LoraLayer", None), getattr(other, "AuxiliaryTrainingWrapper", None))
+
+
+def _adapter_layers(model: nn.Module) -> dict:
+    """{tuner layer: {adapter name: its peft config}} in module order, for every peft tuner in `model`."""
+    base_tuner, tuner_layer, _, _ = _peft_classes()
+    if base_tuner is None:
+        return {}
+    layers: dict = {}
+    for tuner in model.modules():
+        if isinstance(tuner, base_tuner):
+            for m in tuner.modules():
+                if isinstance(m, tuner_layer) and m not in layers:
+                    layers[m] = {a: c for a, c in tuner.peft_config.items() if a in getattr(m, "lora_A", {})}
+    return layers
+
+
+def _adapter_modules(layer: nn.Module) -> list[nn.Module]:
+    """Every module peft added to a tuner layer: all but its base layer's subtree."""
+    return [m for name, child in layer.named_children() if name != "base_layer" for m in child.modules()]
+
+
+def _adapter_group(layer: nn.Module, owner) -> list[nn.Module]:
+    """The modules of one adapter that peft's reset_lora_parameters initializes: lora_A[a] and lora_B[a]."""
+    adapter = owner[0]
+    return [d[adapter] for d in (getattr(layer, "lora_A", {}), getattr(layer, "lora_B", {})) if adapter in d]
+
+
+def _init_adapter(tracker: "_UnitTracker", layer: nn.Module, owner, replay: dict) -> None:
+    """Allocates an adapter's lora_A and lora_B, replays their default init (drawn into scratch at their
+    turn, as peft's nn.Linear constructors drew it), then runs peft's own init on them."""
+    adapter, config = owner
+    group = _adapter_group(layer, owner)
+    fresh = {m: tracker.allocate(m) for m in group}
+    with contextlib.ExitStack() as stack:
+        for m in group:  # a module that was not on meta keeps its values
+            stack.enter_context(_scratch(m, tracker.specs[m], keep=fresh[m]))
+        live = torch.get_rng_state()
+        for m in group:
+            if m in replay:
+                torch.set_rng_state(replay.pop(m))
+                _default_init(m)
+        torch.set_rng_state(live)
+        if config.init_lora_weights is not False:
+            layer.reset_lora_parameters(adapter, config.init_lora_weights)
+    for m in group:
+        tracker.initialized(m)
+
+
+_PEFT_INITS = (True, False, "gaussian")  # the LoRA inits that read nothing but the RNG
+
+
+def _check_adapters(events: list, paths: dict) -> None:
+    """Refuses, before anything is allocated, peft modules on meta whose init offload cannot run there."""
+    _, tuner_layer, _, wrapper = _peft_classes()
+    if tuner_layer is None:
+        return
+    fix = ("build the model on the CPU, or pass weights= (a callable name -> tensor, the adapter's values "
+           "included) to offload.initialize")
+    for kind, layer, owner in events:
+        if kind == "peft" and (owner[1].init_lora_weights not in _PEFT_INITS or getattr(owner[1], "use_dora", False)):
+            raise ValueError(f"peft adapter {owner[0]!r} ({paths[layer]}): init_lora_weights="
+                             f"{owner[1].init_lora_weights!r}{' with use_dora' if owner[1].use_dora else ''} reads "
+                             f"the base weights or data, which do not exist on the meta device; use "
+                             f"init_lora_weights in {_PEFT_INITS} without DoRA, or {fix}")
+    initialized = {id(t) for kind, m, owner in events if kind == "peft"
+                   for g in _adapter_group(m, owner) for t in _own_tensors(g)}
+    for m, path in paths.items():
+        if isinstance(m, tuner_layer):
+            left = [t for a in _adapter_modules(m) for t in _own_tensors(a) if t.is_meta and id(t) not in initialized]
+            if left:
+                raise ValueError(f"peft layer {type(m).__name__} ({path}): adapter tensors on the meta device that "
+                                 f"offload cannot initialize (it initializes LoRA's lora_A and lora_B); {fix}")
+        elif wrapper is not None and isinstance(m, wrapper) and any(t.is_meta for t in m.parameters()):
+            raise ValueError(f"peft {type(m).__name__} ({path}): copies of base modules (modules_to_save, "
+                             f"trainable tokens) cannot be made on the meta device; {fix}")
+
+
 def _check_initializable(events: list, paths: dict) -> None:
     """Refuses, before anything is allocated, a meta module nothing would initialize."""
+    _check_adapters(events, paths)
     by_init_weights = {m for kind, m, _ in events if kind == "hf"}
-    for _, m, _ in events:
+    for kind, m, _ in events:
+        if kind == "peft":
+            continue
         owns_meta = any(t is not None and t.is_meta for t in (*m._parameters.values(), *m._buffers.values()))
         if owns_meta and m not in by_init_weights and not _has_default_init(m):
             raise ValueError(
                 f"module {type(m).__name__} ({paths[m]}): on the meta device but has neither reset_parameters() "
                 f"nor _reset_parameters(), so offload cannot initialize it; define reset_parameters(), build the "
                 f"model on the CPU, or pass weights= (a callable name -> tensor) to offload.initialize")
+
+
+def _buffers_from_source(engine, module: nn.Module, fresh: set[str], specs: dict, calls: list, path: str) -> None:
+    """With a weights source, a newly allocated module's buffers ([Note: buffers with a weights source]):
+    persistent ones the source holds from it, the others from the module's own init calls (its parameters
+    in scratch), NaN before those so that a float buffer no init sets is refused, not used."""
+    prefix = "" if path == "<root>" else path + "."
+    unset = []
+    for n in [n for n in fresh if n in module._buffers]:
+        value = _source_buffer(engine, prefix + n) if n not in module._non_persistent_buffers_set else None
+        if value is None:
+            unset.append(n)
+            if module._buffers[n].is_floating_point():
+                module._buffers[n].fill_(float("nan"))
+        elif tuple(value.shape) != tuple(specs[n][0]):
+            raise ValueError(f"weights[{prefix + n!r}]: shape {tuple(value.shape)} but the model's buffer is "
+                             f"{tuple(specs[n][0])}; the checkpoint does not belong to this model config")
+        else:
+            module._buffers[n].copy_(value)
+    if not unset:
+        return
+    with _scratch(module, specs, keep=set(unset)):
+        for kind, m, owner in calls:
+            if m is module and kind == "default":
+                _default_init(m)
+            elif m is module:
+                owner._init_weights(m)
+    for n in unset:
+        if module._buffers[n].is_floating_point() and module._buffers[n].isnan().any():
+            raise ValueError(f"buffer {prefix + n} ({type(module).__name__}): on the meta device, not given by "
+                             f"weights= and not set by the module's reset_parameters() or _init_weights(); set it "
+                             f"there, give it from weights=, or build the model on the CPU")
+
+
+def _source_buffer(engine, name: str) -> torch.Tensor | None:
+    """A persistent buffer's value from the weights source, None when the source has no such name."""
+    try:
+        return engine.weights_source(name)
+    except (KeyError, ValueError):
+        return None
 
 
 def _init_weights_checked(owner: nn.Module, module: nn.Module, fresh: set[str], path: str) -> None:

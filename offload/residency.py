@@ -160,7 +160,8 @@ class WeightHandle(_Handle):
         if count is None or not all(hasattr(p, "_use_count") for p in params):
             return None
         if self._accumulators is None:
-            self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params if p.requires_grad]
+            with torch.enable_grad():  # a first call under no_grad (eval, generate()) has no grad_fn to follow
+                self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params if p.requires_grad]
         return count(self.hbm.untyped_storage()._cdata) + sum(p._use_count() for p in params)
 
     # -- fetch: home -> hbm ---------------------------------------------------------------------------
