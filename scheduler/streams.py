@@ -12,6 +12,20 @@ them and not the ones queued after. The backends differ only in that copy primit
 machine the "accelerator" is host memory, so the same jobs and waits are exercised by CI. A test may
 inject a random delay before each job (`delay_s`): a missing wait then shows up as a wrong number.
 
+[Note: what a copy waits for]
+A host-to-device copy writes memory the compute stream allocated (a fetched unit's hbm buffer, reused
+from memory earlier kernels read) and reads a source something produced: it must follow those, and
+nothing else, or it cannot overlap compute. `copy` called on a thread outside any job (the compute
+thread, in a fetch) waits for that thread's current stream: everything it queued so far, the allocation
+included. `copy` called inside a job of a JobThread (the nvme reader copying a chunk up after its read,
+the d2h thread copying new weights up after a step) waits for an event its submitter recorded on its
+own current stream when it submitted the job: what was queued before the job was issued, which includes
+the allocation of the buffer the job writes. It does not wait for that thread's current stream: on the
+reader thread that is the default stream, i.e. every kernel the compute thread queued while the drive
+read, the very compute the fetch should overlap (tests/test_stream_ordering.py records the waits with a
+fake of the stream API). A source in accelerator memory is produced on the calling thread's current
+stream: then the copy waits for that too.
+
 Host jobs never hang their waiters ([Note: no wait without an end] in swap/pending.py): a job's error
 is raised by `wait()`, a job thread that dies fails every job it still owed, and a wait ends after the
 I/O timeout with an error naming the job. (A CUDA event's synchronize has no timeout.)
@@ -28,6 +42,18 @@ from typing import Callable
 import torch
 
 from swap.pending import Pending, fail_all, io_timeout_s, start_thread
+
+_this_job = threading.local()  # .issued: on a JobThread, while a job runs, the event its submitter recorded
+
+
+def _issued_mark():
+    """An event recorded on the calling thread's current CUDA stream (the position of all it has queued),
+    or None where CUDA is not in use ([Note: what a copy waits for])."""
+    if not torch.cuda.is_initialized():
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream())
+    return event
 
 
 class Completion:
@@ -62,7 +88,7 @@ class JobThread:
     def __init__(self, name: str, delay_s: float = 0.0):
         self.name, self.delay_s = f"offload-{name}", delay_s
         self._cond = threading.Condition()
-        self._jobs: collections.deque = collections.deque()  # (Pending, fn, args)
+        self._jobs: collections.deque = collections.deque()  # (Pending, fn, args, issued mark)
         self._running: Pending | None = None
         self._closing = False
         self._dead: BaseException | None = None
@@ -70,11 +96,12 @@ class JobThread:
 
     def submit(self, fn: Callable, *args) -> Pending:
         job = Pending(f"{self.name} job {getattr(fn, '__qualname__', fn)}")
+        issued = _issued_mark()
         with self._cond:
             if self._closing:
                 raise RuntimeError(f"{self.name}: submit after close()")
             if self._dead is None:
-                self._jobs.append((job, fn, args))
+                self._jobs.append((job, fn, args, issued))
                 self._cond.notify()
                 return job
         job.complete(self._dead)
@@ -92,7 +119,8 @@ class JobThread:
             self._run_one(*item)
             self._running = None
 
-    def _run_one(self, job: Pending, fn: Callable, args) -> None:
+    def _run_one(self, job: Pending, fn: Callable, args, issued) -> None:
+        _this_job.issued = issued
         try:
             if self.delay_s:
                 time.sleep(random.uniform(0, self.delay_s))
@@ -101,13 +129,15 @@ class JobThread:
             job.complete(e)
         else:
             job.complete()
+        finally:
+            _this_job.issued = None
 
     def _died(self, error: BaseException) -> None:
         dead = RuntimeError(f"{self.name}: its thread died ({error!r}); the job was not run")
         dead.__cause__ = error
         with self._cond:
             self._dead = dead
-            owed = [self._running, *(job for job, _, _ in self._jobs)]
+            owed = [self._running, *(item[0] for item in self._jobs)]
             self._jobs.clear()
         fail_all(owed, dead)
 
@@ -145,7 +175,7 @@ class CopyStream:
         """dst.copy_(src) on this stream. The caller keeps both alive until the completion is done."""
         if self._stream is None:
             return self.submit(dst.copy_, src)
-        self._stream.wait_stream(torch.cuda.current_stream())  # src/dst were produced on the current stream
+        self._wait_for_inputs(src)
         with torch.cuda.stream(self._stream):
             dst.copy_(src, non_blocking=True)
             for t in (dst, src):
@@ -154,6 +184,14 @@ class CopyStream:
             event = torch.cuda.Event()
             event.record(self._stream)
         return Completion(event=event)
+
+    def _wait_for_inputs(self, src: torch.Tensor) -> None:
+        """This stream waits for what a copy needs, and no more: [Note: what a copy waits for]."""
+        issued = getattr(_this_job, "issued", None)
+        if issued is None or src.is_cuda:
+            self._stream.wait_stream(torch.cuda.current_stream())
+        if issued is not None:
+            self._stream.wait_event(issued)
 
     def submit(self, fn: Callable, *args, tensors=()) -> Completion:
         """Host work on this stream's thread, in order with its other jobs. On CUDA the job runs with this
