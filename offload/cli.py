@@ -71,3 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # user-facing errors: one line, exit code 2
         print(f"offload {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":  # `python -m offload.cli ...` (also under torchrun), as `python -m offload ...`
+    raise SystemExit(main())
