@@ -4,8 +4,8 @@ Layout under the user's swap directory (nvme_path):
     <nvme_path>/offload-swap-<host>-<pid>-<token>/    0700, one per SwapStore
         owner.json                                   0600: pid, host, process start time, bytes, fd
 The store's data file lives in the run directory but has no name there ([Note: unlinked data file]), so
-`ls` and `du` do not show it; owner.json says how many bytes it holds and which fd of which process holds
-them (/proc/<pid>/fd/<fd>). Two runs sharing one nvme_path never collide (the token is random, mkdir is
+`ls` and `du` do not show it; owner.json says which fd of which process holds it (/proc/<pid>/fd/<fd>, where
+list_runs reads its exact bytes when allowed to) and its size as last recorded. Two runs sharing one nvme_path never collide (the token is random, mkdir is
 exclusive). A directory whose owner process is gone (or whose pid now belongs to a younger process) is
 stale: its bytes went with its process, and `offload clean DIR` removes what is left (owner.json, and the
 named data.bin of versions before the data file was unlinked); live runs are left alone unless forced.
@@ -128,7 +128,7 @@ class RunDir:
     pid: int | None
     host: str | None
     alive: bool  # owner process still running (or on another host: assumed alive)
-    swap_bytes: int | None = None  # the unlinked data file's size, as its owner last recorded it
+    swap_bytes: int | None = None  # the unlinked data file's bytes on disk (/proc), else as owner.json last recorded
     named_bytes: int = 0  # files with a name besides owner.json (an earlier version's data.bin), as du counts
 
     @property
@@ -148,6 +148,18 @@ def _named_bytes(path: Path) -> int:
     return total
 
 
+def _held_bytes(path: Path, pid: int, fd) -> int | None:
+    """Bytes on disk of the unlinked file that `pid` holds as `fd` in `path`, read through /proc (same user
+    or root); None where that cannot be read or the fd is not that file."""
+    try:
+        target = os.readlink(f"/proc/{pid}/fd/{int(fd)}")  # "<run dir>/#<inode> (deleted)" for O_TMPFILE
+        if not target.startswith(os.path.realpath(path) + "/"):
+            return None
+        return os.stat(f"/proc/{pid}/fd/{int(fd)}").st_blocks * 512
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def _inspect(path: Path) -> RunDir:
     named = _named_bytes(path)
     try:
@@ -160,7 +172,10 @@ def _inspect(path: Path) -> RunDir:
         return RunDir(path, pid, host, True, swap_bytes, named)  # cannot tell; never remove another host's run
     now_started = _process_start(pid)
     alive = now_started is not None and (started is None or abs(now_started - started) < 1.0)
-    return RunDir(path, pid, host, alive, swap_bytes if alive else 0, named)
+    if not alive:
+        return RunDir(path, pid, host, False, 0, named)  # its unlinked file went with the process
+    held = _held_bytes(path, pid, owner.get("fd"))  # exact; owner.json's figure may lag a growing file
+    return RunDir(path, pid, host, True, swap_bytes if held is None else held, named)
 
 
 def list_runs(directory: str | os.PathLike) -> list[RunDir]:

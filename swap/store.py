@@ -57,6 +57,7 @@ DEFAULT_THREADS = 4
 # (checksum=True) to also catch silent corruption of the swap files.
 DEFAULT_CHECKSUM = False
 _MASK64 = (1 << 64) - 1
+OWNER_RECORD_S = 1.0  # owner.json's size is rewritten at a growth this long after its last record (or by 1/8)
 
 
 def block_digest(addr: int, nbytes: int) -> int:
@@ -237,7 +238,7 @@ class SwapStore:
                 self._fd, self.file_kind = open_unlinked(self.run_dir, os.O_RDWR | (os.O_DIRECT if self.direct else 0))
                 # What errors name: the directory the bytes are in and where the process holds them.
                 self.path = f"{self.run_dir}/(unlinked data file, /proc/{os.getpid()}/fd/{self._fd})"
-                self._owner_lock = threading.Lock()
+                self._owner_lock, self._owner_time = threading.Lock(), time.monotonic()
                 with self._owner_lock:
                     self._update_owner(fd=self._fd, data=self.file_kind)
             except BaseException:
@@ -459,13 +460,20 @@ class SwapStore:
             write_owner(self.run_dir, self._owner)
 
     def _record_size_if_needed(self) -> None:
-        """After the file grew: its new size into owner.json, so `offload clean --list` shows it. A failure
-        to write it is logged (the swap itself is fine)."""
-        if self._extents.end_bytes == self._owner["bytes"]:  # the common case: rewritten in place
+        """After the file grew: its new size into owner.json, for `offload clean --list` where it cannot read
+        the size from /proc (swap/rundir.py). Rewriting owner.json costs about 1 ms (create, write, rename),
+        and a model's first writes grow the file thousands of times, so it is rewritten only when the size
+        grew by an eighth since the last record or that record is older than OWNER_RECORD_S. A failure to
+        write it is logged (the swap itself is fine)."""
+        end, recorded = self._extents.end_bytes, self._owner["bytes"]
+        if end == recorded:  # the common case: rewritten in place
+            return
+        if end < recorded + recorded // 8 and time.monotonic() - self._owner_time < OWNER_RECORD_S:
             return
         try:
             with self._owner_lock:  # the size read under the lock: a later writer never records an older one
                 self._update_owner(bytes=self._extents.end_bytes)
+                self._owner_time = time.monotonic()
         except OSError as e:
             log.warning("swap: cannot record the data file's size in %s/owner.json: %s", self.run_dir, e)
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import offload
+import swap.store
 from offload.cli import main
 from swap import SwapStore, clean, list_runs
 from swap.rundir import OWNER_FILE, RUN_PREFIX
@@ -194,6 +195,18 @@ def test_clean_list_shows_live_runs_and_their_bytes(tmp_path, capsys):
         assert "4.0 MiB" in out and old.exists()  # --list removes nothing
         assert main(["clean", str(tmp_path)]) == 0
         assert not old.exists() and live.run_dir.exists()
+
+
+def test_list_runs_reads_the_exact_bytes_where_owner_json_lags(tmp_path, monkeypatch):
+    monkeypatch.setattr(swap.store, "OWNER_RECORD_S", 1e9)  # owner.json rewritten only when grown by 1/8
+    with SwapStore(tmp_path, engine="threads") as store:
+        store.write("a", torch.ones(1 << 20)).wait()
+        store.write("b", torch.ones(1)).wait()  # one more 4 KiB page: not recorded
+        assert json.loads((store.run_dir / OWNER_FILE).read_text())["bytes"] == 4 << 20
+        [run] = list_runs(tmp_path)
+        assert run.swap_bytes == (4 << 20) + 4096 == store.disk_bytes  # from /proc/<pid>/fd/<fd>
+        store.write("c", torch.ones(1 << 18)).wait()  # grown by more than an eighth: recorded
+        assert json.loads((store.run_dir / OWNER_FILE).read_text())["bytes"] == (5 << 20) + 4096
 
 
 def _dead_pid() -> int:

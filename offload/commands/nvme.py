@@ -159,7 +159,7 @@ def list_swap_runs(args: argparse.Namespace) -> int:
     if not runs:
         print(f"no swap run directories in {args.dir}")
     live = sum(r.swap_bytes or 0 for r in runs if r.alive)
-    print(f"{sum(r.alive for r in runs)} live runs hold {_mib(live)} of swap in {args.dir}")
+    print(f"live runs: {sum(r.alive for r in runs)}, holding {_mib(live)} of swap in {args.dir}")
     if args.json:
         print(json.dumps({"runs": [{"path": str(r.path), "pid": r.pid, "host": r.host, "alive": r.alive,
                                     "swap_bytes": r.swap_bytes, "named_bytes": r.named_bytes} for r in runs]}))
