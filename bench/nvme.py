@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from swap.buffers import aligned_empty  # noqa: E402
-from swap.measure import fill_pattern, measure, parse_size  # noqa: E402
+from swap.measure import fill_pattern, measure, parse_size, ring_bytes  # noqa: E402
 from swap.store import DEFAULT_CHECKSUM  # noqa: E402
 
 DS_VENV = Path(os.environ.get("DS_VENV", "/work/dsvenv"))
@@ -113,7 +113,7 @@ def main() -> None:
     if shutil.which("fio") is None:
         sys.exit("bench/nvme.py: fio not found; apt-get install fio")
     use_ds = not args.no_ds and ds_available()
-    buf = aligned_empty(args.size_bytes)
+    buf = aligned_empty(ring_bytes(args.size_bytes, args.block_bytes, args.queue_depth, args.threads))  # bounded
     fill_pattern(buf)
     print(f"nvme bench: {args.size_bytes / 1e9:.2f} GB, block {args.block_bytes} B, queue depth "
           f"{args.queue_depth}, dir {args.dir}, ds_io {'yes' if use_ds else 'absent'}")

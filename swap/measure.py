@@ -7,19 +7,29 @@ first write) for the write, closing it (removing the files) for the read. Host b
 pre-faulted and not timed. By default the timed write rewrites keys already on disk, as training
 does every step and as DeepSpeed's ds_io does after its warm-up loop; the first write into fresh
 blocks is reported too (first_write_gbps), as it is slower on thin-provisioned or copy-on-write disks.
+
+[Note: bounded host memory]
+SIZE is what goes to the drive, not what is held in RAM: the bytes move through a ring of RING_SLOTS
+host slots of one key each, a key being one full I/O queue of the store (block_bytes x queue depth, or
+x threads, capped at CHUNK_BYTES), and a slot is written from (or read into) again only after its last
+transfer completed. So one key is in flight while the next is queued behind it, the drive always has a
+full queue, and RSS stays at the ring (512 MiB at most) whatever SIZE is; before, the whole SIZE was one
+host buffer (1G: 1.35 GB RSS, 3G: 3.45 GB).
 """
 
 from __future__ import annotations
 
+import collections
 import re
 import time
 
 import torch
 
-from .buffers import aligned_empty
+from .buffers import aligned_empty, round_up
 from .store import DEFAULT_BLOCK_BYTES, DEFAULT_CHECKSUM, DEFAULT_QUEUE_DEPTH, DEFAULT_THREADS, SwapStore
 
-CHUNK_BYTES = 256 << 20  # one key per chunk: many tickets in flight, like a model's units
+CHUNK_BYTES = 256 << 20  # the largest key: a ring slot ([Note: bounded host memory])
+RING_SLOTS = 2           # one key in flight while the next is queued
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -41,46 +51,72 @@ def fill_pattern(buf: torch.Tensor) -> None:
         torch.arange(s, min(s + step, words.numel()), out=words[s : s + step])
 
 
+def key_bytes(block_bytes: int, queue_depth: int, threads: int) -> int:
+    """Bytes per key (one ring slot): one full I/O queue of the store, at most CHUNK_BYTES."""
+    return min(CHUNK_BYTES, round_up(block_bytes * max(queue_depth, threads)))
+
+
+def ring_bytes(size_bytes: int, block_bytes: int, queue_depth: int, threads: int) -> int:
+    """The host memory measure() moves SIZE through ([Note: bounded host memory])."""
+    return min(round_up(size_bytes), RING_SLOTS * key_bytes(block_bytes, queue_depth, threads))
+
+
+def _cycle(submit, keys: list[tuple[str, int]], slots: list[torch.Tensor]) -> None:
+    """submit(key, view of a slot) for every (key, nbytes) in turn, each slot reused only after its last
+    transfer completed; returns when every transfer completed."""
+    flight: collections.deque = collections.deque()
+    for i, (key, nbytes) in enumerate(keys):
+        if len(flight) == len(slots):
+            flight.popleft().wait()
+        flight.append(submit(key, slots[i % len(slots)][:nbytes]))
+    while flight:
+        flight.popleft().wait()
+
+
 def measure(directory, size_bytes: int, *, engine: str = "auto", block_bytes: int = DEFAULT_BLOCK_BYTES,
             queue_depth: int = DEFAULT_QUEUE_DEPTH, threads: int = DEFAULT_THREADS,
             checksum: bool = DEFAULT_CHECKSUM, buffer: torch.Tensor | None = None, warmup: bool = True) -> dict:
     """Write then read `size_bytes`; returns a dict of settings, times and GB/s.
 
-    With `warmup` the timed write is the second one, rewriting every key in place; the first write,
-    into freshly allocated file blocks, is reported as first_write_gbps."""
+    The bytes move through a bounded ring of host memory ([Note: bounded host memory]): `buffer` (filled
+    with fill_pattern; sweep() shares one), else ring_bytes() allocated here. With `warmup` the timed
+    write is the second one, rewriting every key in place; the first write, into freshly allocated file
+    blocks, is reported as first_write_gbps."""
     if size_bytes <= 0:
         raise ValueError(f"size={size_bytes}: must be > 0 bytes")
-    buf = buffer if buffer is not None else aligned_empty(size_bytes)
-    buf = buf[:size_bytes]
+    ring = buffer if buffer is not None else aligned_empty(ring_bytes(size_bytes, block_bytes, queue_depth, threads))
     if buffer is None:
-        fill_pattern(buf)
-    chunks = [(f"chunk.{i}", buf[s : s + CHUNK_BYTES]) for i, s in enumerate(range(0, size_bytes, CHUNK_BYTES))]
-    probe = buf[-4096:].clone()
+        fill_pattern(ring)
+    per_key = min(key_bytes(block_bytes, queue_depth, threads), ring.numel())
+    slots = [ring[s:s + per_key] for s in range(0, ring.numel() - per_key + 1, per_key)]
+    keys = [(f"chunk.{i}", min(per_key, size_bytes - s)) for i, s in enumerate(range(0, size_bytes, per_key))]
+    # The last key read into each slot must bring back the bytes written from it: its last 4 KiB are
+    # zeroed before the reads and compared after.
+    last = {i % len(slots): slots[i % len(slots)][:n][-4096:] for i, (_, n) in enumerate(keys)}
+    probes = {i: v.clone() for i, v in last.items()}
 
     t_open = time.perf_counter()
     store = SwapStore(directory, engine=engine, block_bytes=block_bytes, queue_depth=queue_depth,
                       threads=threads, checksum=checksum)
     try:
         t0 = time.perf_counter()
-        for t in [store.write(k, c) for k, c in chunks]:
-            t.wait()
+        _cycle(store.write, keys, slots)
         t1 = time.perf_counter()
         first_write_s = t1 - t0
         if warmup:  # time the rewrite in place, the steady state of training (and ds_io's method)
             t0 = time.perf_counter()
-            for t in [store.write(k, c) for k, c in chunks]:
-                t.wait()
+            _cycle(store.write, keys, slots)
             t1 = time.perf_counter()
-        buf[-4096:].zero_()  # the read must bring these bytes back
+        for v in last.values():
+            v.zero_()
         t2 = time.perf_counter()
-        for t in [store.read(k, c) for k, c in chunks]:
-            t.wait()
+        _cycle(store.read, keys, slots)
         t3 = time.perf_counter()
         engine_name, direct = store.engine.name, store.direct
     finally:
         store.close()
     t_closed = time.perf_counter()
-    if not torch.equal(buf[-4096:], probe):
+    if not all(torch.equal(last[i], probes[i]) for i in last):
         raise RuntimeError("swap bench: bytes read back differ from bytes written")
     gb = size_bytes / 1e9
     return {
@@ -90,7 +126,7 @@ def measure(directory, size_bytes: int, *, engine: str = "auto", block_bytes: in
         "write_task_s": t1 - t0, "read_task_s": t3 - t2,
         "write_e2e_s": t1 - t_open, "read_e2e_s": t_closed - t2,
         "write_e2e_gbps": gb / (t1 - t_open), "read_e2e_gbps": gb / (t_closed - t2),
-        "warmup": warmup, "first_write_gbps": gb / first_write_s,
+        "warmup": warmup, "first_write_gbps": gb / first_write_s, "host_bytes": ring.numel(),
     }
 
 
@@ -105,7 +141,14 @@ def format_table(r: dict) -> str:
     for op in ("write", "read"):
         rows.append(f"{op:6} {r[f'{op}_task_s']:8.3f} {r[f'{op}_gbps']:10.2f} "
                     f"{r[f'{op}_e2e_s']:8.3f} {r[f'{op}_e2e_gbps']:9.2f}")
-    return "\n".join([head] + rows)
+    return "\n".join([head] + rows + [COLUMNS.format(ring=r["host_bytes"] / 2**20)])
+
+
+COLUMNS = """\
+task: from the first request submitted to the last completed: the drive through our I/O queue (what the
+      I/O bound of a training step uses); e2e: task plus what a user pays around it: opening the store
+      (run directory, O_DIRECT probe, engine start, and the warm-up write) before the write, closing it
+      (removing the files) after the read. Host memory: a {ring:.0f} MiB ring, whatever the size."""
 
 
 SWEEP_BLOCK_BYTES = (256 << 10, 1 << 20, 4 << 20, 8 << 20)
@@ -130,8 +173,9 @@ def sweep_configs(engines=("libaio", "threads")) -> list[dict]:
 
 def sweep(directory, size_bytes: int, configs: list[dict], *, checksum: bool = DEFAULT_CHECKSUM,
           progress=None) -> tuple[list[dict], dict]:
-    """Measure every config on one shared buffer; best = shortest write + read of the same bytes."""
-    buf = aligned_empty(size_bytes)
+    """Measure every config on one shared ring (the largest any config needs); best = shortest write + read
+    of the same bytes."""
+    buf = aligned_empty(max(ring_bytes(size_bytes, c["block_bytes"], c["queue_depth"], c["threads"]) for c in configs))
     fill_pattern(buf)
     results = []
     for i, cfg in enumerate(configs):

@@ -87,3 +87,41 @@ def test_clean_removes_stale_runs_only(tmp_path, capsys):
         out = capsys.readouterr().out
         assert _last_json(out)["removed"] == [str(stale)] and "kept" in out
         assert not stale.exists() and live.run_dir.exists() and unrelated.exists()
+
+
+def test_bench_nvme_holds_a_bounded_ring_not_the_size(tmp_path, capsys, monkeypatch):
+    """64 MiB go to the drive through 2 keys of one full queue each (256 KiB x 4 = 1 MiB): 2 MiB of host
+    memory, every key's bytes checked on the way back."""
+    import swap.measure
+
+    sizes = []
+    real = swap.measure.aligned_empty
+    monkeypatch.setattr(swap.measure, "aligned_empty", lambda n, *a, **k: (sizes.append(n), real(n, *a, **k))[1])
+    assert main(["bench", "nvme", "--dir", str(tmp_path), "--size", "64M", "--engine", "threads",
+                 "--block-bytes", "256K", "--queue-depth", "4", "--threads", "2", "--json"]) == 0
+    out = capsys.readouterr().out
+    r = _last_json(out)
+    assert sizes == [2 << 20] and r["host_bytes"] == 2 << 20 and r["size_bytes"] == 64 << 20
+    assert "task: from the first request submitted to the last completed" in out and "e2e: task plus" in out
+    assert "a 2 MiB ring, whatever the size" in out
+
+
+def test_bench_nvme_detects_bytes_that_did_not_come_back(tmp_path, monkeypatch):
+    """Every slot's last key is checked: reading key 0 into both slots is caught."""
+    from swap.store import SwapStore
+
+    real = SwapStore.read
+    monkeypatch.setattr(SwapStore, "read", lambda self, key, into, **kw: real(self, "chunk.0", into, **kw))
+    with pytest.raises(RuntimeError, match="bytes read back differ from bytes written"):
+        main(["bench", "nvme", "--dir", str(tmp_path), "--size", "8M", "--engine", "threads",
+              "--block-bytes", "256K", "--queue-depth", "4", "--threads", "2"])
+
+
+def test_bench_nvme_refuses_a_ring_larger_than_half_the_available_ram(tmp_path, capsys, monkeypatch):
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": 3 << 20})())
+    assert main(["bench", "nvme", "--dir", str(tmp_path), "--size", "64M", "--block-bytes", "1M",
+                 "--queue-depth", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--block-bytes/--queue-depth: the bench would hold 8 MiB of host memory" in err and "smaller blocks" in err

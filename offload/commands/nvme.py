@@ -10,7 +10,7 @@ import sys
 from offload.train import DEFAULT_SWAP_DIR
 from swap import clean, list_runs
 from swap.engines import ENGINES
-from swap.measure import aio_section, format_table, measure, parse_size, sweep, sweep_configs
+from swap.measure import aio_section, format_table, measure, parse_size, ring_bytes, sweep, sweep_configs
 from swap.store import DEFAULT_BLOCK_BYTES, DEFAULT_CHECKSUM, DEFAULT_QUEUE_DEPTH, DEFAULT_THREADS
 
 
@@ -33,7 +33,14 @@ def _checksum_flags(p) -> None:
 
 def register(subparsers) -> None:
     bench = _nested(subparsers, "bench", "measure how fast an NVMe drive swaps").add_parser(
-        "nvme", help="swap write/read bandwidth through the swap store (page cache bypassed)")
+        "nvme", help="swap write/read bandwidth through the swap store (page cache bypassed)",
+        description="Writes --size bytes into --dir through the swap store, then reads them back, and prints GB/s. "
+                    "The bytes move through a ring of host memory of two keys of one full I/O queue each "
+                    "(block bytes x queue depth, at most 256 MiB per key), not --size of RAM. Columns: `task` "
+                    "runs from the first request submitted to the last completed (the drive through our I/O "
+                    "queue: what the I/O bound of a training step uses); `e2e` adds opening the store (run "
+                    "directory, O_DIRECT probe, engine start, the warm-up write) before the write and closing it "
+                    "(removing the files) after the read.")
     bench.add_argument("--dir", required=True, help="directory on the drive to measure (a run "
                        "subdirectory is created in it and removed afterwards)")
     bench.add_argument("--size", default="1G", help="bytes to write then read, e.g. 4G (default 1G)")
@@ -79,12 +86,24 @@ def _log_to_stderr() -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     _log_to_stderr()
-    r = measure(args.dir, parse_size(args.size), engine=args.engine, block_bytes=args.block_bytes,
+    size = parse_size(args.size)
+    _check_host_memory(ring_bytes(size, args.block_bytes, args.queue_depth, args.threads), "--block-bytes/--queue-depth")
+    r = measure(args.dir, size, engine=args.engine, block_bytes=args.block_bytes,
                 queue_depth=args.queue_depth, threads=args.threads, checksum=args.checksum, warmup=args.warmup)
     print(format_table(r))
     if args.json:
         print(json.dumps(r))
     return 0
+
+
+def _check_host_memory(nbytes: int, knobs: str) -> None:
+    """The bench's ring of host memory ([Note: bounded host memory] in swap/measure.py) must fit in RAM."""
+    import psutil
+
+    avail = psutil.virtual_memory().available
+    if nbytes > avail // 2:
+        raise ValueError(f"{knobs}: the bench would hold {nbytes / 2**20:.0f} MiB of host memory, more than half "
+                         f"of the {avail / 2**20:.0f} MiB available; use smaller blocks or a lower queue depth")
 
 
 def run_tune(args: argparse.Namespace) -> int:
