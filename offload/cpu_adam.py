@@ -3,9 +3,10 @@
 Two backends compute the same update:
 - "compiled": offload/csrc/cpu_adam.cpp, built on first use with torch.utils.cpp_extension into a cache
   directory ($OFFLOAD_CACHE_DIR, else $XDG_CACHE_HOME/offload, else ~/.cache/offload) named by a hash of
-  what the binary depends on (_build_key), and loaded from there directly afterwards. One pass per element
-  reads the fp32 master/exp_avg/exp_avg_sq and the bf16/fp16/fp32 gradient and writes the states back plus
-  the new weight in bf16/fp16. AVX-512 (with AVX512_BF16 when present) or AVX2 is chosen at run time (cap
+  what the binary depends on (_build_key), and loaded from there directly afterwards when it passes the
+  checks of [Note: trusting a cached kernel] (offload/kernel_cache.py: owners, permissions, a digest).
+  One pass per element reads the fp32 master/exp_avg/exp_avg_sq and the bf16/fp16/fp32 gradient and
+  writes the states back plus the new weight in bf16/fp16. AVX-512 (with AVX512_BF16 when present) or AVX2 is chosen at run time (cap
   it with $OFFLOAD_CPU_ADAM_ISA or `set_isa`); multi-threaded over 64 Ki-element chunks.
 - "torch": torch._fused_adamw_ / _fused_adam_ over cache-sized tiles, the gradient cast and the weight
   cast done per tile so they hit cache. Used automatically when the kernel cannot be built.
@@ -31,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from offload import kernel_cache
 from swap.store import tensor_digests
 
 __all__ = ["CPUAdam", "StepDigests", "adam_step", "grad_sq_sum", "kernel_backend", "kernel_isa", "set_isa",
@@ -101,26 +103,55 @@ def _import(library: Path) -> object:
 
 def _build() -> object:
     """Load the kernel built for this key, or compile it first (once per key: the build directory is named
-    by _build_key, so a cached build never runs ninja again). Raises RuntimeError saying what failed."""
-    from torch.utils import cpp_extension
+    by _build_key, so a cached build never runs ninja again). A cached library is loaded only when it can
+    be trusted ([Note: trusting a cached kernel] in offload/kernel_cache.py); else it is built again and
+    one line says why. Raises RuntimeError saying what failed."""
     build_dir = _cache_dir()
-    library = build_dir / f"{_NAME}.so"
-    if library.exists():
-        try:
-            return _import(library)
-        except ImportError as e:  # a build in progress in another process, or a broken file: build
-            log.info("offload: %s does not load (%s); building it again", library, e)
+    try:
+        unsafe = kernel_cache.unsafe_ancestry(build_dir.parent)
+        if unsafe is not None:  # the cache cannot be made safe from here: build for this process alone
+            return _build_into(kernel_cache.private_dir("offload-cpu-adam-"), cached=False, why=(
+                f"not in the cache: {unsafe}; chmod go-w it, or set OFFLOAD_CACHE_DIR to a directory only you "
+                "can write, to keep the build"))
+        kernel_cache.private_dirs(build_dir.parent)
+        with kernel_cache.locked(build_dir.parent / f"{build_dir.name}.lock"):
+            library = build_dir / f"{_NAME}.so"
+            if not library.exists():
+                return _build_into(build_dir)
+            why = kernel_cache.why_untrusted(build_dir, library)
+            if why is None:
+                try:
+                    return _import(library)
+                except ImportError as e:  # trusted, yet it does not load here
+                    why = f"{library} does not load ({e})"
+            return _build_into(build_dir, why=f"the cached build was not loaded: {why}")
+    except OSError as e:
+        raise RuntimeError(f"the CPU Adam kernel cache in {build_dir.parent}: {e}") from e
+
+
+def _build_into(build_dir: Path, cached: bool = True, why: str | None = None) -> object:
+    """Compile into `build_dir` (emptied first: ninja would reuse object files found there), record the
+    library's digest beside it and return the module. One line on stderr says so, ending with `why`
+    (when given)."""
+    kernel_cache.fresh_dir(build_dir)
+    print(f"offload: building the CPU Adam kernel ({'once, ' if cached else ''}~25 s) in {build_dir}"
+          + (f" ({why})" if why else ""), file=sys.stderr, flush=True)
+    module = _compile(build_dir)
+    kernel_cache.record_digest(build_dir / f"{_NAME}.so")
+    return module
+
+
+def _compile(build_dir: Path) -> object:
+    """torch.utils.cpp_extension.load of the kernel's source into `build_dir`; RuntimeError if it fails."""
+    from torch.utils import cpp_extension
     try:
         cpp_extension.verify_ninja_availability()
     except RuntimeError as e:
         raise RuntimeError("ninja is not installed (pip install ninja)") from e
-    print(f"offload: building the CPU Adam kernel (once, ~25 s) in {build_dir}", file=sys.stderr, flush=True)
-    build_dir.mkdir(parents=True, exist_ok=True)
     # Compile a copy inside the cache directory: ninja records the source path, so building the package's
     # own file from two checkouts (worktrees, venvs) with the same contents would rebuild on every load.
     source = build_dir / _SOURCE.name
-    if not source.exists() or source.read_bytes() != _SOURCE.read_bytes():
-        shutil.copyfile(_SOURCE, source)
+    shutil.copyfile(_SOURCE, source)
     try:
         return cpp_extension.load(name=_NAME, sources=[str(source)], extra_cflags=list(_CFLAGS),
                                   build_directory=str(build_dir), verbose=False)
