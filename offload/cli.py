@@ -15,6 +15,7 @@ _COMMAND_MODULES = (
     "offload.commands.estimate",
     "offload.commands.train",
     "offload.commands.checkpoint",
+    "offload.commands.doctor",
 )
 
 # What `offload --help` says: for users, so no internals (the docstring above is for developers).
@@ -30,7 +31,8 @@ examples:
   offload estimate --params 7e9 --offload-optimizer nvme
   offload bench nvme --dir /mnt/nvme --size 4G  how fast the drive swaps
   offload train --save-every 50 --resume        checkpoints, continued after a crash
-  offload checkpoint export checkpoints ./hf    the latest checkpoint as a HF directory"""
+  offload checkpoint export checkpoints ./hf    the latest checkpoint as a HF directory
+  offload doctor                                what this host runs fast, and what to fix"""
 
 
 class _Parser(argparse.ArgumentParser):
