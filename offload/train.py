@@ -31,7 +31,7 @@ import torch
 import offload
 from offload.config import FLAG_KEYS, Config, _put, file_settings, load_config
 from offload.cpu_adam import kernel_backend
-from offload.data import BatchSampler, ByteTokenizer, load_tokens
+from offload.data import BatchSampler, ByteTokenizer, load_data, load_tokens, make_sampler
 from offload.models import PRESETS, build_model, hf_llama_config, hf_name, loss_of
 from offload.ranks import reduced
 from offload.signals import SIGNALS, Stopped, stop_on_signals
@@ -60,7 +60,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help=f"a preset ({', '.join(PRESETS)}) or a local Hugging Face Llama directory "
                         f"(default {RECIPE['model']})")
     g.add_argument("--data", default=None, metavar="PATH",
-                   help="a local .txt or .jsonl ({\"text\": ...} per line) file (default: bundled Shakespeare)")
+                   help="a local .txt file, or .jsonl (a record a line) / .json (an array) of records, all "
+                        "{\"text\"}, all {\"prompt\",\"completion\"}, all {\"messages\": [{\"role\",\"content\"}...]} (the "
+                        "tokenizer's chat template, else a plain one) or all Alpaca {\"instruction\",\"input\","
+                        "\"output\"}; text is packed into --seq-len windows and trained on every token, the others "
+                        "are one example per row, right-padded, with the loss on completions / assistant turns only "
+                        "(default: bundled Shakespeare)")
     g.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {RECIPE['steps']})")
     g.add_argument("--batch-size", type=int, default=None, help=f"sequences per micro-batch (default {RECIPE['batch_size']})")
     g.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default {RECIPE['seq_len']})")
@@ -77,7 +82,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="write a Chrome/Perfetto trace of the run (and PATH.png: the last step's timeline)")
     e = parser.add_argument_group("evaluation")
     e.add_argument("--eval-data", default=None, metavar="PATH",
-                   help="a local .txt or .jsonl file to evaluate on: the loss over the same --eval-batches batches "
+                   help="a local file as --data takes, to evaluate on: the loss over the same --eval-batches batches "
                         "(forward only), every --eval-every steps and after the last")
     e.add_argument("--eval-every", type=int, default=None, metavar="N", help="evaluate every N steps (default: "
                    "after the last step only)")
@@ -268,23 +273,10 @@ def _hf_tokenizer(directory: str):
 
 
 def load_token_ids(path: str | None, tokenizer=None) -> torch.Tensor:
-    """Token ids of --data (or the bundled corpus): bytes by default, else the model's own tokenizer
-    (int32: real vocabularies exceed int16), each document followed by its EOS."""
-    if tokenizer is None:
-        return load_tokens(path)
-    from offload.data import BUNDLED_CORPUS, _jsonl_documents, _read_text
-
-    path = BUNDLED_CORPUS if path is None else path
-    if not os.path.isfile(path):
-        raise FileNotFoundError(2, "data file not found; pass --data with a local .txt or .jsonl file", path)
-    docs = _jsonl_documents(path) if path.endswith((".jsonl", ".jsonl.gz")) else [_read_text(path)]
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    ids: list[int] = []
-    for doc in docs:
-        for start in range(0, len(doc), 1 << 16):  # pieces, so a slow tokenizer never sees megabytes at once
-            ids += tokenizer(doc[start:start + (1 << 16)], add_special_tokens=False)["input_ids"]
-        ids += eos
-    return torch.tensor(ids, dtype=torch.int32)
+    """Token ids of a text --data file (or the bundled corpus): bytes by default, else the model's own
+    tokenizer (int32: real vocabularies exceed int16), each document followed by its EOS. Instruction
+    records are read by offload.data.load_data ([Note: what --data reads] there)."""
+    return load_tokens(path, tokenizer)
 
 
 def build(run: dict, cfg: Config):
@@ -342,8 +334,8 @@ def train(args_or_config=None) -> dict:
     if world > 1:
         run = {**run, "ranks": world}  # each step trains ranks x batch_size sequences; losses are their mean
     model, weights, info = build(run, cfg)
-    tokens = load_token_ids(run["data"], info["tokenizer"])
-    sampler = _RankSlice(BatchSampler(tokens, run["batch_size"], run["seq_len"], seed=cfg.seed), rank, world)
+    data = load_data(run["data"], info["tokenizer"])  # [Note: what --data reads] in offload/data.py
+    sampler = _RankSlice(make_sampler(data, run["batch_size"], run["seq_len"], seed=cfg.seed), rank, world)
     evaluator = Evaluator.from_run(run, cfg, info["tokenizer"])  # every rank: the same batches, the same loss
     checkpoints = Checkpoints.from_args(args, run, cfg, model, info)
     resume = _resume_point(args, run, cfg)
@@ -534,11 +526,11 @@ class Evaluator:
         if ev is None:
             return None
         if not os.path.isfile(ev["data"]):
-            raise FileNotFoundError(2, "eval data file not found; pass --eval-data with a local .txt or .jsonl file",
+            raise FileNotFoundError(2, "eval data file not found; pass --eval-data with a local .txt, .jsonl or .json file",
                                     ev["data"])
-        tokens = load_token_ids(ev["data"], tokenizer)
+        data = load_data(ev["data"], tokenizer)
         try:
-            sampler = BatchSampler(tokens, run["batch_size"], run["seq_len"], seed=cfg.seed)
+            sampler = make_sampler(data, run["batch_size"], run["seq_len"], seed=cfg.seed)
         except ValueError as e:
             raise ValueError(f"--eval-data={ev['data']}: {e}") from e
         return cls(sampler, ev["every"], ev["batches"], run["steps"])

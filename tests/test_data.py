@@ -40,7 +40,7 @@ def test_bad_data_files_name_path_and_line(tmp_path):
         load_tokens(str(tmp_path / "missing.txt"))
     bad = tmp_path / "b.jsonl"
     bad.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "x"}) + "\n")
-    with pytest.raises(ValueError, match=r"b.jsonl:2: no string field"):
+    with pytest.raises(ValueError, match=r"b.jsonl:2: not a record offload reads \(body\); --data takes .txt"):
         load_tokens(str(bad))
     bad.write_text("{not json\n")
     with pytest.raises(ValueError, match=r"b.jsonl:1: not JSON"):
