@@ -164,6 +164,7 @@ class Config:
     chunk_bytes: int = 32 << 20    # the grain of nvme <-> dram movement and of the CPU Adam pipeline (README "Chunks")
     swap_checksum: bool = True     # per-block checksums of swap files, verified on read (nvme optimizer states: in the CPU Adam pass)
     seed: int = 0                  # seeds meta-device materialization
+    collective_timeout_s: float = 600.0  # over ranks: a collective not matched by every rank within this raises an error naming it ([Note: collective order] in offload/ranks.py)
 
     def __post_init__(self) -> None:
         self.validate("")
@@ -189,6 +190,10 @@ class Config:
         if isinstance(self.split_step, (str, bool)) or not 0 <= self.split_step <= 1:
             _fail("split_step", self.split_step, "must be a number from 0 to 1 (a fraction of the units)",
                   "use 0 to step every unit in backward, 0.5 for every other unit (what true meant before)")
+        if isinstance(self.collective_timeout_s, bool) or not (isinstance(self.collective_timeout_s, (int, float))
+                                                                and self.collective_timeout_s > 0):
+            _fail("collective_timeout_s", self.collective_timeout_s, "must be a number of seconds > 0",
+                  "use 600 (the default), more for a slow checkpoint drive shared by many ranks")
         if self.prefetch_units < 0:
             _fail("prefetch_units", self.prefetch_units, "must be >= 0", "use 0 for on-demand fetches")
         if self.reuse_distance < -1:

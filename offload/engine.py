@@ -63,7 +63,9 @@ class Engine(nn.Module):
         self.rt = rt = Runtime.open(cfg, self.device, self.placement, self.rank, self.world)
         self.tiers, self.telemetry, self.staging, self.store = rt.tiers, rt.telemetry, rt.staging, rt.store
         self.chunk_numel = rt.chunk_numel
-        self.trace = ExecutionTrace(self.placement.knobs.prefetch_units)
+        agree = (lambda values, op: rt.ranks.agree(values, op, "all_reduce: the trace to replay")
+                 ) if self.placement.weight_owners else None  # [Note: collective order] in offload.ranks
+        self.trace = ExecutionTrace(self.placement.knobs.prefetch_units, agree=agree)
         self._closed = False
         self.checkpoint_run_id: str | None = None  # the run its checkpoints belong to (offload.checkpoint.run_id)
         self.weights: list[WeightHandle] = []

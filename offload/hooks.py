@@ -17,7 +17,9 @@ shapes instead (WeightHandle.shape_only: the gradient accumulator checks the gra
 is not inferred for other modules: activation checkpointing hides what a forward saves and recomputes it
 outside the module's hooks. As a guard, the use must also leave the unit's parameters and hbm storage
 with no more references than before it (anything autograd saved of them holds one); a torch that cannot
-count them fetches always.
+count them fetches always. With partitioned weights (zero_stage 3) the fetch is a gather, so the ranks
+agree on the answer ([Note: collective order] in offload.ranks): a count one rank read while another
+thread held a reference for a moment must not make it gather alone.
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ def register(engine, unit, module: torch.nn.Module) -> list:
             t0, refs = starts.pop()
             engine.telemetry.span("compute", f"forward {unit.name}", t0, time.perf_counter())
         needs_weights = refs is None or weights.refs() != refs  # [Note: backward without weights]
+        if lookup and weights.partitioned and torch.is_grad_enabled():  # the fetch gathers: every rank or none
+            needs_weights = bool(engine.rt.ranks.agree([float(needs_weights)], "max",
+                                                       f"all_reduce: does {unit.name}'s backward need weights")[0])
         if torch.is_grad_enabled():
             flat, _, idx = _tensors_requiring_grad(output)
             before_backward = ((lambda grad: engine.fetch_for_use(unit, backward=True)) if needs_weights

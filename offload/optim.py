@@ -313,7 +313,8 @@ class OptimState(_Handle):
             try:
                 gather(grads, b, e, buf)
                 t0 = time.perf_counter()
-                dist.reduce(buf, dst=self.owner[i], group=rt.grad_group)
+                rt.ranks.run("reduce", f"{self.unit.name} window {i}",
+                             lambda: dist.reduce(buf, dst=self.owner[i], group=rt.ranks.grad))
                 rt.telemetry.collective("reduce", buf.numel() * 4, time.perf_counter() - t0)
                 if self.owner[i] == rt.rank:
                     buf.div_(rt.world)

@@ -48,7 +48,6 @@ import torch
 from torch.profiler import record_function
 
 from offload.optim import KINDS, STATES
-from offload.ranks import reduced
 from offload.step import WindowPipeline
 from offload.units import Unit
 from scheduler.telemetry import overlap_fraction
@@ -141,6 +140,7 @@ class StepPipeline:
     def begin_forward(self) -> Phase:
         """Returns the phase to roll back to if this forward raises."""
         self.check_usable("forward")
+        self.rt.ranks.step = self.step_count + 1  # named by a collective's error (offload.ranks)
         before = self.phase
         if before is not P.BACKWARD:  # a forward inside backward (recomputation) belongs to the backward
             self._to(P.FORWARD)
@@ -264,6 +264,7 @@ class StepPipeline:
 
     def backward(self, loss: torch.Tensor) -> None:
         self.check_usable("backward")
+        self.rt.ranks.step = self.step_count + 1
         cfg = self.rt.cfg
         self.finish_deferred()  # normally done already: each deferred unit's fetch waited for its step
         self._to(P.BACKWARD)
@@ -534,7 +535,7 @@ def average_over_ranks(grads: list, rt) -> None:
             hbm.charge(g.numel() * 4, "gradient all-reduce buffer")
         try:
             buf = g.float() if copy else g
-            dist.all_reduce(buf, group=rt.grad_group)
+            rt.ranks.run("all_reduce", "a gradient", lambda: dist.all_reduce(buf, group=rt.ranks.grad))
             buf.div_(rt.world)
             if copy:
                 g.copy_(buf)
@@ -548,7 +549,7 @@ def average_over_ranks(grads: list, rt) -> None:
 def sum_over_ranks(x: float, rt) -> float:
     """x summed over the ranks (a non-finite x on any rank makes the sum non-finite on every rank)."""
     t0 = time.perf_counter()
-    total = reduced([x])[0]
+    total = rt.ranks.agree([x], "sum", "all_reduce of the gradient norm")[0]
     rt.telemetry.collective("all_reduce", 8, time.perf_counter() - t0)
     return total
 
@@ -566,13 +567,16 @@ def share_new_weights(rt, unit: Unit, st, w) -> None:
         if st.owner[i] == rt.rank:
             src, release = w.window(i, b, e)
             try:
-                dist.broadcast(src.view(torch.uint8), src=rt.rank)
+                rt.ranks.run("broadcast", f"{unit.name} window {i}'s new weights",
+                             lambda: dist.broadcast(src.view(torch.uint8), src=rt.rank, group=rt.ranks.compute))
             finally:
                 release()
         else:
             buf = w.new_weights(i, b, e)
             try:
-                dist.broadcast(buf[:e - b].view(torch.uint8), src=st.owner[i])
+                rt.ranks.run("broadcast", f"{unit.name} window {i}'s new weights",
+                             lambda: dist.broadcast(buf[:e - b].view(torch.uint8), src=st.owner[i],
+                                                    group=rt.ranks.compute))
             except BaseException:
                 w.discard(buf)
                 raise

@@ -1,15 +1,85 @@
-"""Scalars the ranks of the default process group must agree on (a norm, a decision, a setting each rank
-derived from its own budgets): one small all-reduce, in fp64 (integers below 2**53 stay exact)."""
+"""What the ranks of the default process group do together: the engine's own process groups, each
+collective under a timeout and named when it fails, and the scalars every rank must agree on.
+
+[Note: collective order]
+Over ranks every collective is a meeting: each rank must enter the same collectives, on the same group,
+in the same order, or the ranks wait for each other forever (gloo) or exchange the wrong tensors. So the
+order of collectives is decided only from facts every rank shares: the model's module order, the
+keep/release decisions of a policy fed the same events on every rank, and a recorded trace the ranks
+agreed on. Never from one rank's own view: its timing (which fetch finished first, how much hbm was free
+at a moment), a reference count another thread may be holding for a moment, or a trace only it
+re-recorded. Where such a local fact must steer a collective, the ranks agree on it first (`agree`):
+  - a unit used by an embedding lookup is fetched for its backward if any rank's forward saved its
+    weights (offload.hooks, [Note: backward without weights]);
+  - at the end of each backward the ranks agree on the trace to replay next: all keep the new recording
+    if every rank recorded the same one, else all record again (scheduler.trace).
+Prefetches may still differ (they depend on the room each rank has), which is why a prefetch of
+partitioned weights only reads this rank's shard; its gather runs when the unit is used.
+Each thread that enters collectives has its own group (the compute thread: gathers, agreements, the
+new weights' broadcasts; the d2h thread: gradient reduces), so the two threads never interleave on one
+group. Both groups carry `collective_timeout_s`: a rank whose peer never comes raises CollectiveError
+naming the collective, the unit and the step, and a failed rank's exit breaks the connection its peers
+wait on, so they raise too instead of waiting out the timeout.
+"""
 
 from __future__ import annotations
+
+import datetime
+import time
+from typing import Callable
 
 import torch
 
 
-def reduced(values: list[float], op: str = "sum") -> list[float]:
-    """`values` reduced elementwise over the ranks: "sum", "min" or "max"."""
+class CollectiveError(RuntimeError):
+    """A collective that did not complete on this rank: a peer failed, stopped, or entered another one."""
+
+
+def reduced(values: list[float], op: str = "sum", group=None) -> list[float]:
+    """`values` reduced elementwise over the ranks: "sum", "min" or "max" (fp64: integers below 2**53 stay
+    exact)."""
     import torch.distributed as dist
 
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op],
+                    group=group)
     return t.tolist()
+
+
+class Ranks:
+    """The engine's process groups over the default group's ranks ([Note: collective order]); `step` (set by
+    the step pipeline) names the step in errors. One rank (world 1): no groups, and `agree` returns its
+    own values."""
+
+    def __init__(self, rank: int, world: int, timeout_s: float):
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.step = 0
+        self.compute = self.grad = None
+        if world > 1:  # every rank creates them here, in the same order (new_group is a collective)
+            import torch.distributed as dist
+
+            timeout = datetime.timedelta(seconds=timeout_s)
+            self.compute = dist.new_group(backend=dist.get_backend(), timeout=timeout)
+            self.grad = dist.new_group(backend=dist.get_backend(), timeout=timeout)
+
+    def run(self, what: str, unit: str, fn: Callable[[], object]):
+        """fn() (a collective); its failure raised as CollectiveError naming `what`, `unit` and the step."""
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        except CollectiveError:
+            raise
+        except RuntimeError as e:  # gloo: a timeout or a peer's closed connection; NCCL: DistBackendError
+            waited = time.perf_counter() - t0
+            raise CollectiveError(
+                f"offload: rank {self.rank} of {self.world}: {what} of {unit} at step {self.step} failed after "
+                f"{waited:.1f} s (collective_timeout_s {self.timeout_s:g}): {type(e).__name__}: {e}. The other "
+                "ranks did not enter this collective: one failed or stopped (its own error says where), or the "
+                "ranks disagree on the order of collectives (a bug: please report it with every rank's error)"
+            ) from e
+
+    def agree(self, values: list[float], op: str, what: str) -> list[float]:
+        """`values` reduced over the ranks on the compute thread's group (the values themselves when alone)."""
+        if self.world == 1:
+            return list(values)
+        return self.run(what, "the ranks' agreement", lambda: reduced(values, op, self.compute))

@@ -266,9 +266,10 @@ class WeightHandle(_Handle):
         """[Note: partitioned weights] Each chunk from its owner into every rank's hbm copy (as bytes)."""
         import torch.distributed as dist
 
-        t0 = time.perf_counter()
+        t0, ranks = time.perf_counter(), self.rt.ranks
         for (b, e), owner in zip(self.chunks, self.owner):
-            dist.broadcast(self.hbm[b:e].view(torch.uint8), src=owner)
+            ranks.run("all_gather (a broadcast per chunk)", self.unit.name,
+                      lambda: dist.broadcast(self.hbm[b:e].view(torch.uint8), src=owner, group=ranks.compute))
         self.rt.telemetry.collective("all_gather", self.nbytes, time.perf_counter() - t0)
 
     # -- release: hbm -> home -------------------------------------------------------------------------

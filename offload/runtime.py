@@ -16,6 +16,7 @@ import torch
 from offload.chunks import ChunkPool
 from offload.config import Config
 from offload.placement import Placement
+from offload.ranks import Ranks
 from offload.tiers import Tiers
 from scheduler.streams import CopyStream, Worker
 from scheduler.telemetry import Telemetry
@@ -40,10 +41,12 @@ class Runtime:
     h2d: CopyStream             # fetches: dram -> hbm
     d2h: CopyStream             # gradients: hbm -> dram accumulators, and the step that follows them
     reader: Worker              # fetches from nvme, chunk by chunk
-    # [Note: two process groups] over several ranks the d2h thread reduces gradients while the compute
-    # thread gathers weights (zero_stage 3): each thread has its own group, so each group sees its
-    # collectives in the same order on every rank. grad_group: the d2h thread's; None: the default group.
-    grad_group: object = None
+    ranks: Ranks                # the process groups (one per thread that enters collectives), with a timeout
+
+    @property
+    def grad_group(self):
+        """The d2h thread's process group (gradient reduces): [Note: collective order] in offload.ranks."""
+        return self.ranks.grad
 
     @property
     def sharded(self) -> bool:
@@ -63,14 +66,16 @@ class Runtime:
             staging.close()
             raise
         delay = float(os.environ.get("OFFLOAD_TEST_COPY_DELAY_S", "0"))  # tests: a missing wait shows
-        grad_group = None
-        if world > 1:  # [Note: two process groups]; every rank creates it here, in the same order
-            import torch.distributed as dist
-
-            grad_group = dist.new_group(backend=dist.get_backend())
+        try:
+            ranks = Ranks(rank, world, cfg.collective_timeout_s)
+        except BaseException:
+            staging.close()
+            if store is not None:
+                store.close()
+            raise
         return cls(cfg, device, cfg.compute_dtype, rank, world, placement, tiers, Telemetry(),
                    placement.chunk_bytes // 4, staging, store, CopyStream("h2d", device, delay),
-                   CopyStream("d2h", device, delay), Worker("nvme-read", delay), grad_group)
+                   CopyStream("d2h", device, delay), Worker("nvme-read", delay), ranks)
 
     @staticmethod
     def open_store(cfg: Config, rank: int = 0) -> SwapStore:

@@ -114,20 +114,27 @@ class JobThread:
                     self._cond.wait()
                 if not self._jobs:
                     return
-                item = self._jobs.popleft()
-                self._running = item[0]
-            self._run_one(*item)
+                work = list(self._jobs.popleft())
+                self._running = work[0]
+            self._run_one(work)
             self._running = None
 
-    def _run_one(self, job: Pending, fn: Callable, args, issued) -> None:
+    def _run_one(self, work: list) -> None:
+        """Runs one job. Its function and arguments are dropped before the waiter wakes: a waiter that counts
+        references to a tensor the job used (offload.hooks, [Note: backward without weights]) must not see
+        them come and go with this thread's timing."""
+        job, fn, args, issued = work
+        work.clear()
         _this_job.issued = issued
         try:
             if self.delay_s:
                 time.sleep(random.uniform(0, self.delay_s))
             fn(*args)
         except BaseException as e:  # noqa: BLE001  (raised by the job's waiter)
+            fn = args = None
             job.complete(e)
         else:
+            fn = args = None
             job.complete()
         finally:
             _this_job.issued = None

@@ -4,18 +4,27 @@ The engine reports each fetch (`observe(unit)`); while the order matches the rec
 returns the units due next, which the engine prefetches. On a divergence (dynamic control flow) the
 rest of the step runs on demand, the step is recorded again, and a warning is logged at most once per
 `warn_every` steps.
+
+Over ranks whose collectives follow the trace (zero_stage 3: a unit released after a use is gathered at
+its next), `agree` makes the ranks replay the same trace: at the end of each step they agree whether
+any of them recorded anew, and if so all keep the new recording when every rank recorded the same order,
+else all record again (offload.ranks, [Note: collective order]).
 """
 
 from __future__ import annotations
 
 import logging
+import zlib
+from typing import Callable
 
 log = logging.getLogger("offload")
 
 
 class ExecutionTrace:
-    def __init__(self, lookahead: int, warn_every: int = 1000):
+    def __init__(self, lookahead: int, warn_every: int = 1000,
+                 agree: Callable[[list[float], str], list[float]] | None = None):
         self.lookahead, self.warn_every = lookahead, warn_every
+        self.agree = agree  # (values, "max") -> the values reduced over the ranks; None: one rank's own trace
         self.recorded: list[int] | None = None
         self._current: list[int] = []
         self._last = None  # (unit, backward) of the last event
@@ -49,8 +58,9 @@ class ExecutionTrace:
         self._diverged = True
         if self._last_warning is None or self._steps - self._last_warning >= self.warn_every:
             self._last_warning = self._steps
-            log.warning("offload: unit order differs from the recorded trace (step %d); fetching on demand "
-                        "and recording again", self._steps)
+            expected = self.recorded[self._pos] if self._pos < len(self.recorded) else "the end of the step"
+            log.warning("offload: unit order differs from the recorded trace (step %d, use %d: unit %d, recorded "
+                        "%s); fetching on demand and recording again", self._steps, self._pos, unit, expected)
         return []
 
     def next_use_distance(self, unit: int) -> int | None:
@@ -66,9 +76,27 @@ class ExecutionTrace:
     def end_step(self) -> None:
         if self._abandoned:
             return
-        if self.recorded is None or self._diverged or self._pos != len(self.recorded):
-            self.recorded = self._current
+        changed = self.recorded is None or self._diverged or self._pos != len(self.recorded)
+        if self.agree is None:
+            if changed:
+                self.recorded = self._current
+        else:
+            self._agreed_end(changed)
         self._steps += 1
+
+    def _agreed_end(self, changed: bool) -> None:
+        """The ranks agree: a new recording is kept by all when all recorded the same order, else none."""
+        digest, n = zlib.crc32(repr(self._current).encode()), len(self._current)
+        anyone, hi, lo, n_hi, n_lo = self.agree([float(changed), digest, -digest, n, -n], "max")
+        if not anyone:
+            return
+        if hi == -lo and n_hi == -n_lo:
+            self.recorded = self._current
+            return
+        self.recorded = None
+        log.warning("offload: the ranks used their units in different orders in step %d; fetching on demand and "
+                    "recording again (with zero_stage 3 every rank must run the same units in the same order)",
+                    self._steps)
 
     @property
     def replaying(self) -> bool:
