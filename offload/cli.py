@@ -57,10 +57,11 @@ _format_warning = warnings.formatwarning
 
 
 def _user_warning(message, category, filename, lineno, line=None) -> str:
-    """A DeepSpeed config's warning reads as a message to the user, not as a source location."""
+    """A DeepSpeed config's or a data file's warning reads as a message to the user, not as a source location."""
+    from offload.data import DataWarning
     from offload.integrations.deepspeed import DeepSpeedConfigWarning
 
-    if issubclass(category, DeepSpeedConfigWarning):
+    if issubclass(category, (DeepSpeedConfigWarning, DataWarning)):
         return f"offload: warning: {message}\n"
     return _format_warning(message, category, filename, lineno, line)
 

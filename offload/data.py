@@ -182,6 +182,10 @@ def _existing(path: str | None) -> str:
 
 # --- instruction data: rendered records, labels -100 outside the completion / assistant turns ---------------
 
+class DataWarning(UserWarning):
+    """Data that is read but not all used (the CLI prints it as one `offload: warning:` line)."""
+
+
 IGNORE = -100  # the label of a token no loss is taken on (torch's cross_entropy ignore_index, as HF's)
 
 # Alpaca records are rendered with the Stanford Alpaca prompt; the loss is taken on "output" only.
@@ -384,8 +388,9 @@ class ExampleSampler:
             raise ValueError(f"seq_len={seq_len}: no example has a completion token within its first {seq_len} "
                              f"tokens; use a longer sequence or shorter prompts")
         if len(kept) < len(examples.rows):
-            warnings.warn(f"offload: {len(examples.rows) - len(kept)} of {len(examples.rows)} examples have no "
-                          f"completion token within seq_len={seq_len} and are left out", stacklevel=2)
+            warnings.warn(f"{len(examples.rows) - len(kept)} of {len(examples.rows)} examples have no completion "
+                          f"token within seq_len={seq_len} and are left out; a longer sequence keeps them",
+                          DataWarning, stacklevel=2)
         self.rows, self.pad_id = kept, examples.pad_id
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
 

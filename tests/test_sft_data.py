@@ -120,7 +120,7 @@ def test_example_sampler_pads_truncates_and_covers_every_example_each_epoch():
 def test_example_sampler_leaves_out_examples_without_a_trained_token_in_seq_len():
     long_prompt = (torch.arange(10), torch.cat([torch.full((8,), IGNORE), torch.arange(8, 10)]))
     short = (torch.arange(3), torch.tensor([IGNORE, 1, 2]))
-    with pytest.warns(UserWarning, match=r"1 of 2 examples have no completion token within seq_len=6"):
+    with pytest.warns(data.DataWarning, match=r"1 of 2 examples have no completion token within seq_len=6"):
         sampler = ExampleSampler(Examples([long_prompt, short], 0, "x"), 2, 6)
     assert len(sampler.rows) == 1
     with pytest.raises(ValueError, match=r"seq_len=6: no example has a completion token within its first 6"):
