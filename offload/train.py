@@ -35,6 +35,7 @@ from offload.data import BatchSampler, ByteTokenizer, load_data, load_tokens, ma
 from offload.models import PRESETS, build_model, hf_llama_config, hf_name, loss_of
 from offload.ranks import reduced
 from offload.signals import SIGNALS, Stopped, stop_on_signals
+from offload.watchdog import SignalWatchdog
 
 DEFAULT_SWAP_DIR = "./.offload-swap"
 DEFAULT_CHECKPOINT_DIR = "./checkpoints"
@@ -326,11 +327,11 @@ def train(args_or_config=None) -> dict:
     from offload import report as rep
 
     args = _as_namespace(args_or_config)
-    rank, world = _join_torchrun()
+    cfg, run = resolve(args)
+    rank, world = _join_torchrun(cfg.collective_timeout_s)
     if rank:  # one voice: rank 0 prints; the others write their reports under <out>/.rank<r>
         args.quiet_rank, args.no_progress = True, True
         args.out = os.path.join(args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")), f".rank{rank}")
-    cfg, run = resolve(args)
     if world > 1:
         run = {**run, "ranks": world}  # each step trains ranks x batch_size sequences; losses are their mean
     model, weights, info = build(run, cfg)
@@ -344,7 +345,8 @@ def train(args_or_config=None) -> dict:
     history = {**{k: [] for k in PER_STEP}, "eval_losses": [], "samples": []}
     engine, init_s = None, None
     t0 = time.perf_counter()
-    with stop_on_signals((signal.SIGINT,) if checkpoints else SIGNALS) as check_stop:  # SIGTERM: saved first
+    with SignalWatchdog(label=f"offload train (rank {rank})" if world > 1 else "offload train"), \
+            stop_on_signals((signal.SIGINT,) if checkpoints else SIGNALS) as check_stop:  # SIGTERM: saved first
         try:
             kernel_backend()  # build/load the CPU Adam kernel now, not inside the first timed step
             with offload.initialize(model, cfg, weights=weights) as engine:
@@ -378,18 +380,22 @@ def train(args_or_config=None) -> dict:
     return report
 
 
-def _join_torchrun() -> tuple[int, int]:
+def _join_torchrun(timeout_s: float) -> tuple[int, int]:
     """Under torchrun (WORLD_SIZE > 1 in the environment): joins the default process group from its
-    environment (gloo on CPUs, NCCL on GPUs) and returns (rank, world size); (0, 1) otherwise. The engine
-    then trains over the ranks (zero_stage 0, or 1-3 with states and weights partitioned) or refuses what
-    is not built yet; never N copies."""
+    environment (gloo on CPUs, NCCL on GPUs; its collectives time out after `timeout_s`, as the engine's
+    own do: [Note: collective order] in offload.ranks) and returns (rank, world size); (0, 1) otherwise.
+    The engine then trains over the ranks (zero_stage 0, or 1-3 with states and weights partitioned) or
+    refuses what is not built yet; never N copies."""
+    import datetime
+
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 
