@@ -78,7 +78,8 @@ def materialize(engine) -> None:
 def _from_meta(engine, model: nn.Module, init: bool) -> None:
     """Allocates modules one by one and places each unit as soon as all its parameters exist. With `init`,
     modules are allocated and initialized by the CPU build's init calls in its order (module note); else
-    in `model.modules()` order, uninitialized (the weights source gives the values)."""
+    in `model.modules()` order, uninitialized (the weights source gives the values), buffers as [Note:
+    buffers with a weights source] says."""
     paths = {m: name or "<root>" for name, m in model.named_modules()}
     calls = _init_events(model)
     events = calls if init else [(None, m, None) for m in model.modules() if _owns_tensors(m)]
@@ -93,7 +94,7 @@ def _from_meta(engine, model: nn.Module, init: bool) -> None:
             if kind == "peft":
                 _init_adapter(tracker, module, owner, replay)
                 continue
-            if i < last[module]:  # a default init _init_weights overwrites later: advance the RNG only
+            if i < last[module]:  # a default init a later call overwrites (_init_weights, peft's): RNG only
                 replay[module] = torch.get_rng_state()
                 with _scratch(module, tracker.specs[module], keep=()):
                     _default_init(module)
