@@ -103,7 +103,8 @@ def test_close_after_an_error_leaves_nothing_behind(tmp_path, placement, failure
     eng.backward(eng(*mlp_batches(1)[0]))
     eng.step()
     assert set(threading.enumerate()) - threads  # the engine runs threads of its own
-    assert bool(swap_files(tmp_path)) == (placement == "nvme")
+    assert bool(swap_files(tmp_path)) == (placement == "nvme")  # the run directory (owner.json)
+    assert (eng.store is not None and eng.store.disk_bytes > 0) == (placement == "nvme")  # its unlinked data file
     err = fail_once(eng, model, failure)
     expected = {"forward": ValueError, "backward": RuntimeError}.get(failure, SwapCorruptionError)
     assert isinstance(err, expected), repr(err)
