@@ -200,8 +200,6 @@ ALPACA_PROMPT_NO_INPUT = ("Below is an instruction that describes a task. Write 
 # and the loss is taken on that content and its EOS (headers and other turns: -100).
 PLAIN_CHAT_HEADER = "<|{role}|>\n"
 
-EOS = None  # a piece standing for the tokenizer's EOS token
-
 
 class Encoder:
     """Text -> ids for data files: the byte tokenizer (tokenizer None or a ByteTokenizer) or a Hugging Face
@@ -212,6 +210,8 @@ class Encoder:
         self.eos_id = ByteTokenizer.eos_id if self.hf is None else self.hf.eos_token_id
         pad = None if self.hf is None else self.hf.pad_token_id
         self.pad_id = pad if pad is not None else (self.eos_id if self.eos_id is not None else 0)
+        self.eos = [] if self.eos_id is None else [self.eos_id]
+        self.bos = [] if self.hf is None else _default_bos(self.hf)
 
     def encode(self, text: str) -> list[int]:
         if self.hf is None:
@@ -229,33 +229,41 @@ class Encoder:
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def render(shape: str, record: dict, encoder: Encoder) -> list[tuple[str | None, bool]]:
-    """A record as (text piece or EOS, trained) pieces, in order."""
-    if shape == "text":
-        return [(record["text"], True), (EOS, True)]
+def _default_bos(tokenizer) -> list[int]:
+    """[BOS] where the tokenizer starts a text with it by default (Llama's), else []."""
+    bos = tokenizer.bos_token_id
+    return [bos] if bos is not None and tokenizer("a")["input_ids"][:1] == [bos] else []
+
+
+Piece = tuple["str | list[int]", bool]  # (text, or token ids as they are; trained)
+
+
+def render(shape: str, record: dict, encoder: Encoder) -> list[Piece]:
+    """An instruction record as pieces, in order. Without a chat template an example starts with BOS
+    where the tokenizer starts texts with it (as TRL tokenizes the prompt); a chat template writes its own."""
     if shape == "prompt_completion":  # as TRL's SFT: loss on the completion and the EOS after it
-        return [(record["prompt"], False), (record["completion"], True), (EOS, True)]
+        return [(encoder.bos, False), (record["prompt"], False), (record["completion"], True), (encoder.eos, True)]
     if shape == "alpaca":
         template = ALPACA_PROMPT if record.get("input") else ALPACA_PROMPT_NO_INPUT
-        return [(template.format(instruction=record["instruction"], input=record.get("input", "")), False),
-                (record["output"], True), (EOS, True)]
+        prompt = template.format(instruction=record["instruction"], input=record.get("input", ""))
+        return [(encoder.bos, False), (prompt, False), (record["output"], True), (encoder.eos, True)]
     if encoder.chat_template:
         return _template_pieces(record["messages"], encoder)
-    return _plain_chat_pieces(record["messages"])
+    return [(encoder.bos, False)] + _plain_chat_pieces(record["messages"], encoder.eos)
 
 
-def _plain_chat_pieces(messages: list[dict]) -> list[tuple[str | None, bool]]:
+def _plain_chat_pieces(messages: list[dict], eos: list[int]) -> list[Piece]:
     pieces: list = []
     for m in messages:
         pieces.append((PLAIN_CHAT_HEADER.format(role=m["role"]), False))
         if m["role"] == "assistant":
-            pieces += [(m["content"], True), (EOS, True), ("\n", False)]
+            pieces += [(m["content"], True), (eos, True), ("\n", False)]
         else:
             pieces.append((m["content"] + "\n", False))
     return pieces
 
 
-def _template_pieces(messages: list[dict], encoder: Encoder) -> list[tuple[str, bool]]:
+def _template_pieces(messages: list[dict], encoder: Encoder) -> list[Piece]:
     """The tokenizer's chat template, cut at each assistant turn: the text before it (with the generation
     prompt, the assistant header) is not trained; what the turn adds (its content and end-of-turn) is."""
     pieces, done = [], ""
@@ -273,13 +281,13 @@ def _template_pieces(messages: list[dict], encoder: Encoder) -> list[tuple[str, 
     return pieces + [(full[len(done):], False)]
 
 
-def tokenize(pieces: list[tuple[str | None, bool]], encoder: Encoder) -> tuple[list[int], list[int]]:
-    """(ids, labels): each piece tokenized on its own (as TRL tokenizes prompt and completion), labels
+def tokenize(pieces: list[Piece], encoder: Encoder) -> tuple[list[int], list[int]]:
+    """(ids, labels): each text piece tokenized on its own (as TRL tokenizes prompt and completion), labels
     IGNORE on pieces not trained."""
     ids: list[int] = []
     labels: list[int] = []
     for piece, trained in pieces:
-        part = ([encoder.eos_id] if encoder.eos_id is not None else []) if piece is EOS else encoder.encode(piece)
+        part = piece if isinstance(piece, list) else encoder.encode(piece)
         ids += part
         labels += part if trained else [IGNORE] * len(part)
     return ids, labels

@@ -141,17 +141,23 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def chat_tokenizer(directory=None):
+def chat_tokenizer(directory=None, template: bool = True):
+    """A byte-level BPE tokenizer: with the ChatML template (EOS <|im_end|>), or without a template and
+    starting every text with BOS <s> as Llama's does (EOS </s>)."""
     transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     text = "What is the capital of France? Paris. Hello there, how are you? system user assistant " * 20
-    special = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    special = ["<unk>", "<|im_start|>", "<|im_end|>", "<s>", "</s>"]
     tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=400, special_tokens=special,
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if not template:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 3)])
+        return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                                    eos_token="</s>")
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>")
     fast.chat_template = CHATML
     if directory is not None:
@@ -169,6 +175,21 @@ def test_messages_with_the_tokenizers_chat_template_train_on_assistant_turns(tmp
     pieces = [tok.decode(ids[s]) for s in _runs(labels != IGNORE)]
     assert pieces == ["Paris.<|im_end|>\n", "how are you?<|im_end|>\n"]  # content and end of turn; no header
     assert "What is" not in "".join(pieces)
+
+
+def test_a_hf_tokenizer_without_a_template_starts_examples_with_its_bos_and_uses_the_plain_chat(tmp_path):
+    tok = chat_tokenizer(template=False)
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    assert tok("Paris")["input_ids"][0] == bos  # as Llama's: BOS first by default
+    ids, labels = load_data(write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "What is", "completion": " Paris."}]),
+                            tok).rows[0]
+    completion = tok(" Paris.", add_special_tokens=False)["input_ids"] + [eos]
+    assert ids.tolist() == [bos] + tok("What is", add_special_tokens=False)["input_ids"] + completion
+    assert trained(ids, labels) == completion and labels[0] == IGNORE
+    conversation = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "how are you?"}]
+    ids, labels = load_data(write_jsonl(tmp_path / "c.jsonl", [{"messages": conversation}]), tok).rows[0]
+    assert ids[0] == bos and tok.decode(ids[1:]) == "<|user|>\nHello there\n<|assistant|>\nhow are you?</s>\n"
+    assert trained(ids, labels) == tok("how are you?", add_special_tokens=False)["input_ids"] + [eos]
 
 
 def _runs(mask: torch.Tensor) -> list[slice]:
