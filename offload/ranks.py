@@ -19,7 +19,9 @@ Each thread that enters collectives has its own group (the compute thread: gathe
 new weights' broadcasts; the d2h thread: gradient reduces), so the two threads never interleave on one
 group. Both groups carry `collective_timeout_s`: a rank whose peer never comes raises CollectiveError
 naming the collective, the unit and the step, and a failed rank's exit breaks the connection its peers
-wait on, so they raise too instead of waiting out the timeout.
+wait on, so they raise too instead of waiting out the timeout. After a failure no further collective is
+entered (the other thread's jobs fail at once); one already waiting ends at its own timeout, and the
+engine's threads are daemons, so none keeps the process alive once the main thread has ended.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Ranks:
     def __init__(self, rank: int, world: int, timeout_s: float):
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self.step = 0
+        self.failed: str | None = None  # the first collective that failed: no later one is entered
         self.compute = self.grad = None
         if world > 1:  # every rank creates them here, in the same order (new_group is a collective)
             import torch.distributed as dist
@@ -64,13 +67,15 @@ class Ranks:
 
     def run(self, what: str, unit: str, fn: Callable[[], object]):
         """fn() (a collective); its failure raised as CollectiveError naming `what`, `unit` and the step."""
+        if self.failed is not None:  # the ranks are out of step: another collective would only wait
+            raise CollectiveError(f"offload: rank {self.rank}: {what} of {unit} at step {self.step} not entered: "
+                                  f"an earlier collective failed ({self.failed})")
         t0 = time.perf_counter()
         try:
             return fn()
-        except CollectiveError:
-            raise
         except RuntimeError as e:  # gloo: a timeout or a peer's closed connection; NCCL: DistBackendError
             waited = time.perf_counter() - t0
+            self.failed = f"{what} of {unit} at step {self.step}"
             raise CollectiveError(
                 f"offload: rank {self.rank} of {self.world}: {what} of {unit} at step {self.step} failed after "
                 f"{waited:.1f} s (collective_timeout_s {self.timeout_s:g}): {type(e).__name__}: {e}. The other "

@@ -107,3 +107,20 @@ def test_the_ranks_keep_a_new_recording_only_if_all_recorded_the_same_order():
     assert run([0, 1, 2], [0, 2, 1]).recorded is None                        # they differ: all record again
     assert run([0, 1, 2], [0, 1, 2, 3], recorded=[0, 1, 2]).recorded is None  # the other diverged alone
     assert run([0, 1, 2], [0, 1, 2], recorded=[0, 1, 2]).recorded == [0, 1, 2]  # nobody changed: kept
+
+
+def test_a_failed_collective_is_named_and_no_later_one_is_entered():
+    from offload.ranks import CollectiveError, Ranks
+
+    ranks = Ranks(0, 1, timeout_s=7)
+    ranks.step = 3
+
+    def timed_out():
+        raise RuntimeError("Timed out waiting 7000ms for recv operation to complete")
+
+    with pytest.raises(CollectiveError, match=r"all_gather of layers\.1 at step 3 failed .*collective_timeout_s 7"):
+        ranks.run("all_gather", "layers.1", timed_out)
+    entered = []
+    with pytest.raises(CollectiveError, match="not entered: an earlier collective failed"):
+        ranks.run("reduce", "layers.0 window 0", lambda: entered.append(1))
+    assert not entered
