@@ -40,8 +40,10 @@ import sys
 import time
 
 
-def ds_config(batch: int, nvme_dir: str, largest_numel: int, sub_group_size: int = int(1e9)) -> dict:
-    """ZeRO-3, bf16, weights and optimizer states on NVMe under nvme_dir, DeepSpeedCPUAdam.
+def ds_config(batch: int, nvme_dir: str, largest_numel: int, sub_group_size: int = int(1e9),
+              precision: str = "bf16") -> dict:
+    """ZeRO-3 at `precision` (bf16, fp16 or fp32: neither section enabled), weights and optimizer states on
+    NVMe under nvme_dir, DeepSpeedCPUAdam.
 
     [Note: DeepSpeed's host memory] The optimizer swapper keeps buffer_count (4) fp32 buffers of the
     largest sub-group: with the default sub_group_size (1e9) a 200M model is one sub-group, so 4 x 200M
@@ -55,7 +57,8 @@ def ds_config(batch: int, nvme_dir: str, largest_numel: int, sub_group_size: int
     return {
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16"},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8,
                                                   "weight_decay": 0.0}},
         "zero_optimization": {
@@ -106,7 +109,7 @@ def run(args, emit) -> dict:
     nvme_dir = os.path.join(args.dir, f"deepspeed-{os.getpid()}")
     os.makedirs(nvme_dir)
     try:
-        config = ds_config(args.batch, nvme_dir, largest, args.sub_group_size)
+        config = ds_config(args.batch, nvme_dir, largest, args.sub_group_size, args.precision)
         t0 = time.perf_counter()
         model = _build(args, config, deepspeed, build_model)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -156,6 +159,8 @@ def main() -> None:
     ap.add_argument("--sub-group-size", type=int, default=int(1e9),
                     help="ZeRO-3 sub_group_size (DeepSpeed's default 1e9); see [Note: DeepSpeed's host memory]")
     ap.add_argument("--dir", default=".", help="directory on the drive to test; swap goes in a subdirectory")
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"),
+                    help="DeepSpeed's precision (e2e.py passes the one its own modes run at)")
     ap.add_argument("--zero-init", action="store_true",
                     help="build the model inside deepspeed.zero.Init (a model larger than memory; DeepSpeed's weights)")
     args = ap.parse_args()

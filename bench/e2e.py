@@ -3,7 +3,8 @@
 Each mode runs in its own subprocess (so its peak RSS is its own), one after the other, on the same
 model, batch and disk; the figures that matter are the ratios to the in-memory step of the same run.
 
-  in_memory    plain torch: bf16 model, fp32 masters, torch.optim.AdamW(fused=True), copy back
+  in_memory    plain torch: the model in the compute dtype, fp32 masters, torch.optim.AdamW(fused=True), copy
+               back (at fp32: AdamW on the model's own parameters)
   cpu_offload  offload engine: weights and optimizer states in dram (offload_param/optimizer = cpu)
   nvme_offload offload engine: weights and optimizer states on nvme
   deepspeed_nvme  DeepSpeed ZeRO-3, weights and optimizer states on nvme (bench/ds_e2e.py, run by the
@@ -14,9 +15,12 @@ The step's I/O bound (bench/iobound.py) is measured in the same run, before the 
 moves --io-size bytes in the same --dir, and the nvme_offload step's own nvme bytes over that bandwidth give
 io_bound_s = bytes read / read bandwidth + bytes written / write bandwidth; the table shows
 nvme step / max(in-memory step, io bound), the figure issue 12 asks to bring to 1.15.
+Every mode runs at --precision (default auto: what the engine picks on this host); beside io_bound_s the
+JSON has precision, matmul_gflops (that dtype's F.linear speed, the mean of a measurement before and one
+after the modes) and compute_floor_s (bench/limits.py).
 
 python bench/e2e.py [--preset bench-200m] [--batch 4] [--seq 256] [--steps 3] [--rounds 1] [--dir DIR]
-                    [--io-size 2G] [--json]
+                    [--io-size 2G] [--precision auto|bf16|fp16|fp32] [--json]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import tempfile
 import time
 
 import iobound  # bench/, this script's directory, is first on sys.path
+import limits
 
 MODES = ("in_memory", "cpu_offload", "nvme_offload")
 DS_MODE = "deepspeed_nvme"
@@ -52,10 +57,10 @@ def run_mode(args) -> dict:
     sampler = BatchSampler(load_tokens(), args.batch, args.seq, seed=0)
     params = sum(p.numel() for p in model.parameters())
     if args.mode == "in_memory":
-        step = _plain_step(model, torch)
+        step = _plain_step(model, torch, args.precision)
     else:
         dev = "cpu" if args.mode == "cpu_offload" else "nvme"
-        engine = offload.initialize(model, {"precision": "bf16", "offload_param": {"device": dev},
+        engine = offload.initialize(model, {"precision": args.precision, "offload_param": {"device": dev},
                                             "offload_optimizer": {"device": dev}, "nvme_path": args.dir,
                                             "optimizer": {"lr": 1e-4}, **json.loads(args.engine_config)})
 
@@ -84,12 +89,25 @@ def run_mode(args) -> dict:
     return out
 
 
-def _plain_step(model, torch):
+def _plain_step(model, torch, precision: str):
+    """Plain torch at `precision`: fp32 masters beside a low-precision model, or (fp32) AdamW on the model."""
     from offload.models import loss_of
+    from offload.precision import DTYPES
 
-    for p in model.parameters():
-        p.data = p.data.to(torch.bfloat16)
     params = [p for p in model.parameters() if p.requires_grad]
+    if precision == "fp32":
+        opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+        def step(ids, labels):
+            loss = loss_of(model(ids, labels))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+
+        return step
+    for p in model.parameters():
+        p.data = p.data.to(DTYPES[precision])
     masters = [p.detach().float().clone() for p in params]
     opt = torch.optim.AdamW(masters, lr=1e-4, fused=True)
 
@@ -131,9 +149,11 @@ def main() -> None:
                     help="run every mode this many times, in turn (round-robin), and report each mode's median "
                          "round: the host's drift then reaches every mode alike (default 1)")
     iobound.add_io_arguments(ap)
+    limits.add_precision_argument(ap)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # internal: run one mode in this process
     args = ap.parse_args()
+    args.precision = limits.resolve(args.precision)  # every mode, and the DeepSpeed run, at the same one
     if args.mode:
         print(json.dumps(run_mode(args)))
         return
@@ -154,7 +174,7 @@ def _compare(args, base: str) -> None:
     # Before the modes: a --dir that cannot hold the swap fails in seconds, not after the in-memory run.
     bw = (iobound.measure_swap(base, args.io_size, json.loads(args.engine_config))
           if "nvme_offload" in modes and args.io_size else None)
-    errors, gflops = {}, [matmul_gflops()]
+    errors, gflops = {}, [limits.matmul_gflops(args.precision)]
     runs: list[dict] = []  # one {mode: result} per round, the modes in turn within each round
     for _ in range(args.rounds):
         runs.append({})
@@ -165,10 +185,10 @@ def _compare(args, base: str) -> None:
                 print(f"{mode} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
             else:
                 runs[-1][mode] = json.loads(proc.stdout.strip().splitlines()[-1])
-    gflops.append(matmul_gflops())
+    gflops.append(limits.matmul_gflops(args.precision))
     results = _median_of_rounds(runs)
     report = {**_report(args, results, errors), **_io_report(results, bw)}
-    report["bf16_matmul_gflops"] = gflops
+    report.update(_compute_report(args, report, gflops))
     report["rounds"] = [{m: r["step_s"] for m, r in rnd.items()} for rnd in runs]
     _print_table(report, results)
     if args.json:
@@ -181,7 +201,7 @@ def _run_in_subprocess(args, mode: str, base: str) -> subprocess.CompletedProces
     """One mode in its own process (its peak RSS its own): ours through this file, DeepSpeed's through
     bench/ds_e2e.py in the DeepSpeed venv; the result is the last stdout line, as JSON."""
     common = ["--preset", args.preset, "--batch", str(args.batch), "--seq", str(args.seq),
-              "--steps", str(args.steps), "--warmup", str(args.warmup), "--dir", base]
+              "--steps", str(args.steps), "--warmup", str(args.warmup), "--dir", base, "--precision", args.precision]
     cmd = ([args.ds_python, os.path.join(REPO, "bench", "ds_e2e.py")] + common if mode == DS_MODE
            else [sys.executable, __file__, "--mode", mode, "--engine-config", args.engine_config] + common)
     return subprocess.run(cmd, capture_output=True, text=True, env=worker_env())
@@ -219,20 +239,14 @@ def _median_of_rounds(runs: list[dict]) -> dict:
     return out
 
 
-def matmul_gflops(m: int = 1024, k: int = 1024, n: int = 2752, reps: int = 3, rounds: int = 7) -> float:
-    """The host's bf16 matrix-product speed right now (one of the model's MLP products), measured before
-    and after the modes: the step is mostly these, so the ratios to DeepSpeed (whose NVMe cost does not
-    scale with them) move with it. The issue's figures assumed ~700 GFLOP/s; this VM has shown ~400."""
-    import torch
-
-    x, w = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
-    times = []
-    for _ in range(1 + rounds):  # the first round warms up; the median of the rest (a noisy host)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            torch.nn.functional.linear(x, w)
-        times.append(time.perf_counter() - t0)
-    return 2 * m * k * n * reps / sorted(times[1:])[rounds // 2] / 1e9
+def _compute_report(args, report: dict, gflops: list[float]) -> dict:
+    """The compute floor beside the I/O bound (bench/limits.py). The matmul speed is measured before and
+    after the modes: the step is mostly these products, so the ratios to DeepSpeed (whose NVMe cost does
+    not scale with them) move with it; the floor uses their mean."""
+    mean = sum(gflops) / len(gflops)
+    floor = limits.compute_floor_s(report["params"], report["tokens_per_step"], mean) if report["params"] else None
+    return {"precision": args.precision, "matmul_gflops": mean, "matmul_gflops_before_after": gflops,
+            "compute_floor_s": floor}
 
 
 def default_ds_python() -> str | None:
@@ -273,7 +287,11 @@ def _io_report(results: dict, bw: dict | None) -> dict:
 
 def _print_table(report: dict, results: dict) -> None:
     print(f"preset {report['preset']}: {(report['params'] or 0) / 1e6:.0f}M params, {report['tokens_per_step']} tokens/step; "
-          f"bf16 matmul {' -> '.join(f'{g:.0f}' for g in report['bf16_matmul_gflops'])} GFLOP/s (before -> after)")
+          f"{report['precision']} matmul {' -> '.join(f'{g:.1f}' for g in report['matmul_gflops_before_after'])} "
+          f"GFLOP/s (before -> after)")
+    if report["compute_floor_s"] is not None:
+        print(limits.describe(report["precision"], report["matmul_gflops"], report["compute_floor_s"],
+                              report["io_bound_s"]))
     print(f"{'mode':14s} {'step s':>8s} {'x in-mem':>9s} {'peak RSS GB':>12s} {'stall s/step':>12s}")
     for m, r in results.items():
         ratio = report["ratio_to_in_memory"][m]

@@ -7,7 +7,9 @@ and clipping, with activation checkpointing, fp16 with loss scaling; the presets
     python bench/gpu_check.py [--preset bench-200m] [--batch 4] [--seq 512] [--steps 3] [--dir DIR] [--json]
     python bench/gpu_check.py --device cpu --preset tiny --steps 1 --no-tests   # smoke run of this script
 
-Prints one JSON line last with --json.
+Also records the precision "auto" picks on the device and its matmul GFLOP/s per dtype (offload.doctor).
+Writes the result to --out (default gpu-check.json) and prints one JSON line last with --json. Without a
+visible GPU and without --device cpu it refuses in one line (exit 2).
 """
 
 from __future__ import annotations
@@ -15,12 +17,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
 
 import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # this checkout's offload, wherever the script is run from
+    sys.path.insert(0, REPO)
 
 MODES = {  # name -> (offload_param, offload_optimizer, extra config, checkpoint_activations)
     "bf16 hbm/cpu": ("none", "cpu", {}, False),
@@ -56,6 +63,16 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> dict:
         _sync(device)
         out[name] = 5 * nbytes / (time.perf_counter() - t0) / 1e9
     return out
+
+
+def device_limits(device: torch.device) -> dict:
+    """What the device runs fast: the precision "auto" picks there, and matmul GFLOP/s per dtype."""
+    from offload.doctor import matmul_gflops
+    from offload.precision import DTYPES, resolve_precision
+
+    choice = resolve_precision("auto", device)
+    return {"precision_auto": choice.name, "precision_line": choice.line(),
+            "matmul_gflops": {name: matmul_gflops(dtype, device, min_s=0.1) for name, dtype in DTYPES.items()}}
 
 
 def _batches(args):
@@ -124,15 +141,22 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: a smoke run of this script on a machine without a GPU")
     ap.add_argument("--no-tests", action="store_true", help="skip the pytest run of the `gpu` tests")
+    ap.add_argument("--out", default="gpu-check.json", help="the JSON result is written here (default %(default)s)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("gpu_check: no CUDA device visible; run this on a machine with a GPU (or --device cpu)")
+        print("gpu_check: no CUDA device visible; run it on a machine with a GPU, or pass --device cpu for a "
+              "smoke run of its CPU-side parts", file=sys.stderr)
+        sys.exit(2)
     device = torch.device(args.device)
     args.dir = args.dir or tempfile.mkdtemp(prefix="gpu-check-")
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              **device_limits(device)}
+    print(f"{result['device']}: {result['precision_line']}; matmul GFLOP/s "
+          + ", ".join(f"{k} {v:,.1f}" for k, v in result["matmul_gflops"].items()), flush=True)
     if not args.no_tests:
-        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/"], capture_output=True, text=True)
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", os.path.join(REPO, "tests")],
+                               capture_output=True, text=True, cwd=REPO)
         print(tests.stdout[-2000:])
         result["gpu_tests_rc"] = tests.returncode
     result["pinned_copy"] = copy_bandwidth(device)
@@ -147,6 +171,9 @@ def main() -> None:
               f"{fmt(r['h2d_gbps'])} {fmt(r['d2h_gbps'])} {r['hbm_peak_gb']:7.2f}")
     if pin["h2d_gbps"]:
         print(f"plain pinned copies in the same run: h2d {pin['h2d_gbps']:.1f} GB/s, d2h {pin['d2h_gbps']:.1f} GB/s")
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"result written to {args.out}")
     if args.json:
         print(json.dumps(result))
     if result.get("gpu_tests_rc"):

@@ -15,9 +15,13 @@ builds count, on a first run before its op cache is warm). The I/O bound of a st
 bench/iobound.py's: the step's nvme bytes over the swap bandwidth `offload bench nvme` measures in
 the same --dir, before and after ours' run (the mean of the two: the drive's speed drifts on a shared host;
 both are reported). Everything goes into one new directory under --dir, removed at the end.
+Ours and DeepSpeed run at --precision (default auto: what the engine picks on this host); beside io_bound_s
+the JSON has precision, matmul_gflops (that dtype's F.linear speed measured in this run) and
+compute_floor_s = 6 x params x tokens / matmul_gflops (bench/limits.py), next to compute_bound_s (the same
+model's forward+backward in memory plus CPU Adam, measured).
 
 python bench/scale.py [--model 3b|PRESET|HF_DIR] [--steps 20] [--batch 1] [--seq 256] --dir DIR
-                      [--io-size 2G] [--ds-python PATH] [--no-deepspeed] [--json]
+                      [--io-size 2G] [--precision auto|bf16|fp16|fp32] [--ds-python PATH] [--no-deepspeed] [--json]
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import threading
 import time
 
 import iobound  # bench/, this script's directory, is first on sys.path
+import limits
 from e2e import REPO, add_engine_config_argument, default_ds_python, worker_env
 from offload.report import Periodic
 
@@ -50,7 +55,7 @@ def worker(args) -> None:
     from offload.models import loss_of
     from offload.train import build
 
-    cfg = load_config({"precision": "bf16", "offload_param": {"device": "nvme"},
+    cfg = load_config({"precision": args.precision, "offload_param": {"device": "nvme"},
                        "offload_optimizer": {"device": "nvme"}, "nvme_path": args.dir,
                        "optimizer": {"lr": 1e-4}, **json.loads(args.engine_config)})
     model, weights, info = build({"model": args.model, "batch_size": args.batch, "seq_len": args.seq}, cfg)
@@ -76,7 +81,7 @@ def worker(args) -> None:
 
 def compute_worker(args) -> None:
     """In a subprocess: the step's compute floor on this host, measured now. The same model and batch
-    shape, bf16 weights and gradients in memory (no offload, no optimizer): the median forward+backward
+    shape, weights and gradients in --precision in memory (no offload, no optimizer): the median forward+backward
     of two after a warm-up; plus CPU Adam over every trainable parameter, timed on a 64M-element window
     of our kernel (its rate times the parameter count). Both need the CPU the step's compute runs on;
     the swap I/O does not, so a step can at best overlap I/O under this floor."""
@@ -85,8 +90,9 @@ def compute_worker(args) -> None:
     from offload.cpu_adam import adam_step
     from offload.data import BatchSampler, load_tokens
     from offload.models import build_model, loss_of
+    from offload.precision import DTYPES
 
-    model = build_model(args.model, device="meta").to_empty(device="cpu").to(torch.bfloat16)
+    model = build_model(args.model, device="meta").to_empty(device="cpu").to(DTYPES[args.precision])
     with torch.no_grad():
         for p in model.parameters():  # values do not matter, but garbage may hold denormals or NaNs
             p.normal_(0.0, 0.02)
@@ -101,7 +107,7 @@ def compute_worker(args) -> None:
     del model
     n = 64 << 20
     master, grad, m, v = (torch.randn(n) * 0.01 for _ in range(4))
-    out = torch.empty(n, dtype=torch.bfloat16)
+    out = torch.empty(n, dtype=DTYPES[args.precision]) if args.precision != "fp32" else None  # fp32: no copy out
     adam = []
     for step in range(1, 4):
         t0 = time.perf_counter()
@@ -254,6 +260,9 @@ def _print_summary(report: dict) -> None:
               f"{step if step is not None else float('nan'):8.2f} {r['peak_rss_bytes'] / 1e9:12.2f}  "
               + (f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "-")
               + (f"  FAILED: {r['error']}" if r["error"] else ""))
+    if report["compute_floor_s"] is not None:
+        print(limits.describe(report["precision"], report["matmul_gflops"], report["compute_floor_s"],
+                              report["io_bound_s"]))
     if report["io_bound_s"] is not None:
         print(report["io_line"])
         print(f"ours step / io bound = {report['step_vs_io_bound']:.2f} (step s: median after the first step)")
@@ -274,6 +283,7 @@ def _parse_args() -> argparse.Namespace:
                     "subdirectory, removed at the end")
     iobound.add_io_arguments(ap)
     add_engine_config_argument(ap)
+    limits.add_precision_argument(ap)
     ap.add_argument("--ds-python", default=default_ds_python(), help="python of a venv with DeepSpeed")
     ap.add_argument("--no-deepspeed", action="store_true", help="ours only, even where DeepSpeed is found")
     ap.add_argument("--ds-sub-group-size", type=int, default=int(1e9),
@@ -281,10 +291,11 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-compute-bound", action="store_true",
                     help="skip measuring the compute floor (an in-memory forward+backward of the same model "
-                         "in bf16: needs about 4 B per parameter of RAM) and CPU Adam's rate")
+                         "at --precision: needs 4-8 B per parameter of RAM) and CPU Adam's rate")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: train ours here
     ap.add_argument("--compute-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.precision = limits.resolve(args.precision)  # ours, the compute floor and DeepSpeed at the one that runs
     if args.worker or args.compute_worker:
         return args
     if args.steps < 1 or args.batch < 1 or args.seq < 2:
@@ -319,7 +330,8 @@ def main() -> None:
 def _run(args, work: str) -> dict:
     """The swap bandwidth, ours, then DeepSpeed, all in `work`; the report (API.md, Benchmarks)."""
     bw = iobound.measure_swap(work, args.io_size, json.loads(args.engine_config)) if args.io_size else None
-    shape = ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
+    shape = ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+             "--precision", args.precision]
     ours_dir = os.path.join(work, "ours")
     os.makedirs(ours_dir)
     ours = run_sampled([sys.executable, os.path.abspath(__file__), "--worker", "--model", args.model,
@@ -328,13 +340,16 @@ def _run(args, work: str) -> dict:
     if bw:  # the drive's speed drifts on a shared host: measured again after ours, the bound uses the mean
         bw = bracketed(bw, iobound.measure_swap(work, args.io_size, json.loads(args.engine_config)))
     compute = None if args.no_compute_bound else _compute_bound(args, shape)
+    gflops = limits.matmul_gflops(args.precision)
     ds = None
     if args.ds_python and not args.no_deepspeed:
         ds = run_sampled([args.ds_python, os.path.join(REPO, "bench", "ds_e2e.py"), "--preset", args.model,
                           "--warmup", "0", "--zero-init", "--sub-group-size", str(args.ds_sub_group_size),
                           "--dir", work] + shape, "deepspeed")
         ds.pop("links")  # DeepSpeed has no link counters
-    return {"model": args.model, "batch": args.batch, "seq": args.seq, **_ours_report(ours, bw, compute),
+    floor = limits.compute_floor_s(ours["params"], args.batch * args.seq, gflops) if ours["params"] else None
+    return {"model": args.model, "batch": args.batch, "seq": args.seq, "precision": args.precision,
+            "matmul_gflops": gflops, "compute_floor_s": floor, **_ours_report(ours, bw, compute),
             "swap_read_gbps": bw["swap_read_gbps"] if bw else None,
             "swap_write_gbps": bw["swap_write_gbps"] if bw else None,
             **{k: bw.get(k) if bw else None for k in ("swap_read_gbps_before", "swap_read_gbps_after",

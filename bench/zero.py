@@ -13,12 +13,15 @@ r's micro-batch i is the stream's batch i x ranks + r) and the same drive (--dir
                         skipped, and reported null, when there is none)
 
 A step's time is the slowest rank's (a barrier before each step), the median of --steps after --warmup.
-The physical limit measured in the same run: `offload bench nvme` on --dir gives the drive's bandwidth, and
-our modes' own nvme bytes of one step (all ranks together: they share the drive) over it give io_bound_s.
+The physical limits measured in the same run: `offload bench nvme` on --dir gives the drive's bandwidth, and
+our modes' own nvme bytes of one step (all ranks together: they share the drive) over it give io_bound_s;
+every mode runs at --precision (default auto: what the engine picks on this host), whose matmul GFLOP/s on
+this host (all its cores, which the ranks share) gives compute_floor_s = 6 x params x global batch tokens /
+matmul_gflops (bench/limits.py).
 stage3_nvme is the same partitioning as DeepSpeed's ZeRO-3; stages 0 and 2 show what it costs and saves.
 
 python bench/zero.py [--preset bench-200m] [--batch 2] [--seq 256] [--steps 3] [--warmup 1] [--ranks 2]
-                     [--dir DIR] [--io-size 1G] [--json]
+                     [--dir DIR] [--io-size 1G] [--precision auto|bf16|fp16|fp32] [--json]
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ import tempfile
 import time
 
 import iobound  # bench/, this script's directory, is first on sys.path
-from e2e import add_run_arguments, default_ds_python, matmul_gflops, worker_env
+import limits
+from e2e import add_run_arguments, default_ds_python, worker_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = {"stage0_nvme": 0, "stage2_nvme": 2, "stage3_nvme": 3}
@@ -56,7 +60,7 @@ def worker(args) -> None:
     model = build_model(args.preset, seed=0)
     sampler = BatchSampler(load_tokens(), args.batch, args.seq, seed=0)
     t0 = time.perf_counter()
-    engine = offload.initialize(model, {"precision": "bf16", "zero_stage": OURS[args.mode], "nvme_path": args.dir,
+    engine = offload.initialize(model, {"precision": args.precision, "zero_stage": OURS[args.mode], "nvme_path": args.dir,
                                         "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"},
                                         "optimizer": {"lr": 1e-4}})
     init_s = time.perf_counter() - t0
@@ -93,7 +97,7 @@ def _free_port() -> int:
 def run_mode(args, mode: str, base: str) -> dict:
     """One mode as a torchrun of args.ranks processes; its JSON line (the last on stdout)."""
     common = ["--preset", args.preset, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-              "--warmup", str(args.warmup), "--dir", base]
+              "--warmup", str(args.warmup), "--dir", base, "--precision", args.precision]
     python = args.ds_python if mode == DS_MODE else sys.executable
     script = os.path.join(REPO, "bench", "ds_e2e.py" if mode == DS_MODE else "zero.py")
     extra = [] if mode == DS_MODE else ["--worker", "--mode", mode]
@@ -118,7 +122,9 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)
     iobound.add_io_arguments(ap)
+    limits.add_precision_argument(ap)
     args = ap.parse_args()
+    args.precision = limits.resolve(args.precision)  # the ranks and DeepSpeed get the one that runs
     if args.worker:
         return worker(args)
     base = tempfile.mkdtemp(prefix="offload-bench-zero-", dir=args.dir)
@@ -134,7 +140,7 @@ def main() -> None:
 
 def _run(args, base: str) -> dict:
     bw = iobound.measure_swap(base, args.io_size, {}) if args.io_size else None
-    gflops = matmul_gflops()
+    gflops = limits.matmul_gflops(args.precision)
     results, errors = {}, {}
     for mode in args.modes.split(","):
         if mode == DS_MODE and not args.ds_python:
@@ -146,11 +152,15 @@ def _run(args, base: str) -> dict:
             errors[mode] = str(e)
     ds = results.get(DS_MODE, {}).get("step_s")
     out = {"preset": args.preset, "ranks": args.ranks, "global_batch": args.ranks * args.batch, "seq": args.seq,
-           "bf16_gflops": gflops, "swap": bw, "errors": errors,
+           "precision": args.precision, "matmul_gflops": gflops, "swap": bw, "errors": errors,
            "modes": {m: {k: r.get(k) for k in ("step_s", "init_s", "peak_rss_bytes", "losses", "nvme_step_bytes",
                                                "collectives")} for m, r in results.items()}}
+    params = next((r["params"] for r in results.values() if r.get("params")), None)
+    tokens = args.ranks * args.batch * args.seq
+    out["compute_floor_s"] = limits.compute_floor_s(params, tokens, gflops) if params else None
     for m, r in out["modes"].items():
         r["vs_deepspeed"] = r["step_s"] / ds if ds and m != DS_MODE else None
+        r["compute_floor_s"] = out["compute_floor_s"]
         if bw and r.get("nvme_step_bytes"):
             r["io_bound_s"] = iobound.io_bound_s(r["nvme_step_bytes"], bw)
             r["vs_io_bound"] = r["step_s"] / r["io_bound_s"]
@@ -159,7 +169,8 @@ def _run(args, base: str) -> dict:
 
 def _print_table(report: dict) -> None:
     print(f"{report['preset']}, {report['ranks']} ranks, global batch {report['global_batch']} x {report['seq']}; "
-          f"bf16 matmul {report['bf16_gflops']:.0f} GFLOP/s")
+          f"{report['precision']} matmul {report['matmul_gflops']:,.1f} GFLOP/s, compute floor "
+          + (f"{report['compute_floor_s']:.2f} s" if report["compute_floor_s"] is not None else "-"))
     if report["swap"]:
         print(f"swap: read {report['swap']['swap_read_gbps']:.2f} GB/s, write {report['swap']['swap_write_gbps']:.2f} GB/s")
     print(f"{'mode':24s} {'step s':>8s} {'vs DS':>7s} {'io bound s':>10s} {'vs bound':>8s} {'peak RSS/rank':>13s}  losses")

@@ -5,7 +5,8 @@
     python examples/train_with_flags.py --offload-optimizer cpu                     # ZeRO-Offload: states in dram
 
 The engine replaces `optimizer.zero_grad(); loss.backward(); optimizer.step()`: the optimizer (CPU Adam over
-fp32 master weights) lives inside it, so the loop creates none.
+fp32 master weights) lives inside it, so the loop creates none. `--precision` defaults to auto: bf16 where the
+device runs it natively, fp32 on other CPUs; the engine's memory plan says which it chose and why.
 """
 
 import argparse

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_scale_reports_steps_memory_links_and_the_io_bound(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "scale.py"), "--model", "tiny", "--steps", "2",
                            "--batch", "2", "--seq", "32", "--dir", str(tmp_path), "--io-size", "64M",
-                           "--no-deepspeed", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+                           "--no-deepspeed", "--precision", "bf16", "--json"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["params"] == 820480 and r["init_s"] > 0 and r["error"] is None and r["deepspeed"] is None
@@ -31,6 +32,10 @@ def test_scale_reports_steps_memory_links_and_the_io_bound(tmp_path):
     assert r["fwd_bwd_s"] > 0 and r["adam_s"] > 0 and r["compute_bound_s"] == r["fwd_bwd_s"] + r["adam_s"]
     assert r["step_vs_bound"] == r["step_s"][1] / max(bound, r["compute_bound_s"])
     assert "compute floor" in proc.stdout
+    # and the matmul floor at the precision it ran (bench/limits.py)
+    assert r["precision"] == "bf16" and r["matmul_gflops"] > 0
+    assert r["compute_floor_s"] == 6 * r["params"] * 2 * 32 / (r["matmul_gflops"] * 1e9)
+    assert "bf16: matmul" in proc.stdout
     assert not any(tmp_path.iterdir()), "scale.py left its swap directory behind"
 
 
