@@ -130,14 +130,14 @@ def _build() -> object:
 
 
 def _build_into(build_dir: Path, cached: bool = True, why: str | None = None) -> object:
-    """Compile into `build_dir` (emptied first: ninja would reuse object files found there), record the
-    library's digest beside it and return the module. One line on stderr says so, ending with `why`
-    (when given)."""
+    """Compile into `build_dir` (emptied first: ninja would reuse object files found there), seal the
+    library (kernel_cache.seal: no group or others' write bit, its digest beside it), return the module.
+    One line on stderr says so, ending with `why` (when given)."""
     kernel_cache.fresh_dir(build_dir)
     print(f"offload: building the CPU Adam kernel ({'once, ' if cached else ''}~25 s) in {build_dir}"
           + (f" ({why})" if why else ""), file=sys.stderr, flush=True)
     module = _compile(build_dir)
-    kernel_cache.record_digest(build_dir / f"{_NAME}.so")
+    kernel_cache.seal(build_dir / f"{_NAME}.so")
     return module
 
 

@@ -4,10 +4,12 @@
 Importing a shared library runs its code, and the CPU Adam kernel is imported from its cache directory by
 every process after the one that built it. So a cached library is loaded only when
 - every directory from the build directory up to / is owned by this user or root and is not writable by
-  group or others (or is sticky, as /tmp: then only a file's owner may rename or remove it), so nobody
-  else can have replaced the build directory or what is in it;
+  others, nor by a group other than the user's private group (Debian's user private groups with umask
+  002 make ~/.cache 0775, writable by that group of one), unless it is sticky (/tmp: then only a file's
+  owner may rename or remove it); so nobody else can have replaced the build directory or its files;
 - the build directory and the library are owned by this user and not writable by group or others, and
-  the library is a regular file, not a link;
+  the library is a regular file, not a link (the library is made so right after the build: a linker
+  under umask 002 leaves it group-writable);
 - the library's sha256 equals the digest recorded beside it (`<library>.sha256`) right after it was built:
   a file changed since (a half-written or truncated library, one copied in from another build, an edit)
   is not loaded.
@@ -22,8 +24,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import grp
 import hashlib
 import os
+import pwd
 import shutil
 import stat
 import tempfile
@@ -46,8 +50,10 @@ def digest_path(library: Path) -> Path:
     return library.with_name(library.name + DIGEST_SUFFIX)
 
 
-def record_digest(library: Path) -> None:
-    """Write the sha256 of `library` beside it, atomically (a reader sees no digest or the whole one)."""
+def seal(library: Path) -> None:
+    """After a build: take away group and others' write bits from `library`, then record its sha256 beside
+    it, atomically (a reader sees no digest or the whole one)."""
+    os.chmod(library, stat.S_IMODE(os.lstat(library).st_mode) & ~_GROUP_OTHER_WRITE, follow_symlinks=False)
     final = digest_path(library)
     tmp = final.with_name(f".{final.name}.{os.getpid()}")
     tmp.unlink(missing_ok=True)
@@ -59,6 +65,15 @@ def record_digest(library: Path) -> None:
 
 def _mode(st: os.stat_result) -> str:
     return f"mode {stat.S_IMODE(st.st_mode):04o}"
+
+
+def _private_group(gid: int) -> bool:
+    """Whether `gid` is this user's private group: named as the user, with no other member listed."""
+    try:
+        user, group = pwd.getpwuid(os.geteuid()).pw_name, grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return group.gr_name == user and set(group.gr_mem) <= {user}
 
 
 def unsafe_ancestry(path: Path) -> str | None:
@@ -75,8 +90,10 @@ def unsafe_ancestry(path: Path) -> str | None:
             return f"{d} cannot be checked ({e.strerror})"
         if st.st_uid not in (uid, 0):
             return f"{d} is owned by uid {st.st_uid}, neither this user ({uid}) nor root"
-        if st.st_mode & _GROUP_OTHER_WRITE and not st.st_mode & stat.S_ISVTX:
-            return f"{d} is writable by group or others ({_mode(st)})"
+        if st.st_mode & stat.S_ISVTX:
+            continue
+        if st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and not _private_group(st.st_gid)):
+            return f"{d} is writable by group or others ({_mode(st)}, group {st.st_gid})"
     return None
 
 

@@ -6,8 +6,10 @@ cpp_extension.load is replaced by one that writes a stand-in library and the imp
 what it was asked to load, so these tests exercise the cache's decisions without a compiler (the real build
 and its digest: the last test)."""
 
+import grp
 import hashlib
 import os
+import pwd
 import stat
 import subprocess
 import sys
@@ -32,7 +34,7 @@ class FakeToolchain:
     def compile(self, name, sources, extra_cflags, build_directory, verbose):
         build_dir = Path(build_directory)
         (build_dir / f"{name}.so").write_bytes(b"library built in " + bytes(build_dir))
-        (build_dir / f"{name}.so").chmod(0o755)
+        (build_dir / f"{name}.so").chmod(0o775)  # as a linker leaves it under umask 002
         self.built.append(build_dir)
         return ("built", build_dir)
 
@@ -71,7 +73,7 @@ def test_a_build_records_its_digest_and_a_matching_library_loads_without_a_build
     build_dir, library = _built_once(toolchain, capfd)
     digest = (build_dir / "offload_cpu_adam.so.sha256").read_text().strip()
     assert digest == hashlib.sha256(library.read_bytes()).hexdigest()
-    assert stat.S_IMODE(build_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE(build_dir.stat().st_mode) == 0o700 and stat.S_IMODE(library.stat().st_mode) == 0o755
     assert cpu_adam._build() == ("loaded", library)
     assert len(toolchain.built) == 1 and "building" not in capfd.readouterr().err
 
@@ -103,15 +105,40 @@ def test_a_group_writable_build_directory_or_library_is_built_again(toolchain, c
     assert stat.S_IMODE(build_dir.stat().st_mode) == 0o700
 
 
-def test_a_group_writable_cache_is_refused_and_the_kernel_built_in_a_private_directory(toolchain, capfd, tmp_path):
+def _refused_cache(toolchain, capfd, tmp_path, mode: int, gid: int = -1):
+    """The cache directory made `mode` (and group `gid`): the kernel is built in a private directory, not
+    loaded from the cache; once the mode is 0700 again the cached build loads."""
     build_dir, library = _built_once(toolchain, capfd)
     cache = tmp_path / "cache"
-    cache.chmod(0o775)
+    os.chown(cache, -1, gid)
+    cache.chmod(mode)
     private, line = _rebuilt_saying(toolchain, capfd, f"not in the cache: {cache} is writable by group or others")
     assert toolchain.loaded == [] and private != build_dir and not private.is_relative_to(cache)
     assert stat.S_IMODE(private.stat().st_mode) == 0o700 and "set OFFLOAD_CACHE_DIR" in line  # and the fix
     cache.chmod(0o700)
-    assert cpu_adam._build() == ("loaded", library)  # fixed: the cached build loads again
+    assert cpu_adam._build() == ("loaded", library)
+
+
+def test_a_world_writable_cache_is_refused_and_the_kernel_built_in_a_private_directory(toolchain, capfd, tmp_path):
+    _refused_cache(toolchain, capfd, tmp_path, 0o757)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another group needs root")
+def test_a_cache_writable_by_another_group_is_refused(toolchain, capfd, tmp_path):
+    _refused_cache(toolchain, capfd, tmp_path, 0o775, gid=12345)
+
+
+def test_a_cache_writable_only_by_the_user_s_private_group_is_used(toolchain, capfd, tmp_path, monkeypatch):
+    """Debian's user private groups with umask 002: ~/.cache is 0775, its group the user's own."""
+    build_dir, library = _built_once(toolchain, capfd)
+    cache = tmp_path / "cache"
+    cache.chmod(0o775)
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    group = lambda gid, members=(): grp.struct_group((user, "x", gid, list(members)))  # noqa: E731
+    monkeypatch.setattr(grp, "getgrgid", group)
+    assert cpu_adam._build() == ("loaded", library)  # the user's own group
+    monkeypatch.setattr(grp, "getgrgid", lambda gid: group(gid, [user, "someone-else"]))
+    _rebuilt_saying(toolchain, capfd, f"{cache} is writable by group or others")  # a group of two
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="changing a file's owner needs root")
