@@ -209,7 +209,8 @@ def _runs(mask: torch.Tensor) -> list[slice]:
 
 def test_train_takes_its_loss_on_completions_only(tmp_path):
     """The first step's loss is the model's loss on the first batch with the prompts masked: the same
-    number as the seeded start computes on the sampler's batch, and not the loss over every token."""
+    number as the seeded start computes on the sampler's batch, and not the loss over every token.
+    --eval-data takes the same records."""
     from offload import train as recipe
     from offload.models import build_model
 
@@ -218,14 +219,15 @@ def test_train_takes_its_loss_on_completions_only(tmp_path):
                                 [(1, 2), (30, 4), (5, 6), (17, 25)]]))
     path = str(path)
     report = recipe.train({"model": "tiny", "steps": 1, "batch_size": 2, "seq_len": 256, "data": path,
-                           "precision": "fp32", "offload_param": "cpu", "nvme_path": str(tmp_path / "swap"),
-                           "out": str(tmp_path / "run"), "no_progress": True})
+                           "eval_data": path, "eval_batches": 1, "precision": "fp32", "offload_param": "cpu",
+                           "nvme_path": str(tmp_path / "swap"), "out": str(tmp_path / "run"), "no_progress": True})
     ids, labels = data.make_sampler(load_data(path), 2, 256, seed=0).batch(0)
     assert (labels == IGNORE).any() and "### Response:" in ByteTokenizer().decode(ids[0])
     model = build_model("tiny", seed=0)  # the seeded start the Engine materialized
     with torch.no_grad():
         masked, every = model(ids, labels=labels).item(), model(ids, labels=ids).item()
     assert report["losses"][0] == pytest.approx(masked, rel=1e-5) and abs(masked - every) > 1e-3
+    assert [e["step"] for e in report["eval_losses"]] == [1] and 0 < report["eval_losses"][0]["loss"] < 10
 
 
 def test_train_a_hf_directory_on_chat_data_with_its_template(tmp_path, capsys):
