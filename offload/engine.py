@@ -84,6 +84,7 @@ class Engine(nn.Module):
         self._grad_hooks = [s.param.register_post_accumulate_grad_hook(self.pipeline.grad_hook(u))
                             for u in self.units for s in u.slots if s.trainable]
         self._guards = checkpoint.guard_module(model)  # model.state_dict() would read placeholders: kept after close
+        _serve_save_pretrained(self, model)
         log.info("%s", self.placement.describe())
         # On stderr, where a user sees it: a training script's logging may show no INFO.
         swap_line = f"\n  {self.store.describe()}" if self.store is not None else ""
@@ -197,18 +198,26 @@ class Engine(nn.Module):
         delayed_update, the last accepted update is not in them until flush()."""
         return dict(self.state_items())
 
-    def state_items(self):
+    def state_items(self, trainable_only: bool = False):
         """(name, fp32 tensor) for every parameter name, one unit at a time (full_state_dict's content
-        without holding the whole model at once)."""
+        without holding the whole model at once); trainable_only: the trainable parameters' masters alone,
+        reading no frozen weight (a LoRA adapter's values without its base)."""
         self.pipeline.check_usable("reading the weights")
         self.pipeline.finish_deferred()  # [Note: split step] in offload.pipeline
         names: dict = {}
         for n, p in self.module.named_parameters(remove_duplicate=False):
             names.setdefault(p, []).append(n)
         for unit in self.units:
-            for slot, value in unit_values(self, unit):
+            if trainable_only and not unit.trainable_numel:
+                continue
+            for slot, value in unit_values(self, unit, frozen=not trainable_only):
                 for n in names[slot.param]:
                     yield n, value
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """{name: fp32 master} of the trainable parameters only (what a PEFT adapter holds), without reading
+        the frozen weights; over ranks call it on every rank."""
+        return dict(self.state_items(trainable_only=True))
 
     def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False,
                    sharded: bool = False) -> dict:
@@ -286,6 +295,30 @@ class Engine(nn.Module):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _serve_save_pretrained(engine: "Engine", model: nn.Module) -> None:
+    """`model.save_pretrained(dir)` (a PEFT or transformers model) writes the engine's values: the model's own
+    state_dict() would read placeholders (checkpoint.guard_module refuses it). A PEFT model gets the
+    trainable parameters only (its adapter: no frozen base weight is read), a transformers model the whole
+    state_dict(). An explicit state_dict= is passed through as given."""
+    original = getattr(model, "save_pretrained", None)
+    if not callable(original):
+        return
+    adapter = hasattr(model, "peft_config")
+    ref = weakref.ref(engine)
+
+    def save_pretrained(save_directory, *args, **kwargs):
+        eng = ref()
+        if "state_dict" not in kwargs:
+            if eng is None:
+                raise RuntimeError("save_pretrained: the offload engine that held this model's values is gone; "
+                                   "save through a live engine (before close())")
+            kwargs["state_dict"] = eng.trainable_state_dict() if adapter else eng.state_dict()
+        return original(save_directory, *args, **kwargs)
+
+    save_pretrained.__doc__ = original.__doc__
+    model.save_pretrained = save_pretrained
 
 
 def _check_unsupported(cfg: Config) -> tuple[int, int]:

@@ -512,11 +512,14 @@ def _initial_value(engine, s) -> torch.Tensor:
 
 
 @torch.no_grad()
-def unit_values(engine, unit: Unit):
-    """Yields (slot, fp32 tensor) for every parameter of `unit`: the master for trainable ones."""
+def unit_values(engine, unit: Unit, frozen: bool = True):
+    """Yields (slot, fp32 tensor) for every parameter of `unit`: the master for trainable ones; frozen=False:
+    the trainable ones only, and their frozen weights are not read (a LoRA adapter beside a base on nvme)."""
     st = engine.states[unit.index]
     w = engine.weights[unit.index]
     master = weights = None
+    if not frozen and st is None:
+        return
     if st is not None and engine.rt.sharded:
         master = _gather_master(engine, unit, st)
     elif st is not None:
@@ -524,7 +527,9 @@ def unit_values(engine, unit: Unit):
             master = _read_chunks(engine, unit.key("master", engine.rank), st.windows, torch.float32)
         else:
             master = st.t["master"]
-    if any(not s.trainable for s in unit.slots) and w.partitioned:
+    if not frozen:
+        pass
+    elif any(not s.trainable for s in unit.slots) and w.partitioned:
         weights = _gather_weights(engine, w)
     elif any(not s.trainable for s in unit.slots):
         if w.home == "nvme":
@@ -532,7 +537,7 @@ def unit_values(engine, unit: Unit):
             weights = _read_chunks(engine, w.key, w.chunks, w.dtype)
         else:
             weights = w.hbm if w.home == "hbm" else w.dram
-    for s in unit.slots:
+    for s in unit.slots if frozen else [s for s in unit.slots if s.trainable]:
         src = master if s.trainable else weights
         yield s, src[s.offset:s.offset + s.numel].to("cpu", torch.float32, copy=True).view(s.shape)
 

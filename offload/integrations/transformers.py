@@ -25,7 +25,9 @@ Each hook is a method Trainer documents for subclassing or calls at one place:
   so the route multiplies by it: the gradients are Trainer's.
 - _clip_grad_norm, _get_grad_norm: the engine clips in its step (gradient_clipping = max_grad_norm); the
   logged grad_norm is the engine's, known after that step (_maybe_log_save_evaluate).
-- _save (save_model): HF weights from the engine's fp32 masters in the model's dtype, streamed.
+- _save (save_model): HF weights from the engine's fp32 masters in the model's dtype, streamed; a PEFT
+  model's adapter alone (adapter_config.json + adapter_model.safetensors, as the stock Trainer writes it),
+  read from the trainable parameters' masters without touching the frozen base.
 - Checkpoints (save_steps): Trainer's _save_checkpoint writes checkpoint-N as always (trainer_state.json,
   scheduler.pt, rng_state.pth, rotation by save_total_limit), but the weights and optimizer.pt are the
   engine's checkpoint in that folder (engine.save_checkpoint: every state from its tier, the step count,
@@ -177,6 +179,13 @@ class OffloadTrainer(Trainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         self.engine.flush()  # delayed_update: the last accepted update is not in the weights before this
         dtype = self.save_dtype
+        if hasattr(self.model, "peft_config"):  # the adapter, as the stock Trainer saves a PEFT model
+            adapter = {n: t.to(dtype) for n, t in self.engine.trainable_state_dict().items()}
+            self.model.save_pretrained(output_dir, state_dict=adapter)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+            return
         config = self.model.config.to_dict() if hasattr(self.model, "config") else {}  # a plain nn.Module: none
         config["dtype"] = str(dtype).removeprefix("torch.")
         save_hf_directory(((n, t.to(dtype)) for n, t in self.engine.state_items()), config, output_dir)
