@@ -16,8 +16,9 @@ forward is nn.Embedding's needs no fetch for its backward, and none is hooked (o
 shapes instead (WeightHandle.shape_only: the gradient accumulator checks the gradient against them). This
 is not inferred for other modules: activation checkpointing hides what a forward saves and recomputes it
 outside the module's hooks. As a guard, the use must also leave the unit's parameters and hbm storage
-with no more references than before it (anything autograd saved of them holds one); a torch that cannot
-count them fetches always. With partitioned weights (zero_stage 3) the fetch is a gather, so the ranks
+with no more references than before it (anything autograd saved of them holds one; fewer is no sign of
+saving: an I/O thread letting go of the buffer it read the weights into, just after the fetch completed);
+a torch that cannot count them fetches always. With partitioned weights (zero_stage 3) the fetch is a gather, so the ranks
 agree on the answer ([Note: collective order] in offload.ranks): a count one rank read while another
 thread held a reference for a moment must not make it gather alone.
 """
@@ -73,7 +74,7 @@ def register(engine, unit, module: torch.nn.Module) -> list:
         if starts:
             t0, refs = starts.pop()
             engine.telemetry.span("compute", f"forward {unit.name}", t0, time.perf_counter())
-        needs_weights = refs is None or weights.refs() != refs  # [Note: backward without weights]
+        needs_weights = refs is None or weights.refs() > refs  # [Note: backward without weights]
         if lookup and weights.partitioned and torch.is_grad_enabled():  # the fetch gathers: every rank or none
             needs_weights = bool(engine.rt.ranks.agree([float(needs_weights)], "max",
                                                        f"all_reduce: does {unit.name}'s backward need weights")[0])
