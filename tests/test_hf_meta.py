@@ -139,13 +139,32 @@ def test_first_forward_under_no_grad_then_training(tmp_path):
         assert loss.item() == ref.train()(input_ids=x, labels=x).loss.item()
 
 
-def test_generate_on_a_wrapped_model_equals_the_plain_model(tmp_path):
-    model = llama("cpu", vocab=32000).eval()
+def test_generate_between_training_steps_equals_the_plain_model(tmp_path):
+    """generate() on the wrapped model (its forwards under no_grad, outside the engine's forward) gives
+    the plain model's tokens, before training and between steps, and training goes on as the plain loop's."""
+    model = llama("cpu", vocab=32000)
     ref = copy.deepcopy(model)
-    x = ids(32000, 8)
-    mask = torch.ones_like(x)
-    expected = ref.generate(x, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    with offload.initialize(model, cfg(tmp_path)) as eng:
-        eng.eval()
-        got = model.generate(x, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert got.shape == (2, 14) and torch.equal(got, expected)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0)
+    x = ids(32000, 12)
+    prompt = dict(input_ids=x[:, :6], attention_mask=torch.ones(2, 6, dtype=torch.long), max_new_tokens=4,
+                  do_sample=False, pad_token_id=0)
+    config = {**cfg(tmp_path), "optimizer": {"type": "adamw", "lr": 1e-3, "weight_decay": 0.0}}
+    ours, theirs = [], []
+    with offload.initialize(model, config) as eng:
+        for step in range(3):
+            eng.eval()
+            ref.eval()
+            got, expected = model.generate(**prompt), ref.generate(**prompt)
+            assert got.shape == (2, 10) and torch.equal(got, expected), step
+            eng.train()
+            ref.train()
+            loss = eng(input_ids=x, labels=x).loss
+            eng.backward(loss)
+            eng.step()
+            ours.append(loss.item())
+            loss = ref(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            theirs.append(loss.item())
+    assert ours == theirs
