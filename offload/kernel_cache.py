@@ -39,10 +39,15 @@ _GROUP_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
 def file_digest(path: Path) -> str:
+    """sha256 of the file at `path` (not following a link: a link raises OSError ELOOP)."""
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+        return _digest(f)
+
+
+def _digest(f) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    for block in iter(lambda: f.read(1 << 20), b""):
+        h.update(block)
     return h.hexdigest()
 
 
@@ -53,13 +58,15 @@ def digest_path(library: Path) -> Path:
 def seal(library: Path) -> None:
     """After a build: take away group and others' write bits from `library`, then record its sha256 beside
     it, atomically (a reader sees no digest or the whole one)."""
-    os.chmod(library, stat.S_IMODE(os.lstat(library).st_mode) & ~_GROUP_OTHER_WRITE, follow_symlinks=False)
+    with os.fdopen(os.open(library, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+        os.fchmod(f.fileno(), stat.S_IMODE(os.fstat(f.fileno()).st_mode) & ~_GROUP_OTHER_WRITE)
+        digest = _digest(f)
     final = digest_path(library)
     tmp = final.with_name(f".{final.name}.{os.getpid()}")
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(file_digest(library) + "\n")
+        f.write(digest + "\n")
     os.replace(tmp, final)
 
 
