@@ -11,8 +11,6 @@ import hashlib
 import os
 import pwd
 import stat
-import subprocess
-import sys
 
 from pathlib import Path
 
@@ -20,9 +18,6 @@ import pytest
 from torch.utils import cpp_extension
 
 from offload import cpu_adam, kernel_cache
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 class FakeToolchain:
     """Stand-ins for torch.utils.cpp_extension.load and cpu_adam._import: `built` lists the build
@@ -160,12 +155,9 @@ def test_a_library_replaced_by_a_symlink_is_built_again(toolchain, capfd, tmp_pa
 
 
 @pytest.mark.compiled_kernel
-def test_the_real_build_records_the_digest_of_the_library_it_loads():
-    cpu_adam._get_kernel()  # built (or loaded) by the marker's check
+def test_the_real_build_is_sealed():
+    """The real build's library passes the checks (a new process then loads it without a build:
+    tests/test_cpu_adam_api.py, test_a_cached_kernel_loads_in_a_new_process_without_running_ninja)."""
+    assert cpu_adam._get_kernel() is not None  # built (or loaded) by the marker's check
     build_dir = cpu_adam._cache_dir()
-    library = build_dir / "offload_cpu_adam.so"
-    assert kernel_cache.why_untrusted(build_dir, library) is None
-    code = "from offload import cpu_adam; assert cpu_adam._get_kernel() is not None, cpu_adam._kernel_error"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": ROOT})
-    assert proc.returncode == 0 and "building" not in proc.stderr, proc.stderr[-2000:]
+    assert kernel_cache.why_untrusted(build_dir, build_dir / "offload_cpu_adam.so") is None
