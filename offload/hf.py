@@ -86,6 +86,37 @@ def _own_storage(t: torch.Tensor, pending: dict[str, torch.Tensor]) -> torch.Ten
     return t if whole and not shared else t.clone()
 
 
+# What from_pretrained, AutoTokenizer and generate() read beside the weights and config.json: copied as they
+# were from the directory a run started from.
+COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+
+def copy_companions(source: str | None, directory: str, config=None) -> list[str]:
+    """Copies the tokenizer files and generation_config.json of `source` (a local HF directory) into
+    `directory`; where `source` has no generation_config.json (or is None), writes the one transformers
+    derives from `config` (a dict or PretrainedConfig), as save_pretrained does. Returns the names written."""
+    import shutil
+
+    written = []
+    for name in COMPANION_FILES:
+        path = os.path.join(source, name) if source else None
+        if path and os.path.isfile(path):
+            shutil.copyfile(path, os.path.join(directory, name))
+            written.append(name)
+    if "generation_config.json" not in written and config is not None:
+        try:
+            from transformers import GenerationConfig, PretrainedConfig
+        except ImportError:
+            return written
+        if isinstance(config, dict):
+            config = PretrainedConfig.from_dict(config)
+        GenerationConfig.from_model_config(config).save_pretrained(directory)
+        written.append("generation_config.json")
+    return written
+
+
 def save_hf_directory(state_dict_iter: Iterable[tuple[str, torch.Tensor]], config, directory: str,
                       max_shard_bytes: int = 2 << 30) -> list[str]:
     """Write (name, tensor) pairs as safetensors shards + index + config.json that from_pretrained loads.

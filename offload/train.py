@@ -289,16 +289,17 @@ def build(run: dict, cfg: Config):
         hf_config = read_config(name)
         model = build_model(name, device="meta")
         _rebuild_buffer_modules(model)
-        model.config.use_cache = False
+        saved_config = json.loads(json.dumps(model.config.to_dict(), default=str))  # as the directory has it
+        model.config.use_cache = False  # training needs no cache of past keys and values
         weights = SafetensorsWeights(name, _tied_aliases(model))
         max_len, vocab = hf_config.get("max_position_embeddings"), hf_config.get("vocab_size")
         tokenizer = _hf_tokenizer(name)
-        info = {"kind": "hf", "hf_config": model.config, "tokenizer": tokenizer}
+        info = {"kind": "hf", "hf_config": saved_config, "tokenizer": tokenizer, "source": os.path.abspath(name)}
     elif name in PRESETS:
         preset = PRESETS[name]
         model = build_model(name, device="meta")  # the Engine materializes it unit by unit (seeded)
         weights, max_len, vocab = None, preset.max_seq_len, preset.vocab_size
-        info = {"kind": "preset", "hf_config": hf_llama_config(preset), "tokenizer": None}
+        info = {"kind": "preset", "hf_config": hf_llama_config(preset), "tokenizer": None, "source": None}
     else:
         raise ValueError(f"--model={name}: neither a preset ({', '.join(PRESETS)}) nor a directory; "
                          f"pass a preset name or a local Hugging Face directory")
@@ -582,7 +583,9 @@ class Checkpoints:
         if args.save_every is None:
             return None
         extra = {"train": {"run": _identity(run, cfg)}}
-        if info["kind"] == "preset":  # a HF model records its own config (offload.checkpoint)
+        if info["kind"] == "hf":  # export: the config as the directory had it, and its tokenizer files
+            extra["hf_config"], extra["hf_source"] = info["hf_config"], info["source"]
+        if info["kind"] == "preset":
             extra["hf_config"] = info["hf_config"]
             extra["hf_names"] = {n: hf_name(n) for n, _ in model.named_parameters(remove_duplicate=False)}
         keep = DEFAULT_KEEP_CHECKPOINTS if args.keep_checkpoints is None else args.keep_checkpoints
@@ -693,7 +696,7 @@ class _SaveOnSigterm:
 
 def save(engine, info: dict, directory: str) -> str:
     """Writes the trained fp32 weights as a HF directory (shards + index + config.json) and returns it."""
-    from offload.hf import save_hf_directory
+    from offload.hf import copy_companions, save_hf_directory
 
     engine.flush()  # delayed_update: the last step's update is still pending
     items = engine.state_items()
@@ -704,4 +707,5 @@ def save(engine, info: dict, directory: str) -> str:
     if info["kind"] == "preset":
         items = ((hf_name(n), t) for n, t in items)
     save_hf_directory(items, info["hf_config"], directory)
+    copy_companions(info["source"], directory, info["hf_config"])  # tokenizer and generation config
     return directory

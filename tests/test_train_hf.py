@@ -110,3 +110,22 @@ def test_a_directory_with_a_tokenizer_trains_on_its_ids(tmp_path, capsys):
                "--json", "--no-progress"])
     assert rc == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokenizer"] != "bytes"
+
+
+def test_save_and_export_write_what_from_pretrained_and_autotokenizer_load_as_it_was(tmp_path, capsys):
+    model_dir, save, ckpts, export = tmp_path / "llama", tmp_path / "saved", tmp_path / "ckpts", tmp_path / "export"
+    _tiny_llama(tied=False).save_pretrained(model_dir, max_shard_size="60KB")
+    tok = _save_tokenizer(model_dir, "To be, or not to be, that is the question. " * 40)
+    assert json.loads((model_dir / "config.json").read_text())["use_cache"] is True
+    rc = main(["train", "--model", str(model_dir), "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+               "--nvme-path", str(tmp_path / "swap"), "--out", str(tmp_path / "run"), "--save", str(save),
+               "--save-every", "2", "--checkpoint-dir", str(ckpts), "--json", "--no-progress"])
+    assert rc == 0
+    assert main(["checkpoint", "export", str(ckpts), str(export)]) == 0
+    for out in (save, export):
+        assert json.loads((out / "config.json").read_text())["use_cache"] is True, out  # as the directory had it
+        assert (out / "generation_config.json").is_file(), out
+        loaded_tok = transformers.AutoTokenizer.from_pretrained(out)
+        assert loaded_tok("question").input_ids == tok("question").input_ids
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+        assert loaded.generation_config.eos_token_id == transformers.GenerationConfig.from_pretrained(model_dir).eos_token_id

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 
 import torch
 
@@ -78,7 +79,7 @@ def run_inspect(args) -> int:
 
 
 def run_export(args) -> int:
-    from offload.hf import save_hf_directory
+    from offload.hf import copy_companions, save_hf_directory
 
     path = ck.resolve(args.ckpt)
     manifest = ck.read_manifest(path)
@@ -91,8 +92,13 @@ def run_export(args) -> int:
         config = {**config, key: str(dtype).removeprefix("torch.")}
     items = ((rename.get(n, n), t) for n, t in ck.iter_weights(path, manifest, dtype))
     files = save_hf_directory(items, config, args.out, max_shard_bytes=args.max_shard_bytes)
+    source = extra.get("hf_source")
+    missing = source is not None and not os.path.isdir(source)
+    companions = copy_companions(None if missing else source, args.out, config)
     print(f"offload checkpoint export: {len(files)} shard(s) in {args.out}"
-          + ("" if config else " (no config.json: the checkpoint's model was not a Hugging Face one)"))
+          + (f", with {', '.join(companions)}" if companions else "")
+          + ("" if config else " (no config.json: the checkpoint's model was not a Hugging Face one)")
+          + (f" (the tokenizer files were not copied: {source}, the run's model directory, is gone)" if missing else ""))
     return 0
 
 
