@@ -86,10 +86,12 @@ class Engine(nn.Module):
         self._guards = checkpoint.guard_module(model)  # model.state_dict() would read placeholders: kept after close
         _serve_save_pretrained(self, model)
         log.info("%s", self.placement.describe())
-        # On stderr, where a user sees it: a training script's logging may show no INFO.
+        # On stderr, where a user sees it: a training script's logging may show no INFO. Over ranks rank 0
+        # prints it alone (the others' differ only in their own budgets; their logs have it at INFO).
         swap_line = f"\n  {self.store.describe()}" if self.store is not None else ""
-        print("offload: memory plan (per tier: need of budget; the runtime's parts)\n" + self.placement.summary()
-              + swap_line, file=sys.stderr, flush=True)
+        if self.rank == 0:
+            print("offload: memory plan (per tier: need of budget; the runtime's parts)\n" + self.placement.summary()
+                  + swap_line, file=sys.stderr, flush=True)
 
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):

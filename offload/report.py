@@ -19,14 +19,25 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f}M" if n < 2**30 else f"{n / 2**30:.2f}G"
 
 
+def tokens_per_step(run: dict, cfg) -> int:
+    """Tokens one optimizer step trains on, over every rank (run["ranks"] under torchrun)."""
+    return run["batch_size"] * run["seq_len"] * cfg.gradient_accumulation_steps * run.get("ranks", 1)
+
+
+def _resumed(run: dict) -> str:
+    if "resumed_from" not in run:
+        return ""
+    return f" (resumed from {run['resumed_from']} after step {run['start_step']})"
+
+
 def print_header(run: dict, cfg, info: dict, engine, quiet: bool = False) -> None:
     if quiet:
         return
-    tokens = run["batch_size"] * run["seq_len"] * cfg.gradient_accumulation_steps
     where = f" under {engine.placement.swap_dir}" if engine.placement.uses_nvme else ""
+    ranks = f" over {run['ranks']} ranks" if run.get("ranks", 1) > 1 else ""
     print(f"offload train: {run['model']} ({info['params'] / 1e6:.1f}M params, {len(engine.units)} units), "
           f"{cfg.precision}, weights {cfg.offload_param.device}, optimizer states {cfg.offload_optimizer.device}"
-          f"{where}; {run['steps']} steps x {tokens} tokens", flush=True)
+          f"{where}; {run['steps']} steps x {tokens_per_step(run, cfg)} tokens{ranks}{_resumed(run)}", flush=True)
 
 
 class Progress:
@@ -110,7 +121,7 @@ class Sampler(Periodic):
 def build_report(run: dict, cfg, info: dict, history: dict, final: dict, init_s: float, out_dir: str,
                  saved: str | None) -> dict:
     steps = len(history["losses"])
-    tokens_per_step = run["batch_size"] * run["seq_len"] * cfg.gradient_accumulation_steps
+    tokens = tokens_per_step(run, cfg)
     train_s = sum(history["step_seconds"])
     steady = history["step_seconds"][1:] or history["step_seconds"]  # step 1 also records the fetch trace
     tail = history["losses"][-min(10, steps):] if steps else []  # none: a run stopped before its first step
@@ -118,10 +129,10 @@ def build_report(run: dict, cfg, info: dict, history: dict, final: dict, init_s:
         "model": run["model"], "params": info["params"], "data": run["data"] or "bundled", "steps": steps,
         "precision": cfg.precision,  # the engine's: "auto" resolved for this host (offload.precision)
         "tokenizer": "bytes" if info["tokenizer"] is None else type(info["tokenizer"]).__name__,
-        "tokens_per_step": tokens_per_step, "tokens": steps * tokens_per_step,
+        "tokens_per_step": tokens, "tokens": steps * tokens,
         "first_loss": history["losses"][0] if steps else None, "final_loss": tail[-1] if tail else None,
         "final_loss_mean10": sum(tail) / len(tail) if tail else None,
-        "tokens_per_s": len(steady) * tokens_per_step / sum(steady) if steady else 0.0, "init_seconds": init_s,
+        "tokens_per_s": len(steady) * tokens / sum(steady) if steady else 0.0, "init_seconds": init_s,
         "train_seconds": train_s, "stall_share": sum(history["stall_seconds"]) / train_s if train_s else 0.0,
         **{k: history[k] for k in ("losses", "step_seconds", "lrs", "grad_norms", "stall_seconds")},
         "eval_losses": history.get("eval_losses", []),  # [{"step", "loss"}]: --eval-data, every --eval-every steps
@@ -189,12 +200,14 @@ def plot(report: dict, path: str) -> None:
 def summary_table(report: dict) -> str:
     st = report["stats"]
     stopped = report.get("stopped")
+    first = report["run"].get("start_step", 0) + 1  # a resumed run's first step
     lines = [f"offload train: {report['model']}, {report['steps']} steps x {report['tokens_per_step']} tokens"
              + (f" (stopped by {stopped['signal']} after step {stopped['steps_done']} of {report['run']['steps']})"
-                if stopped else "")]
+                if stopped else "") + _resumed(report["run"])]
     if report["steps"]:
         lines += [
-            f"  loss        {report['first_loss']:.3f} (step 1) -> {report['final_loss']:.3f} (last), "
+            f"  loss        {report['first_loss']:.3f} (step {first}) -> {report['final_loss']:.3f} (step "
+            f"{first + report['steps'] - 1}), "
             f"{report['final_loss_mean10']:.3f} (mean of the last {min(10, report['steps'])})",
             f"  step time   {statistics.mean(report['step_seconds']):.2f} s mean, "
             f"{statistics.median(report['step_seconds']):.2f} s median; {report['tokens_per_s']:,.0f} tokens/s; "

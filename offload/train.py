@@ -330,9 +330,12 @@ def train(args_or_config=None) -> dict:
     args = _as_namespace(args_or_config)
     cfg, run = resolve(args)
     rank, world = _join_torchrun(cfg.collective_timeout_s)
+    if args.out is None:  # over ranks, one directory: rank 0's start time (the ranks agree on the earliest)
+        started = reduced([time.time()], "min")[0] if world > 1 else time.time()
+        args.out = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S", time.localtime(started)))
     if rank:  # one voice: rank 0 prints; the others write their reports under <out>/.rank<r>
         args.quiet_rank, args.no_progress = True, True
-        args.out = os.path.join(args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")), f".rank{rank}")
+        args.out = os.path.join(args.out, f".rank{rank}")
     if world > 1:
         run = {**run, "ranks": world}  # each step trains ranks x batch_size sequences; losses are their mean
     model, weights, info = build(run, cfg)
@@ -341,7 +344,8 @@ def train(args_or_config=None) -> dict:
     evaluator = Evaluator.from_run(run, cfg, info["tokenizer"])  # every rank: the same batches, the same loss
     checkpoints = Checkpoints.from_args(args, run, cfg, model, info)
     resume = _resume_point(args, run, cfg)
-    out_dir = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    out_dir = args.out
+    made = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)  # before training: an unwritable --out fails now, not after the run
     history = {**{k: [] for k in PER_STEP}, "eval_losses": [], "samples": []}
     engine, init_s = None, None
@@ -372,6 +376,10 @@ def train(args_or_config=None) -> dict:
             raise
         except SaveFailed as failed:  # the steps done are reported; the last good checkpoint is untouched
             failed.report = _save_failed(failed, args, run, cfg, info, history, engine, init_s, out_dir)
+            raise
+        except BaseException:  # a failed run leaves no empty run directory behind
+            if made and os.path.isdir(out_dir) and not os.listdir(out_dir):
+                os.rmdir(out_dir)
             raise
         finally:
             if weights is not None:
@@ -439,7 +447,8 @@ def _stopped(stop: Stopped, args, run: dict, cfg: Config, info: dict, history: d
         del history[k][done:]
     report = None
     if engine is not None:
-        report = rep.build_report(run, cfg, info, history, engine.stats(), init_s, out_dir, None)
+        stats = history.get("stats") or engine.stats()  # closed now: its swap file is gone
+        report = rep.build_report(run, cfg, info, history, stats, init_s, out_dir, None)
         report["stopped"] = {"signal": stop.name, "steps_done": done}
         _publish(report, args)
     left = [str(r.path) for r in list_runs(cfg.swap_dir(getattr(engine, "rank", 0)))
@@ -476,10 +485,10 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, 
     signal's Stopped that something swallowed (offload/signals.py). With checkpoints, a SIGTERM is held
     until the step ends, the checkpoint is saved, and then the run stops as for any signal. The evaluator's
     loss (when due) is taken after the step's timing, so step times and stalls are training's alone."""
-    from offload.report import Progress, Sampler
+    from offload.report import Progress, Sampler, tokens_per_step as run_tokens
 
     gas = cfg.gradient_accumulation_steps
-    tokens_per_step = run["batch_size"] * run["seq_len"] * gas
+    tokens_per_step = run_tokens(run, cfg)
     start = run.get("start_step", 0)
     engine.train()
     with Sampler(engine) as samples, Progress(run["steps"] - start, tokens_per_step, enabled=progress) as bar, \
@@ -499,7 +508,7 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, 
                 loss_sum = _mean_over_ranks(loss_sum)
             seconds = time.perf_counter() - t
             engine.telemetry.span("step", f"step {step + 1}", t, t + seconds)
-            stats = engine.stats()
+            stats = history["stats"] = engine.stats()  # the last one also serves a stopped run's report
             history["losses"].append(loss_sum / gas)
             history["step_seconds"].append(seconds)
             history["lrs"].append(lr)

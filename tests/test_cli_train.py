@@ -99,3 +99,15 @@ def test_json_report_is_the_last_stdout_line(tmp_path):
     assert "step/s" in proc.stderr or "s/step" in proc.stderr                # the progress bar, on stderr
     assert sorted(os.listdir(out)) == ["memory_and_links.png", "report.json"]
     assert os.listdir(tmp_path / "swap") == []                               # swap files removed
+
+
+def test_a_resumed_run_says_where_it_resumed_and_counts_from_there(tmp_path, capsys):
+    common = ["train", "--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--nvme-path", str(tmp_path / "s"),
+              "--checkpoint-dir", str(tmp_path / "ck"), "--no-progress"]
+    assert main([*common, "--steps", "2", "--save-every", "2", "--out", str(tmp_path / "a")]) == 0
+    capsys.readouterr()
+    assert main([*common, "--steps", "4", "--resume", "latest", "--out", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("offload train: tiny ("))
+    assert "(resumed from " in header and "after step 2)" in header, header
+    assert "(step 3) -> " in out and "(step 4)" in out, out  # the loss line counts from the checkpoint on

@@ -80,6 +80,8 @@ def test_offload_train_stops_cleanly_on_a_signal(tmp_path, sig):
     report = json.loads((out_dir / "report.json").read_text())
     assert report["stopped"]["signal"] == name and report["steps"] == report["stopped"]["steps_done"]
     assert len(report["losses"]) == report["steps"]
+    if report["steps"]:  # the swap it used while training, not the closed engine's 0
+        assert report["stats"]["tiers"]["nvme"]["peak_bytes"] > 0, report["stats"]["tiers"]["nvme"]
     assert swap_files(swap_dir) == [] and os.listdir(swap_dir) == []
 
 

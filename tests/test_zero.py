@@ -284,12 +284,12 @@ def test_delayed_update_with_partitioned_states_is_refused(tmp_path):
         run_ranks(2, cfg, str(tmp_path / "out"), 1)
 
 
-def _torchrun(tmp_path, *flags) -> subprocess.CompletedProcess:
+def _torchrun(tmp_path, *flags, out: bool = True) -> subprocess.CompletedProcess:
     tmp_path.mkdir(parents=True, exist_ok=True)
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2",
            "--master-port", str(_free_port()), "-m", "offload", "train", "--model", "tiny", "--steps", "3",
-           "--batch-size", "2", "--seq-len", "32", "--nvme-path", str(tmp_path / "nvme"), "--out",
-           str(tmp_path / "run"), "--no-progress", "--json", *flags]
+           "--batch-size", "2", "--seq-len", "32", "--nvme-path", str(tmp_path / "nvme"),
+           *(["--out", str(tmp_path / "run")] if out else []), "--no-progress", "--json", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                             env={**os.environ, "PYTHONPATH": REPO}, start_new_session=True)
     try:
@@ -317,6 +317,17 @@ def test_offload_train_under_torchrun_trains_data_parallel_with_one_voice(tmp_pa
     assert report["run"]["ranks"] == 2 and len(report["losses"]) == 3
     assert json.load(open(tmp_path / "run" / ".rank1" / "report.json"))["losses"] == report["losses"]  # global means
     assert not list((tmp_path / "nvme").rglob("*.data")) and not [p for p in (tmp_path / "nvme").iterdir()]
+
+
+def test_offload_train_under_torchrun_speaks_once_for_every_rank(tmp_path):
+    """One memory plan, the tokens of a step over both ranks, both reports in one run directory."""
+    proc = _torchrun(tmp_path, out=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stderr.count("offload: memory plan") == 1, proc.stderr[-4000:]
+    report = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert report["tokens_per_step"] == 2 * 2 * 32  # ranks x batch x sequence
+    (run,) = (tmp_path / "runs").iterdir()
+    assert (run / "report.json").is_file() and (run / ".rank1" / "report.json").is_file()
 
 
 def test_offload_train_under_torchrun_with_stages_2_and_3_trains_like_stage_0(tmp_path):
