@@ -248,6 +248,9 @@ def resolve(path: str) -> str:
                             f"(no {LATEST})", path)
 
 
+_warned_unverified: set[str] = set()  # manifests without a digest already named in a warning (once each)
+
+
 def read_manifest(ckpt: str, quiet: bool = False) -> dict:
     """The manifest of checkpoint `ckpt`, its digest and structure checked ([Note: a manifest that is
     checked]); one without a digest (an older offload's) is read with a warning, unless `quiet`."""
@@ -265,7 +268,8 @@ def read_manifest(ckpt: str, quiet: bool = False) -> dict:
         raise CheckpointError(f"{path}: format_version={version!r}; this offload reads version {FORMAT_VERSION}"
                               + ("; written by a newer offload: upgrade offload to load it" if newer else ""))
     if DIGEST not in m:
-        if not quiet:
+        if not quiet and path not in _warned_unverified:
+            _warned_unverified.add(path)
             log.warning("offload: %s has no %s (written by an older offload): its manifest is not verified, and "
                         "`keep` never prunes it", path, DIGEST)
     elif m[DIGEST] != manifest_digest(m):
@@ -421,7 +425,7 @@ def _open_data(path: str, name: str, info: dict) -> int:
     if name != os.path.basename(name) or name.startswith("."):
         raise CheckpointError(f"{path}: the manifest names data file {name!r}, not a file of the checkpoint itself")
     try:
-        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        return os.open(path, os.O_RDONLY)
     except FileNotFoundError as e:
         raise CheckpointError(f"{path}: missing (the manifest lists it: rank {info['rank']}'s {info['nbytes']} "
                               "bytes); the checkpoint is incomplete: copy it whole, or load another") from e
