@@ -46,7 +46,6 @@ from torch.nn.modules.module import _IncompatibleKeys
 from offload import checkpoint_format as fmt
 from offload.checkpoint_format import CheckpointError
 from offload.chunks import chunk_key
-from offload.pipeline import TRANSITIONS, Phase
 
 log = logging.getLogger("offload")
 
@@ -322,18 +321,12 @@ def _write_all(engine, manifest: dict, plan: dict, buffers: dict, files: fmt.Rea
 # Staging the whole checkpoint beside the engine's states to swap it in at once would double their disk or
 # memory, so a load that fails after its first write fails the engine, as a failed step does: every later
 # forward, backward, step or save is refused with the cause, and the user loads into a new engine.
-# The step pipeline has no public way to fail from outside a step, so its public phase and failure are set
-# here, through the same transition table.
 
 def _fail_half_loaded(engine, ckpt: str, error: BaseException) -> None:
-    pipe = engine.pipeline
-    if (pipe.phase, Phase.FAILED) not in TRANSITIONS:
-        return  # closed meanwhile: nothing trains on
-    pipe.failure = (f"loading the checkpoint {ckpt} failed after it began writing the engine's states "
-                    f"({type(error).__name__}: {error}); weights and optimizer states are partly the "
-                    "checkpoint's, so this engine trains no further. close() it and load the checkpoint into a "
-                    "new engine (offload.initialize)")
-    pipe.phase = Phase.FAILED
+    engine.pipeline.fail(f"loading the checkpoint {ckpt} failed after it began writing the engine's states "
+                         f"({type(error).__name__}: {error}); weights and optimizer states are partly the "
+                         "checkpoint's, so this engine trains no further. close() it and load the checkpoint "
+                         "into a new engine (offload.initialize)")
 
 
 def _load_unit(engine, unit, entries: dict, files: fmt.Reader, accumulator: bool) -> None:

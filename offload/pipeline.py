@@ -126,10 +126,18 @@ class StepPipeline:
             raise StepFailed(f"offload: {what} refused: {self.failure}")
 
     def _fail(self, where: str, error: BaseException) -> None:
-        self.failure = (f"{where} failed after the optimizer began updating states ({type(error).__name__}: "
-                        f"{error}); weights and optimizer states are partly updated, so this engine trains no "
-                        "further. close() it (the swap files are removed) and restart from your last saved "
-                        "weights or checkpoint")
+        self.fail(f"{where} failed after the optimizer began updating states ({type(error).__name__}: "
+                  f"{error}); weights and optimizer states are partly updated, so this engine trains no "
+                  "further. close() it (the swap files are removed) and restart from your last saved "
+                  "weights or checkpoint")
+
+    def fail(self, failure: str) -> None:
+        """Enters `failed` with `failure` (what every later call is refused with), from outside a step too
+        (a checkpoint load that failed after it began writing states). A closed pipeline stays closed, a failed
+        one keeps its first failure."""
+        if self.phase in (P.CLOSED, P.FAILED):
+            return
+        self.failure = failure
         self._to(P.FAILED)
 
     @property
