@@ -143,7 +143,7 @@ class OffloadTrainer(Trainer):
     def _save_optimizer_and_scheduler(self, output_dir):
         """The engine's checkpoint in place of optimizer.pt (and of the weights), then Trainer's scheduler.pt."""
         name, again = f"step{self.state.global_step:08d}", 0
-        while os.path.lexists(os.path.join(output_dir, name)):  # an earlier run's in this folder: replaced (keep=1)
+        while os.path.lexists(os.path.join(output_dir, name)):  # an earlier run's in this folder: kept (keep=1 prunes this run's only)
             again += 1
             name = f"step{self.state.global_step:08d}-{again}"
         self.engine.save_checkpoint(output_dir, name=name, keep=1)
