@@ -212,10 +212,8 @@ class Config:
         if "nvme" in (self.offload_param.device, self.offload_optimizer.device) and not self.nvme_path:
             _fail("nvme_path", self.nvme_path, "required when a device is \"nvme\"",
                   "set nvme_path to a directory on a fast local drive (--nvme-path DIR)")
-        if self.offload_optimizer.device == "none" and self.offload_param.device != "none":
-            _fail("offload_optimizer.device", "none",
-                  f"optimizer states cannot stay in hbm while weights are offloaded to {self.offload_param.device}",
-                  "offload the optimizer too (cpu or nvme)")
+        # offload_optimizer none beside offloaded weights (a LoRA run's adapters beside a base on nvme): the
+        # placement checks that the trainable parameters' states fit hbm (offload.placement.check_states_in_hbm).
 
     @property
     def compute_dtype(self):

@@ -66,19 +66,23 @@ def ledger_terms(stage: int, offload_param: str = "none", offload_optimizer: str
             Term("optimizer", opt_tier, k, stage >= 1)]
 
 
-def model_state_bytes(params: int, dp: int, terms: list[Term]) -> dict[str, int]:
-    """Bytes per rank and tier of the ledger: {"hbm_bytes", "dram_bytes", "nvme_bytes"}."""
+def model_state_bytes(params: int, dp: int, terms: list[Term], trainable: int | None = None) -> dict[str, int]:
+    """Bytes per rank and tier of the ledger: {"hbm_bytes", "dram_bytes", "nvme_bytes"}. trainable: the
+    parameters trained when not all are (LoRA): the others are frozen, with a weight and nothing else."""
     out = {f"{t}_bytes": 0 for t in TIERS}
     for term in terms:
-        out[f"{term.tier}_bytes"] += term.bytes_per_param * (math.ceil(params / dp) if term.partitioned else params)
+        n = params if term.name == "weights" or trainable is None else trainable
+        out[f"{term.tier}_bytes"] += term.bytes_per_param * (math.ceil(n / dp) if term.partitioned else n)
     return out
 
 
 def runtime_bytes(unit_numel: int, terms: list[Term], device_type: str = "cuda",
-                  chunk_bytes: int = 32 << 20, activation_bytes: int = 0, hbm_units: int | None = None) -> dict:
+                  chunk_bytes: int = 32 << 20, activation_bytes: int = 0, hbm_units: int | None = None,
+                  trainable_unit_numel: int | None = None) -> dict:
     """The runtime's buffers and working set per rank, on top of the ledger: offload.memory.runtime_parts,
     the function the engine's placement checks, with every unit as large as the largest (unit_numel).
     hbm_units: fetched units in hbm at once (None: the engine's default, 1 + prefetch_units + reuse_distance).
+    trainable_unit_numel: the trained parameters of the largest unit, when not all of them are (LoRA).
     Returns {"hbm_bytes", "dram_bytes", "nvme_bytes", "parts": [{"name", "tier", "bytes", "formula"}]}."""
     from offload.memory import Knobs, runtime_parts
 
@@ -87,7 +91,8 @@ def runtime_bytes(unit_numel: int, terms: list[Term], device_type: str = "cuda",
     if hbm_units is not None:
         knobs = Knobs(prefetch_units=hbm_units - 1, reuse_distance=0)
     n_fetched = 1 + knobs.prefetch_units + knobs.reuse_distance
-    parts = runtime_parts([unit_numel] * n_fetched if w.tier != "hbm" else [], [unit_numel] * knobs.grad_units,
+    trained = unit_numel if trainable_unit_numel is None else trainable_unit_numel
+    parts = runtime_parts([unit_numel] * n_fetched if w.tier != "hbm" else [], [trained] * knobs.grad_units,
                           w.bytes_per_param, w.tier, opt.tier, device_type, chunk_bytes, knobs)
     if activation_bytes:
         parts.append({"name": "activations", "tier": "hbm", "bytes": int(activation_bytes), "formula": "given"})
@@ -103,6 +108,8 @@ class ModelShape:
     params: int
     largest_unit_numel: int
     source: str               # how params and the unit size were obtained, for the report
+    trainable: int | None = None               # parameters trained when not all are (LoRA); the rest frozen
+    trainable_unit_numel: int | None = None    # of those, in the largest unit
 
 
 def parse_count(text: str) -> int:
@@ -165,6 +172,46 @@ def model_shape(model: str) -> ModelShape:
     return ModelShape(cfg.num_params(), max(cfg.block_numel(), embed), f"preset {model!r}")
 
 
+def _config_of(model: str) -> dict:
+    """The HF config of --model: a config.json, a directory holding one, or a preset (as it exports)."""
+    from offload.models import PRESETS, hf_llama_config
+
+    if model in PRESETS and not os.path.exists(model):
+        return hf_llama_config(PRESETS[model])
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    with open(path) as f:
+        return json.load(f)
+
+
+def lora_layer_numel(config: dict, r: int, targets) -> int:
+    """Parameters LoRA of rank r adds to one Llama decoder layer: r x (in + out) per targeted linear."""
+    d, ff = int(config["hidden_size"]), int(config["intermediate_size"])
+    heads = int(config["num_attention_heads"])
+    hd = int(config.get("head_dim") or d // heads)
+    q, kv = heads * hd, int(config.get("num_key_value_heads") or heads) * hd
+    shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+              "gate_proj": (d, ff), "up_proj": (d, ff), "down_proj": (ff, d)}
+    unknown = [t for t in targets if t not in shapes]
+    if unknown:
+        raise ValueError(f"--lora-targets={','.join(targets)}: {', '.join(unknown)} is not a Llama linear; use "
+                         f"{', '.join(shapes)}")
+    return sum(r * sum(shapes[t]) for t in targets)
+
+
+def with_lora(shape: ModelShape, model: str, r: int, targets) -> ModelShape:
+    """The shape of --model with LoRA adapters of rank r on `targets` in every decoder layer: its parameters
+    frozen, the adapters trained (the largest unit counted with one layer's adapters, an upper bound)."""
+    if r < 1:
+        raise ValueError(f"--lora={r}: the LoRA rank must be a positive integer")
+    config = _config_of(model)
+    per_layer = lora_layer_numel(config, r, targets)
+    trainable = per_layer * int(config["num_hidden_layers"])
+    return dataclasses.replace(shape, params=shape.params + trainable, trainable=trainable,
+                               largest_unit_numel=shape.largest_unit_numel + per_layer,
+                               trainable_unit_numel=per_layer,
+                               source=f"{shape.source} with LoRA r {r} on {','.join(targets)}")
+
+
 def shape_of_model(model, units=None) -> ModelShape:
     """ModelShape of a built nn.Module (meta device is fine): its parameters, counted once, and its largest
     unit. units: the modules the runtime treats as units; default: each module of `model.layers` and
@@ -186,22 +233,27 @@ def estimate(shape: ModelShape, dp: int = 1, stage: int = 0, offload_param: str 
     if dp < 1:
         raise ValueError(f"dp={dp}: must be >= 1 (the number of data-parallel ranks)")
     terms = ledger_terms(stage, offload_param, offload_optimizer, precision, dram_grad_bytes)
-    states = model_state_bytes(shape.params, dp, terms)
-    runtime = runtime_bytes(shape.largest_unit_numel, terms, **runtime_kwargs)  # gathered units are whole: no /D
+    states = model_state_bytes(shape.params, dp, terms, shape.trainable)
+    runtime = runtime_bytes(shape.largest_unit_numel, terms, trainable_unit_numel=shape.trainable_unit_numel,
+                            **runtime_kwargs)  # gathered units are whole: no /D
     per_rank = {k: states[k] + runtime[k] for k in states}
-    return {"params": shape.params, "largest_unit_numel": shape.largest_unit_numel, "source": shape.source,
+    trainable = shape.params if shape.trainable is None else shape.trainable
+    return {"params": shape.params, "trainable_params": trainable, "frozen_params": shape.params - trainable,
+            "largest_unit_numel": shape.largest_unit_numel, "source": shape.source,
             "dp": dp, "stage": stage, "offload_param": offload_param, "offload_optimizer": offload_optimizer,
             "precision": precision, "K": terms[2].bytes_per_param,
             "model_states": states, "runtime": runtime, "per_rank": per_rank,
             "all_ranks": {k: v * dp for k, v in per_rank.items()},
-            "formula": formula(terms, runtime)}
+            "formula": formula(terms, runtime, frozen=shape.trainable is not None)}
 
 
-def formula(terms: list[Term], runtime: dict) -> str:
-    """The ledger and runtime formulas per tier, P = params, D = ranks, U = largest unit numel."""
+def formula(terms: list[Term], runtime: dict, frozen: bool = False) -> str:
+    """The ledger and runtime formulas per tier, P = params, D = ranks, U = largest unit numel; with frozen
+    parameters T = the trained ones (only they have gradients and optimizer states)."""
     lines = []
     for tier in TIERS:
-        ledger = [f"{t.bytes_per_param}P{'/D' if t.partitioned else ''} ({t.name})" for t in terms if t.tier == tier]
+        ledger = [f"{t.bytes_per_param}{'T' if frozen and t.name != 'weights' else 'P'}{'/D' if t.partitioned else ''} "
+                  f"({t.name})" for t in terms if t.tier == tier]
         extra = [f"{p['formula']} ({p['name']})" for p in runtime["parts"] if p["tier"] == tier]
         lines.append(f"{tier} = " + (" + ".join(ledger + extra) or "0"))
     return "; ".join(lines)
@@ -216,13 +268,16 @@ def format_bytes(n: int) -> str:
 
 
 def format_table(result: dict) -> str:
-    head = (f"{result['params']:,} parameters from {result['source']}; dp={result['dp']}, "
+    trained = (f" ({result['trainable_params']:,} trained, {result['frozen_params']:,} frozen: weights only)"
+               if result["frozen_params"] else "")
+    head = (f"{result['params']:,} parameters{trained} from {result['source']}; dp={result['dp']}, "
             f"zero stage {result['stage']}, offload_param={result['offload_param']}, "
             f"offload_optimizer={result['offload_optimizer']}, {result['precision']}, K={result['K']}")
     rows = [f"{'per rank':<14}" + "".join(f"{t:>12}" for t in TIERS)]
     for label, key in (("model states", "model_states"), ("runtime", "runtime"), ("total", "per_rank")):
         rows.append(f"{label:<14}" + "".join(f"{format_bytes(result[key][t + '_bytes']):>12}" for t in TIERS))
-    return "\n".join([head, *rows, f"formula (P = params, D = ranks, U = {result['largest_unit_numel']:,}, "
+    return "\n".join([head, *rows, f"formula (P = params, {'T = trained params, ' if trained else ''}D = ranks, "
+                      f"U = {result['largest_unit_numel']:,}, "
                       f"the largest unit's numel): {result['formula']}",
                       "Not included unless given: activations (--activation-bytes), allocator slack."])
 

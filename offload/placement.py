@@ -54,6 +54,8 @@ class Placement:
     fetched_peak: int = 0            # the peak of fetched weights of shared_sizes in the hbm working set
     shared_sizes: frozenset = frozenset()  # nbytes several fetched units share ([Note: reused host memory for hbm])
     precision: PrecisionChoice | None = None  # what runs and why (offload.precision)
+    trainable_numel: int = 0         # parameters trained (weights + optimizer states + gradient)
+    frozen_numel: int = 0            # parameters frozen (weights only: no master, moments or gradient I/O)
 
     @property
     def uses_nvme(self) -> bool:
@@ -77,6 +79,11 @@ class Placement:
     def summary(self) -> str:
         """Per tier: need of budget, and the runtime's parts with their formulas."""
         lines = [f"  {self.precision.line()}"] if self.precision is not None else []
+        if self.frozen_numel:  # a LoRA run: the frozen base apart from the trained adapters
+            states = "/".join(sorted(set(self.state_home.values()))) or "-"
+            weights = "/".join(sorted(set(self.weight_home.values()) - {"hbm"})) or "hbm"  # the rest unit: hbm
+            lines.append(f"  parameters: {self.trainable_numel:,} trained (weights, fp32 states and gradients: states "
+                         f"in {states}), {self.frozen_numel:,} frozen (weights only, in {weights})")
         for tier in ("hbm", "dram", "nvme"):
             budget = getattr(self, f"{tier}_budget")
             lines.append(f"  {tier}: needs {self.need[tier] / 2**20:.1f} MiB of a {budget / 2**20:.1f} MiB budget")
@@ -120,6 +127,8 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
         owned = window_owners([u.trainable_numel for u in trainable_units], chunk_bytes // 4, world)
         owners = {u.index: o for u, o in zip(trainable_units, owned)}
     w_home, s_home = HOME[cfg.offload_param.device], HOME[cfg.offload_optimizer.device]
+    if s_home == "hbm" and w_home != "hbm":
+        check_states_in_hbm(units, cfg, device)
     weight_home = {u.index: "hbm" if u.persistent else w_home for u in units}
     state_home = {u.index: s_home for u in units if u.trainable_numel}
     states = {"hbm": 0, "dram": 0, "nvme": 0}
@@ -136,6 +145,8 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     p = Placement(weight_home, state_home, dict(states), cfg.budgets.hbm_bytes or default_hbm,
                   cfg.budgets.dram_bytes or default_dram, _free_disk(cfg.swap_dir(rank)) if cfg.nvme_path else 0, rows)
     p.swap_dir, p.precision = cfg.swap_dir(rank), precision
+    p.trainable_numel = sum(s.numel for u in units for s in u.slots if s.trainable)
+    p.frozen_numel = sum(s.numel for u in units for s in u.slots if not s.trainable)
     p.deferred = deferred_units(units, cfg, weight_home, state_home, sharded, order)
     for i in p.deferred:  # their gradient waits on nvme for the next forward, in the compute dtype
         states["nvme"] += units[i].trainable_numel * itemsize
@@ -180,6 +191,24 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     if check:
         preflight(p, device, cfg, plan(MINIMUM)[1])
     return p
+
+
+def check_states_in_hbm(units: list[Unit], cfg, device: torch.device) -> None:
+    """offload_optimizer none with offloaded weights: the trained parameters' states stay in hbm (a LoRA run's
+    adapters beside a frozen base on nvme). Refused on CUDA, where it has never run, and where those states
+    alone exceed the hbm budget given; otherwise the preflight checks the whole plan as for any placement."""
+    where = f"offload_optimizer.device=none with offload_param.device={cfg.offload_param.device}"
+    if device.type == "cuda":
+        raise PlacementError(f"{where}: optimizer states in GPU memory beside offloaded weights have never run on "
+                             "CUDA; set offload_optimizer to cpu (the trained parameters' states in host memory)")
+    nbytes = sum(STATE_KINDS * 4 * u.trainable_numel for u in units)
+    budget = cfg.budgets.hbm_bytes
+    if budget and nbytes > budget:
+        trained = sum(s.numel for u in units for s in u.slots if s.trainable)
+        raise PlacementError(f"{where}: the states of the {trained:,} trained parameters need {nbytes} bytes "
+                             f"({nbytes / 2**30:.2f} GiB: fp32 master, moments and gradient) but budgets.hbm_bytes is "
+                             f"{budget}; set offload_optimizer to cpu or nvme, train fewer parameters (a smaller "
+                             "--lora rank or fewer --lora-targets), or raise budgets.hbm_bytes")
 
 
 def deferred_units(units, cfg, weight_home: dict, state_home: dict, sharded: bool, order) -> tuple:

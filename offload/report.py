@@ -35,7 +35,10 @@ def print_header(run: dict, cfg, info: dict, engine, quiet: bool = False) -> Non
         return
     where = f" under {engine.placement.swap_dir}" if engine.placement.uses_nvme else ""
     ranks = f" over {run['ranks']} ranks" if run.get("ranks", 1) > 1 else ""
-    print(f"offload train: {run['model']} ({info['params'] / 1e6:.1f}M params, {len(engine.units)} units), "
+    lora = run.get("lora")
+    trained = (f", {info['trainable_params'] / 1e6:.2f}M trained: LoRA r {lora['r']} alpha {lora['alpha']:g} on "
+               f"{','.join(lora['targets'])}" if lora else "")
+    print(f"offload train: {run['model']} ({info['params'] / 1e6:.1f}M params{trained}, {len(engine.units)} units), "
           f"{cfg.precision}, weights {cfg.offload_param.device}, optimizer states {cfg.offload_optimizer.device}"
           f"{where}; {run['steps']} steps x {tokens_per_step(run, cfg)} tokens{ranks}{_resumed(run)}", flush=True)
 

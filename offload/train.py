@@ -32,6 +32,7 @@ import offload
 from offload.config import FLAG_KEYS, Config, _put, file_settings, load_config
 from offload.cpu_adam import kernel_backend
 from offload.data import BatchSampler, ByteTokenizer, load_data, load_tokens, make_sampler
+from offload.lora import LoraWeights, apply_lora, base_name, lora_settings
 from offload.models import PRESETS, build_model, hf_llama_config, hf_name, loss_of
 from offload.ranks import reduced
 from offload.signals import SIGNALS, Stopped, stop_on_signals
@@ -76,7 +77,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--clip", type=float, default=None, help=f"gradient clipping norm, 0 = off (default {RECIPE['clip']})")
     g.add_argument("--seed", type=int, default=None, help="seed for initialization and batches (default 0)")
     g.add_argument("--out", default=None, metavar="DIR", help="report directory (default ./runs/<timestamp>)")
-    g.add_argument("--save", default=None, metavar="DIR", help="save the trained weights as a Hugging Face directory")
+    g.add_argument("--save", default=None, metavar="DIR",
+                   help="save the trained weights as a Hugging Face directory; with --lora the adapter as peft saves it "
+                        "(README 'LoRA')")
+    g.add_argument("--save-merged", default=None, metavar="DIR",
+                   help="with --lora: the model with its adapters merged (W + alpha/r B A) as a Hugging Face directory; "
+                        "without: as --save")
     g.add_argument("--json", action="store_true", help="print the report as one JSON object, the last stdout line")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--trace", default=None, metavar="PATH",
@@ -89,6 +95,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    "after the last step only)")
     e.add_argument("--eval-batches", type=int, default=None, metavar="B",
                    help=f"batches of --batch-size x --seq-len per evaluation (default {DEFAULT_EVAL_BATCHES})")
+    lo = parser.add_argument_group("LoRA (peft: pip install 'offload[lora]')")
+    lo.add_argument("--lora", type=int, default=None, metavar="R",
+                    help="train LoRA adapters of rank R on the frozen model (default: every parameter is trained)")
+    lo.add_argument("--lora-alpha", type=float, default=None, metavar="A",
+                    help="LoRA alpha: the update is scaled by A / R (default 2R)")
+    lo.add_argument("--lora-targets", default=None, metavar="NAMES",
+                    help="comma-separated linears to adapt, transformers' Llama names also for presets "
+                         "(default q_proj,v_proj)")
+    lo.add_argument("--lora-dropout", type=float, default=None, metavar="P",
+                    help="dropout on the adapters' input (default 0)")
     c = parser.add_argument_group("checkpoints")
     c.add_argument("--save-every", type=int, default=None, metavar="N",
                    help="save a checkpoint every N steps, at the last step and on SIGTERM (in --checkpoint-dir)")
@@ -163,6 +179,7 @@ def resolve(args: argparse.Namespace) -> tuple[Config, dict]:
         run["batch_size"] = micro_batch_size(args.deepspeed) or run["batch_size"]
     run["data"] = args.data
     run["eval"] = _eval_settings(args)
+    run["lora"] = lora_settings(args)
     for dest, (path, default) in CONFIG_FLAGS.items():
         value = getattr(args, dest)
         if dest == "warmup_steps" and isinstance(run["steps"], int):
@@ -312,7 +329,11 @@ def build(run: dict, cfg: Config):
         raise ValueError(f"--model={name}: vocab_size={vocab} is smaller than the tokenizer's {need} "
                          f"({'its own' if tok is not None else 'bytes + EOS'}); use a model with at least that "
                          f"many embeddings")
+    if run.get("lora") is not None:  # the frozen base and peft's adapters (offload.lora)
+        model = apply_lora(model, info, run["lora"])
+        weights = LoraWeights(weights, model, cfg.seed) if weights is not None else None
     info["params"] = sum(p.numel() for p in model.parameters())
+    info["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return model, weights, info
 
 
@@ -369,7 +390,8 @@ def train(args_or_config=None) -> dict:
                 if args.trace:
                     engine.save_trace(args.trace)
                     rep.plot_timeline(engine.telemetry.chrome_trace(), args.trace + ".png")
-                saved = save(engine, info, args.save) if args.save else None
+                saved = save(engine, info, args.save, run["lora"]) if args.save else None
+                merged = save(engine, info, args.save_merged, run["lora"], merged=True) if args.save_merged else None
             check_stop()
         except Stopped as stop:  # the engine is closed: its swap files are gone
             stop.report = _stopped(stop, args, run, cfg, info, history, engine, init_s, out_dir)
@@ -385,6 +407,7 @@ def train(args_or_config=None) -> dict:
             if weights is not None:
                 weights.close()
     report = rep.build_report(run, cfg, info, history, final, init_s, out_dir, saved)
+    report["saved_merged"] = merged
     _publish(report, args)
     return report
 
@@ -573,7 +596,7 @@ class Evaluator:
 def _identity(run: dict, cfg: Config) -> dict:
     """What fixes the batch sequence: a resumed run must have the same."""
     return {"model": run["model"], "data": run["data"], "batch_size": run["batch_size"], "seq_len": run["seq_len"],
-            "seed": cfg.seed, "grad_accum": cfg.gradient_accumulation_steps}
+            "seed": cfg.seed, "grad_accum": cfg.gradient_accumulation_steps, "lora": run.get("lora")}
 
 
 class Checkpoints:
@@ -594,9 +617,12 @@ class Checkpoints:
         extra = {"train": {"run": _identity(run, cfg)}}
         if info["kind"] == "hf":  # export: the config as the directory had it, and its tokenizer files
             extra["hf_config"], extra["hf_source"] = info["hf_config"], info["source"]
-        if info["kind"] == "preset":
+        if info["kind"] == "preset":  # a LoRA run's export merges the adapters (offload.lora.merged_items)
             extra["hf_config"] = info["hf_config"]
-            extra["hf_names"] = {n: hf_name(n) for n, _ in model.named_parameters(remove_duplicate=False)}
+            names = [base_name(n) for n, _ in model.named_parameters(remove_duplicate=False) if ".lora_" not in n]
+            extra["hf_names"] = {n: hf_name(n) for n in names}
+        if run.get("lora") is not None:
+            extra["lora"] = run["lora"]
         keep = DEFAULT_KEEP_CHECKPOINTS if args.keep_checkpoints is None else args.keep_checkpoints
         return cls(args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR, args.save_every, keep, run["steps"], extra)
 
@@ -703,11 +729,17 @@ class _SaveOnSigterm:
             signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
 
 
-def save(engine, info: dict, directory: str) -> str:
-    """Writes the trained fp32 weights as a HF directory (shards + index + config.json) and returns it."""
+def save(engine, info: dict, directory: str, lora: dict | None = None, merged: bool = False) -> str:
+    """Writes the trained fp32 weights as a HF directory (shards + index + config.json) and returns it; a
+    LoRA run's adapter, or with `merged` its merged model ([Note: what a LoRA run saves] in offload.lora)."""
+    from offload import lora as lo
     from offload.hf import copy_companions, save_hf_directory
 
     engine.flush()  # delayed_update: the last step's update is still pending
+    if lora is not None and merged:
+        return lo.save_merged(engine, info, lora, directory)
+    if lora is not None:
+        return lo.save_adapter(engine, engine.module, info, lora, directory)
     items = engine.state_items()
     if engine.rank != 0:  # over ranks rank 0 writes; the others take part in gathering (zero_stage 1-3)
         for _ in items:

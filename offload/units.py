@@ -6,7 +6,8 @@ become units (transformer blocks, the layers of an MLP), and any other child sub
 `units.min_numel` parameters and no container becomes one unit (embeddings, lm_head). Parameters left
 over (norms, biases of the root) form the resident "rest" unit, which stays in hbm. A parameter shared
 by several modules (tied embeddings) belongs to the first unit that holds it; the other modules that
-use it fetch that unit before they run ("users").
+use it fetch that unit before they run ("users"). The module dicts of peft's tuner layers (one
+entry per adapter) are not containers: LoRA's lora_A and lora_B stay in their decoder layer's unit.
 
 [Note: the flat layout]
 Each unit has one flat buffer per dtype: trainable parameters first, then frozen ones, so that the
@@ -18,6 +19,7 @@ cut each buffer into `world_size` equal shards that each start 4 KiB-aligned in 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -67,13 +69,30 @@ def _subtree_numel(module: nn.Module, taken: set) -> int:
     return sum(p.numel() for p in module.parameters() if p not in taken)
 
 
-def _has_container(module: nn.Module) -> bool:
-    return any(isinstance(m, CONTAINERS) for m in module.modules())
+def _adapter_dicts(model: nn.Module) -> set:
+    """The module dicts of peft's tuner layers (lora_A, lora_B, lora_dropout: one entry per adapter name):
+    an adapter's few parameters belong to its layer's unit, so these are not containers of units (a 7B
+    Llama with LoRA on q and v made 291 units of them). Empty when peft is not imported."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    layer_class = getattr(tuners, "BaseTunerLayer", None)
+    if layer_class is None:
+        return set()
+    return {child for m in model.modules() if isinstance(m, layer_class)
+            for child in m.children() if isinstance(child, CONTAINERS)}
+
+
+def _is_container(module: nn.Module, adapters: set) -> bool:
+    return isinstance(module, CONTAINERS) and module not in adapters
+
+
+def _has_container(module: nn.Module, adapters: set) -> bool:
+    return any(_is_container(m, adapters) for m in module.modules())
 
 
 def _unit_roots(model: nn.Module, min_numel: int, classes: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
     roots: list[tuple[str, nn.Module]] = []
     taken: set = set()
+    adapters = _adapter_dicts(model)
 
     def take(path: str, module: nn.Module) -> None:
         roots.append((path, module))
@@ -86,9 +105,9 @@ def _unit_roots(model: nn.Module, min_numel: int, classes: tuple[str, ...]) -> l
                 take(path, child) if type(child).__name__ in classes else visit(path, child)
             elif _subtree_numel(child, taken) == 0:
                 continue
-            elif isinstance(module, CONTAINERS) and not _has_container(child):
+            elif _is_container(module, adapters) and not _has_container(child, adapters):
                 take(path, child)
-            elif _has_container(child):
+            elif _has_container(child, adapters):
                 visit(path, child)
             elif _subtree_numel(child, taken) >= min_numel:
                 take(path, child)

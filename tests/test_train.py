@@ -20,7 +20,7 @@ def test_defaults_are_the_demo_recipe():
     assert cfg.optimizer.lr == recipe.RECIPE["lr"] and cfg.gradient_clipping == recipe.RECIPE["clip"]
     assert cfg.lr_schedule.type == "cosine" and cfg.lr_schedule.total_steps == recipe.RECIPE["steps"]
     assert run == {k: recipe.RECIPE[k] for k in ("model", "steps", "batch_size", "seq_len")} | {"data": None,
-                                                                                             "eval": None}
+                                                                                             "eval": None, "lora": None}
 
 
 def test_flags_beat_the_config_file_which_beats_the_recipe(tmp_path):

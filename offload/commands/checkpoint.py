@@ -90,7 +90,12 @@ def run_export(args) -> int:
     if config is not None:
         key = "dtype" if "dtype" in config else "torch_dtype"  # transformers 5 renamed it
         config = {**config, key: str(dtype).removeprefix("torch.")}
-    items = ((rename.get(n, n), t) for n, t in ck.iter_weights(path, manifest, dtype))
+    items = ck.iter_weights(path, manifest, dtype)
+    if extra.get("lora"):  # offload train --lora: the adapters merged into their weights, names without peft's
+        from offload.lora import merged_items
+
+        items = merged_items(items, extra["lora"]["alpha"] / extra["lora"]["r"])
+    items = ((rename.get(n, n), t) for n, t in items)
     files = save_hf_directory(items, config, args.out, max_shard_bytes=args.max_shard_bytes)
     source = extra.get("hf_source")
     missing = source is not None and not os.path.isdir(source)

@@ -34,6 +34,11 @@ def register(subparsers) -> None:
                    help="units whose full weights are in hbm at once (default 4: the one in use, 2 prefetched, "
                         "1 kept for its next use; the engine's defaults)")
     p.add_argument("--activation-bytes", type=int, default=0, help="activations in hbm, if known")
+    p.add_argument("--lora", type=int, default=None, metavar="R",
+                   help="with --model: LoRA adapters of rank R trained, the model's own parameters frozen (weights "
+                        "only: no gradient, no optimizer state), as `offload train --lora R`")
+    p.add_argument("--lora-targets", default="q_proj,v_proj", metavar="NAMES",
+                   help="with --lora: the adapted linears, transformers' Llama names (default q_proj,v_proj)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -50,7 +55,15 @@ def _shape(args) -> est.ModelShape:
         if args.unit_numel < 1:
             raise ValueError(f"--unit-numel={args.unit_numel}: must be >= 1")
         shape = dataclasses.replace(shape, largest_unit_numel=args.unit_numel)
+    if args.lora is not None:
+        if args.model is None:
+            raise ValueError("--lora: needs --model (the adapters' sizes come from the model's config)")
+        shape = est.with_lora(shape, args.model, args.lora, _targets(args))
     return shape
+
+
+def _targets(args) -> list[str]:
+    return [t.strip() for t in args.lora_targets.split(",") if t.strip()]
 
 
 def run(args) -> int:
@@ -79,8 +92,11 @@ def _engine_plan(args) -> dict:
     from offload.models import build_model
 
     model = build_model(args.model, device="meta")
+    if args.lora is not None:  # as offload train --lora wraps it
+        from offload.lora import apply_lora
+
+        kind = "preset" if args.model in PRESETS and not os.path.isdir(args.model) else "hf"
+        model = apply_lora(model, {"kind": kind}, {"r": args.lora, "alpha": 2.0 * args.lora,
+                                                   "targets": _targets(args), "dropout": 0.0})
     return est.engine_plan(model, {"precision": args.precision, "offload_param": {"device": args.offload_param},
-                                   "offload_optimizer": {"device": args.offload_optimizer
-                                                         if args.offload_param == "none" or args.offload_optimizer != "none"
-                                                         else "cpu"},
-                                   "nvme_path": "."})
+                                   "offload_optimizer": {"device": args.offload_optimizer}, "nvme_path": "."})

@@ -1,0 +1,272 @@
+"""LoRA for `offload train --lora R`: the base model frozen, peft's LoRA adapters trained, and what is saved.
+
+The model (a preset or a HF directory, built on the meta device) is wrapped with peft's `get_peft_model`
+on the meta device; the Engine then materializes it unit by unit as for any model: frozen base weights in
+the offload_param tier with no master, moments or gradients, the adapters' states in the offload_optimizer
+tier (hbm too: README "LoRA").
+
+[Note: the adapters' initial values]
+A preset's base has no checkpoint: the Engine initializes the wrapped model as its CPU build (the base by the
+seeding contract, then peft's LoRA init: offload.materialize). A HF directory's base streams from its
+safetensors through `LoraWeights`, which maps peft's names back to the checkpoint's (`base_model.model.`
+prefix, `.base_layer.` infix) and gives the adapters the values `torch.manual_seed(seed); get_peft_model(base,
+config)` gives them on a base loaded with from_pretrained: per LoRA layer in module order, lora_A's and
+lora_B's nn.Linear init (the constructors' draws), then peft's reset_lora_parameters (lora_A drawn, lora_B
+zero, so training starts from the base model's logits).
+
+[Note: what a LoRA run saves]
+`--save DIR`: the adapter as peft writes it (adapter_config.json + adapter_model.safetensors) with the
+tokenizer files, read from the trainable masters alone. For a HF directory it is peft's own save_pretrained
+and loads with `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(HF_DIR), DIR)`. A preset has
+no HF base to load it on: its adapter is written in transformers' Llama names and its frozen base exported
+beside it as a HF directory, DIR/base (what base_model_name_or_path names), so
+`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(DIR + "/base"), DIR)` loads it.
+`--save-merged DIR`: a plain HF model, each targeted linear's weight W + (alpha / r) B @ A (peft's
+merge_and_unload), streamed unit by unit from the engine, names without peft's wrappers, with the config
+(use_cache as it was), generation config and tokenizer files: AutoModelForCausalLM and AutoTokenizer load it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+from offload.models import _HF_NAMES, hf_name
+
+DEFAULT_TARGETS = ("q_proj", "v_proj")
+PEFT_PREFIX = "base_model.model."   # what get_peft_model puts before the base model's names
+BASE_INFIX = ".base_layer."         # a LoRA layer's wrapped linear
+# transformers' Llama linear names -> the preset model's (offload.models): the last part of each name.
+PRESET_TARGETS = {theirs.rstrip(".").rsplit(".", 1)[-1]: ours.rstrip(".").rsplit(".", 1)[-1]
+                  for ours, theirs in _HF_NAMES.items() if ours.startswith(("attn.w", "mlp."))}
+
+
+def peft_module():
+    """peft, or one line naming the extra that brings it."""
+    try:
+        import peft
+    except ImportError as e:
+        raise ValueError("--lora: needs the peft package, which is not installed; pip install 'offload[lora]'") from e
+    return peft
+
+
+def lora_settings(args) -> dict | None:
+    """{r, alpha, targets, dropout} from the --lora flags (None without --lora), checked."""
+    r = getattr(args, "lora", None)
+    extra = [f for f in ("lora_alpha", "lora_targets", "lora_dropout") if getattr(args, f, None) is not None]
+    if r is None:
+        if extra:
+            raise ValueError(f"--{extra[0].replace('_', '-')}: applies to a LoRA run only; add --lora R")
+        return None
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"--lora={r}: the LoRA rank must be a positive integer (8, 16, 64)")
+    alpha = 2.0 * r if args.lora_alpha is None else args.lora_alpha
+    if not (isinstance(alpha, (int, float)) and alpha > 0):
+        raise ValueError(f"--lora-alpha={alpha}: must be a number > 0 (the update is scaled by alpha / r)")
+    dropout = 0.0 if args.lora_dropout is None else args.lora_dropout
+    if not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
+        raise ValueError(f"--lora-dropout={dropout}: must be a probability in [0, 1)")
+    targets = args.lora_targets if args.lora_targets is not None else ",".join(DEFAULT_TARGETS)
+    names = [t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
+    if not names:
+        raise ValueError(f"--lora-targets={targets!r}: no module name; pass e.g. q_proj,v_proj")
+    return {"r": r, "alpha": float(alpha), "targets": names, "dropout": float(dropout)}
+
+
+def apply_lora(model: torch.nn.Module, info: dict, lora: dict) -> torch.nn.Module:
+    """The peft LoRA model around `model` (still on the meta device); the base's parameters frozen."""
+    peft = peft_module()
+    targets = lora["targets"]
+    if info["kind"] == "preset":
+        unknown = [t for t in targets if t not in PRESET_TARGETS]
+        if unknown:
+            raise ValueError(f"--lora-targets={','.join(targets)}: {', '.join(unknown)} is not a linear of the "
+                             f"preset; use transformers' Llama names: {', '.join(PRESET_TARGETS)}")
+        targets = [PRESET_TARGETS[t] for t in targets]
+    config = peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules=targets,
+                             lora_dropout=lora["dropout"], bias="none")
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as e:  # peft: no module matches the targets
+        raise ValueError(f"--lora-targets={','.join(lora['targets'])}: {e}; name linears of the model "
+                         f"(Llama: {', '.join(PRESET_TARGETS)})") from e
+
+
+def base_name(name: str) -> str:
+    """peft's name of a base model tensor -> the base model's own: 'base_model.model.model.layers.0.
+    self_attn.q_proj.base_layer.weight' -> 'model.layers.0.self_attn.q_proj.weight'."""
+    if name.startswith(PEFT_PREFIX):
+        name = name[len(PEFT_PREFIX):]
+    return name.replace(BASE_INFIX, ".")
+
+
+def _lora_layers(model: torch.nn.Module):
+    """(module path, peft LoRA layer) in module order."""
+    from peft.tuners.lora import LoraLayer
+
+    return [(path, m) for path, m in model.named_modules() if isinstance(m, LoraLayer)]
+
+
+@torch.no_grad()
+def adapter_init(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """{parameter name: initial value} of every LoRA adapter, as a CPU build gives them ([Note: the adapters'
+    initial values]); the model's own (meta) tensors are left as they are."""
+    torch.manual_seed(seed)
+    values = {}
+    for path, layer in _lora_layers(model):
+        for adapter in list(layer.lora_A):
+            originals = {d: getattr(layer, d)[adapter] for d in ("lora_A", "lora_B")}
+            for d, meta in originals.items():  # a CPU twin, drawn as nn.Linear's constructor draws
+                twin = copy.deepcopy(meta).to_empty(device="cpu")
+                twin.reset_parameters()
+                getattr(layer, d)[adapter] = twin
+            try:
+                init = _init_of(model, adapter)
+                if init is not False:
+                    layer.reset_lora_parameters(adapter, init)
+                for d in originals:
+                    for n, t in getattr(layer, d)[adapter].named_parameters():
+                        values[f"{path}.{d}.{adapter}.{n}"] = t.detach().clone()
+            finally:
+                for d, meta in originals.items():
+                    getattr(layer, d)[adapter] = meta
+    return values
+
+
+def _init_of(model: torch.nn.Module, adapter: str):
+    """init_lora_weights of `adapter` in the peft model's config (True: peft's default)."""
+    config = getattr(model, "peft_config", {}).get(adapter)
+    return True if config is None else config.init_lora_weights
+
+
+class LoraWeights:
+    """The weights source of a HF directory's LoRA run: base tensors from the checkpoint under their own
+    names, adapters at their initial values ([Note: the adapters' initial values])."""
+
+    def __init__(self, source, model: torch.nn.Module, seed: int):
+        self.source = source
+        self.adapters = adapter_init(model, seed)
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name in self.adapters:
+            return self.adapters[name]
+        return self.source(base_name(name))
+
+    def close(self) -> None:
+        self.source.close()
+
+
+# --- saving ----------------------------------------------------------------------------------------------
+
+
+def merged_items(items, scale: float):
+    """(base model name, fp32 tensor) for every tensor of the merged model, from (peft name, tensor) pairs
+    (the engine's state_items(), or a checkpoint's weights): a LoRA layer's weight W + scale B @ A (peft's
+    merge, scale = alpha / r), the adapters themselves left out. A layer's three tensors come in one unit
+    (offload.units keeps adapters in their layer's unit); they are held until all three have come."""
+    pending: dict[str, dict] = {}
+    for name, value in items:
+        layer, part = _lora_part(name)
+        if layer is None:
+            yield base_name(name), value
+            continue
+        got = pending.setdefault(layer, {})
+        got[part] = value
+        if len(got) == 3:
+            del pending[layer]
+            w, a, b = got["W"], got["A"].float(), got["B"].float()
+            yield base_name(f"{layer}.weight"), (w.float() + scale * (b @ a)).to(w.dtype)  # [out, r] @ [r, in]
+    if pending:
+        layer, got = next(iter(pending.items()))
+        raise ValueError(f"merging LoRA layer {layer}: it has {', '.join(sorted(got))} of W, A and B; the weights "
+                         "are not those of one LoRA adapter per layer")
+
+
+def _lora_part(name: str) -> tuple[str | None, str | None]:
+    """(the LoRA layer's path, "W" | "A" | "B") of a peft name, (None, None) for any other tensor."""
+    if name.endswith(".base_layer.weight"):
+        return name[: -len(".base_layer.weight")], "W"
+    for part in ("A", "B"):
+        layer, found, rest = name.partition(f".lora_{part}.")
+        if found and rest.count(".") == 1 and rest.endswith(".weight"):  # <adapter>.weight
+            return layer, part
+    if ".lora_" in name:
+        raise ValueError(f"{name}: an adapter tensor merging does not know (it merges LoRA's lora_A and lora_B "
+                         "weights of linears); save the adapter with --save instead")
+    return None, None
+
+
+def hf_names(items):
+    """A preset's names as transformers' Llama names (offload.models.hf_name)."""
+    return ((hf_name(n), t) for n, t in items)
+
+
+def save_adapter(engine, model: torch.nn.Module, info: dict, lora: dict, directory: str) -> str:
+    """--save of a LoRA run ([Note: what a LoRA run saves]); every rank calls it, rank 0 writes."""
+    from offload.hf import copy_companions
+
+    state = engine.trainable_state_dict()  # the adapters' masters: no frozen weight is read
+    if engine.rank != 0:
+        if info["kind"] == "preset":
+            _save_base(engine, info, None)
+        return directory
+    if info["kind"] == "hf":
+        model.save_pretrained(directory, state_dict=state)
+        copy_companions(info["source"], directory)  # the tokenizer files (and a generation config it has)
+        return directory
+    base = os.path.join(directory, "base")
+    _save_base(engine, info, base)
+    _write_preset_adapter(state, lora, directory, os.path.abspath(base))
+    return directory
+
+
+def _save_base(engine, info: dict, directory: str | None) -> None:
+    """The frozen base of a preset's LoRA run as a HF directory (None: take part in the gathering only)."""
+    from offload.hf import copy_companions, save_hf_directory
+
+    items = ((base_name(n), t) for n, t in engine.state_items() if ".lora_" not in n)
+    if directory is None:
+        for _ in items:
+            pass
+        return
+    save_hf_directory(hf_names(items), info["hf_config"], directory)
+    copy_companions(info["source"], directory, info["hf_config"])
+
+
+def _write_preset_adapter(state: dict, lora: dict, directory: str, base: str) -> None:
+    """adapter_config.json and adapter_model.safetensors as peft writes them for transformers' Llama: keys
+    'base_model.model.<HF module>.lora_A.weight', targets in HF names."""
+    from safetensors.torch import save_file
+
+    peft = peft_module()
+    tensors = {}
+    for name, value in state.items():
+        module, _, rest = base_name(name).partition(".lora_")
+        kind, _adapter, leaf = rest.split(".", 2)  # "A", "default", "weight" of lora_A.default.weight
+        theirs = hf_name(module + ".weight")[: -len(".weight")]
+        tensors[f"{PEFT_PREFIX}{theirs}.lora_{kind}.{leaf}"] = value.contiguous()
+    config = peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules=sorted(lora["targets"]),
+                             lora_dropout=lora["dropout"], bias="none", task_type="CAUSAL_LM",
+                             base_model_name_or_path=base)
+    os.makedirs(directory, exist_ok=True)
+    config.save_pretrained(directory)
+    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def save_merged(engine, info: dict, lora: dict, directory: str) -> str:
+    """--save-merged of a LoRA run ([Note: what a LoRA run saves]); every rank calls it, rank 0 writes."""
+    from offload.hf import copy_companions, save_hf_directory
+
+    items = merged_items(engine.state_items(), lora["alpha"] / lora["r"])
+    if engine.rank != 0:
+        for _ in items:
+            pass
+        return directory
+    if info["kind"] == "preset":
+        items = hf_names(items)
+    save_hf_directory(items, info["hf_config"], directory)
+    copy_companions(info["source"], directory, info["hf_config"])
+    return directory
+
