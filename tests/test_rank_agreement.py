@@ -63,7 +63,7 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("fault,env0", [
     ("refs", None),                                       # one rank alone saw the table's refs move
-    ("none", {"OFFLOAD_TEST_COPY_DELAY_S": "0.02"}),      # one rank's worker threads run late
+    pytest.param("none", {"OFFLOAD_TEST_COPY_DELAY_S": "0.02"}, marks=pytest.mark.slow),  # one rank's threads late
 ])
 def test_a_fault_on_one_rank_trains_like_a_run_without_it(tmp_path, reference, fault, env0):
     out = str(tmp_path / "run")
