@@ -90,7 +90,8 @@ def apply_lora(model: torch.nn.Module, info: dict, lora: dict) -> torch.nn.Modul
     try:
         return peft.get_peft_model(model, config)
     except ValueError as e:  # peft: no module matches the targets
-        raise ValueError(f"--lora-targets={','.join(lora['targets'])}: {e}; name linears of the model "
+        why = str(e).rstrip(".")
+        raise ValueError(f"--lora-targets={','.join(lora['targets'])}: {why}; name linears of the model "
                          f"(Llama: {', '.join(PRESET_TARGETS)})") from e
 
 

@@ -243,6 +243,10 @@ class SafetensorsWeights:
                 if path not in self._open:
                     self._open[path] = self._st.safe_open(path, framework="pt", device="cpu")
                 return self._open[path].get_tensor(candidate)
+        if ".lora_" in name or ".base_layer." in name:  # a peft model's name
+            raise ValueError(f"weights[{name!r}]: a peft LoRA model's name, not in the safetensors of "
+                             f"{self.directory}; pass weights=offload.lora.LoraWeights(this source, model, seed), "
+                             "which maps the base's names and gives the adapters peft's init")
         raise ValueError(f"weights[{name!r}]: not in the safetensors of {self.directory}; "
                          f"the checkpoint does not match its config.json")
 

@@ -125,7 +125,8 @@ def test_lora_run_of_a_hf_directory_equals_torch_and_peft_and_saves_what_they_lo
 
     # --save-merged: from the directory alone, with its tokenizer; use_cache as the directory had it
     tok = transformers.AutoTokenizer.from_pretrained(merged)
-    assert tok("the question").input_ids == transformers.AutoTokenizer.from_pretrained(model_dir)("the question").input_ids
+    original_tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    assert tok("the question").input_ids == original_tok("the question").input_ids
     model = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
     assert model.config.use_cache is True and (merged / "generation_config.json").is_file()
     assert not any("lora" in n or "base_layer" in n for n, _ in model.named_parameters())
@@ -160,7 +161,8 @@ def test_lora_on_a_preset_saves_its_adapter_in_hf_names_beside_its_exported_base
 def test_a_lora_run_resumes_from_its_checkpoint_exactly(tmp_path, capsys):
     args = ["train", "--model", "tiny", "--lora", "2", "--steps", "3", "--batch-size", "2", "--seq-len", "16",
             "--precision", "fp32", "--nvme-path", str(tmp_path / "swap"), "--json", "--no-progress"]
-    assert main([*args, "--save-every", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "a")]) == 0
+    ckpts = ["--save-every", "2", "--checkpoint-dir", str(tmp_path / "ck")]
+    assert main([*args, *ckpts, "--out", str(tmp_path / "a")]) == 0
     whole = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["losses"]
     assert main([*args, "--resume", str(tmp_path / "ck" / "step00000002"), "--out", str(tmp_path / "b")]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["losses"] == whole[2:]
@@ -181,6 +183,8 @@ def test_lora_adapters_start_as_peft_initializes_them_on_a_loaded_base(model_dir
     assert all(not weights(n).any() for n in lora if "lora_B" in n)
     name = "base_model.model.model.layers.1.self_attn.q_proj.base_layer.weight"
     assert torch.equal(weights(name), base.model.layers[1].self_attn.q_proj.weight)
+    with pytest.raises(ValueError, match=r"a peft LoRA model's name.*offload.lora.LoraWeights"):
+        weights.source(name)  # the checkpoint alone, asked by peft's name: says what to wrap it in
     weights.close()
 
 
