@@ -7,6 +7,10 @@ and clipping, with activation checkpointing, fp16 with loss scaling; the presets
     python bench/gpu_check.py [--preset bench-200m] [--batch 4] [--seq 512] [--steps 3] [--dir DIR] [--json]
     python bench/gpu_check.py --device cpu --preset tiny --steps 1 --no-tests   # smoke run of this script
 
+Parity: each placement (PARITY) trains --parity-steps steps of --parity-preset in fp32 on the device and
+on the CPU from the same seed and batches; the largest relative loss difference is recorded per placement
+and the run fails where it exceeds PARITY_RTOL (the CUDA path must train to the CPU build's numbers).
+
 Also records the precision "auto" picks on the device and its matmul GFLOP/s per dtype (offload.doctor).
 Writes the result to --out (default gpu-check.json) and prints one JSON line last with --json. Without a
 visible GPU and without --device cpu it refuses in one line (exit 2).
@@ -38,6 +42,11 @@ MODES = {  # name -> (offload_param, offload_optimizer, extra config, checkpoint
     "bf16 cpu/cpu ckpt": ("cpu", "cpu", {}, True),
     "fp16 cpu/cpu": ("cpu", "cpu", {"precision": "fp16"}, False),
 }
+
+
+PARITY = {"hbm/hbm": ("none", "none"), "hbm/cpu": ("none", "cpu"), "cpu/cpu": ("cpu", "cpu"),
+          "nvme/nvme": ("nvme", "nvme")}
+PARITY_RTOL = 1e-4  # fp32 losses, device against CPU: matmul kernels differ in summation order only
 
 
 def _sync(device: torch.device) -> None:
@@ -131,6 +140,51 @@ def train(args, device: torch.device, mode: str) -> dict:
             "hbm_peak_gb": st["tiers"]["hbm"]["peak_bytes"] / 1e9, "losses": losses}
 
 
+def fp32_losses(args, device: torch.device, place: tuple[str, str]) -> list[float]:
+    """--parity-steps steps of --parity-preset in fp32 through the engine on `device` (placement `place`)."""
+    import offload
+    from offload.models import build_model, loss_of
+
+    param, optim = place
+    cfg = {"precision": "fp32", "offload_param": {"device": param}, "offload_optimizer": {"device": optim},
+           "nvme_path": os.path.join(args.dir, f"parity-{device.type}"), "optimizer": {"lr": 1e-3}}
+    batches = _batches(argparse.Namespace(batch=2, seq=64, steps=args.parity_steps - 1))
+    with offload.initialize(build_model(args.parity_preset, seed=0), cfg) as eng:
+        if eng.device.type != device.type:
+            raise RuntimeError(f"parity: the engine runs on {eng.device}, not {device}")
+        out = []
+        for ids, labels in batches:
+            loss = loss_of(eng(ids.to(eng.device), labels.to(eng.device)))
+            eng.backward(loss)
+            eng.step()
+            out.append(loss.item())
+    return out
+
+
+def parity(args, device: torch.device) -> dict:
+    """Per placement: the device's fp32 losses against the CPU build's, the largest relative difference. The
+    CPU runs are made with CUDA hidden from the engine (a subprocess would cost a start-up per placement)."""
+    result = {}
+    for name, place in PARITY.items():
+        ours = fp32_losses(args, device, place)
+        with _cpu_only():
+            cpu = fp32_losses(args, torch.device("cpu"), place)
+        diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, cpu))
+        result[name] = {"losses": ours, "cpu_losses": cpu, "max_rel_diff": diff, "ok": diff <= PARITY_RTOL}
+    return result
+
+
+class _cpu_only:
+    """torch.cuda.is_available() is False inside: the engine picks the CPU backend."""
+
+    def __enter__(self):
+        self._saved = torch.cuda.is_available
+        torch.cuda.is_available = lambda: False
+
+    def __exit__(self, *exc):
+        torch.cuda.is_available = self._saved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="bench-200m")
@@ -141,6 +195,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: a smoke run of this script on a machine without a GPU")
     ap.add_argument("--no-tests", action="store_true", help="skip the pytest run of the `gpu` tests")
+    ap.add_argument("--parity-preset", default="tiny", help="the model of the fp32 parity runs (default %(default)s)")
+    ap.add_argument("--parity-steps", type=int, default=3, help="steps of each parity run (default %(default)s)")
     ap.add_argument("--out", default="gpu-check.json", help="the JSON result is written here (default %(default)s)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -171,6 +227,9 @@ def main() -> None:
               f"{fmt(r['h2d_gbps'])} {fmt(r['d2h_gbps'])} {r['hbm_peak_gb']:7.2f}")
     if pin["h2d_gbps"]:
         print(f"plain pinned copies in the same run: h2d {pin['h2d_gbps']:.1f} GB/s, d2h {pin['d2h_gbps']:.1f} GB/s")
+    result["parity"] = par = parity(args, device)
+    print(f"fp32 parity against the CPU build ({args.parity_preset}, {args.parity_steps} steps, rtol {PARITY_RTOL:g}): "
+          + ", ".join(f"{k} {v['max_rel_diff']:.1e}{'' if v['ok'] else ' FAILED'}" for k, v in par.items()))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"result written to {args.out}")
@@ -178,6 +237,9 @@ def main() -> None:
         print(json.dumps(result))
     if result.get("gpu_tests_rc"):
         sys.exit(f"gpu_check: the gpu tests failed (pytest exit {result['gpu_tests_rc']})")
+    failed = [k for k, v in par.items() if not v["ok"]]
+    if failed:
+        sys.exit(f"gpu_check: fp32 losses differ from the CPU build's beyond {PARITY_RTOL:g} in {', '.join(failed)}")
 
 
 if __name__ == "__main__":

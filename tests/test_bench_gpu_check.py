@@ -15,6 +15,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_gpu_check_smoke_run_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_check.py"), "--device", "cpu",
                            "--preset", "tiny", "--batch", "1", "--seq", "32", "--steps", "1", "--no-tests",
+                           "--parity-steps", "2",
                            "--dir", str(tmp_path / "swap"), "--out", str(tmp_path / "out.json"), "--json"],
                           capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": REPO}, timeout=300)
@@ -25,6 +26,10 @@ def test_gpu_check_smoke_run_on_cpu(tmp_path):
     first = {m: r["losses"][0] for m, r in result["modes"].items() if m.startswith("bf16")}
     assert len(set(first.values())) == 1, first  # the same model and batch: the same first loss in every bf16 mode
     assert "x in-mem" in proc.stdout
+    assert set(result["parity"]) == {"hbm/hbm", "hbm/cpu", "cpu/cpu", "nvme/nvme"}
+    for name, r in result["parity"].items():  # on the CPU both builds are the CPU's: the same numbers
+        assert len(r["losses"]) == 2 and r["losses"] == r["cpu_losses"] and r["ok"], (name, r)
+    assert "fp32 parity against the CPU build" in proc.stdout
     picked = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
     assert result["precision_auto"] == picked and set(result["matmul_gflops"]) == {"bf16", "fp16", "fp32"}
     with open(tmp_path / "out.json") as f:

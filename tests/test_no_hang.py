@@ -212,10 +212,10 @@ def test_a_dead_job_thread_fails_the_queued_jobs_and_later_ones():
     first = jobs.submit(gate.wait, 10)
     real = jobs._run_one
 
-    def dies_after_the_first(job, fn, args):  # the loop itself fails, outside any job
-        if job is not first:
+    def dies_after_the_first(work):  # the loop itself fails, outside any job
+        if work[0] is not first:
             raise RuntimeError("injected thread death")
-        real(job, fn, args)
+        real(work)
 
     jobs._run_one = dies_after_the_first
     queued = [jobs.submit(lambda: None) for _ in range(3)]
