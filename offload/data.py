@@ -339,7 +339,20 @@ def split_tokens(tokens: torch.Tensor, val_fraction: float = 0.01) -> tuple[torc
     return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
 
 
-class BatchSampler:
+class _Batches:
+    """Iteration over `batch(i)`, the one method a sampler defines (batch i depends only on its seed and i)."""
+
+    def iter_from(self, start_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        step = start_step
+        while True:
+            yield self.batch(step)
+            step += 1
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self.iter_from(0)
+
+
+class BatchSampler(_Batches):
     """Random windows of a token stream, as (input_ids, labels) int64 tensors of [batch, seq].
 
     labels == input_ids (Hugging Face's convention: the model shifts). Deterministic: batch i depends
@@ -368,17 +381,8 @@ class BatchSampler:
         input_ids = self.tokens[offsets].long()
         return input_ids, input_ids.clone()
 
-    def iter_from(self, start_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        step = start_step
-        while True:
-            yield self.batch(step)
-            step += 1
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self.iter_from(0)
-
-
-class ExampleSampler:
+class ExampleSampler(_Batches):
     """Instruction examples one per row, as (input_ids, labels) int64 tensors of [batch, seq] (padding, not
     packing: no row mixes two examples). An example longer than seq_len is cut to its first seq_len tokens
     (as TRL's truncation); a shorter one is right-padded with pad_id, labels IGNORE. Right padding needs no
@@ -417,15 +421,6 @@ class ExampleSampler:
             length = min(len(x), self.seq_len)
             ids[j, :length], labels[j, :length] = x[:length], y[:length]
         return ids, labels
-
-    def iter_from(self, start_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        step = start_step
-        while True:
-            yield self.batch(step)
-            step += 1
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self.iter_from(0)
 
 
 def causal_lm_windows(tokens: torch.Tensor, n: int, seq_len: int, seed: int) -> list[dict]:

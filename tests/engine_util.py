@@ -173,3 +173,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def max_state_err(sd: dict, ref: dict) -> float:
     assert sd.keys() == ref.keys(), f"names differ: {sorted(set(sd) ^ set(ref))}"
     return max(rel_err(sd[n], ref[n]) for n in ref)
+
+
+def train(eng, batches) -> list[float]:
+    """A step per (x, y) batch through the engine; the losses."""
+    losses = []
+    for x, y in batches:
+        loss = eng(x, y)
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+    return losses

@@ -17,7 +17,7 @@ import torch
 import offload
 from offload.pipeline import EngineClosed, Phase, StepFailed
 from swap import SwapIOError
-from tests.engine_util import MLP, Block, mlp_batches
+from tests.engine_util import MLP, Block, mlp_batches, train
 
 
 class Boom(Exception):
@@ -57,16 +57,6 @@ def config(tmp_path, place: str, **extra) -> dict:
     return {"precision": "bf16", "offload_param": {"device": place}, "offload_optimizer": {"device": place},
             "nvme_path": str(tmp_path / "swap"), "units": {"min_numel": 512}, "reuse_bytes": 0,
             "optimizer": {"lr": 1e-2}, **extra}
-
-
-def train(eng, batches) -> list[float]:
-    losses = []
-    for x, y in batches:
-        loss = eng(x, y)
-        eng.backward(loss)
-        eng.step()
-        losses.append(loss.item())
-    return losses
 
 
 # Threads that start when first needed and stay, at most a fixed number: the swap store's digest pool

@@ -25,7 +25,7 @@ import offload
 from offload.cli import main
 from offload.placement import PlacementError
 from swap import SwapIOError
-from tests.engine_util import MLP, mlp_batches
+from tests.engine_util import MLP, mlp_batches, train
 
 
 def _run(*cmd) -> subprocess.CompletedProcess:
@@ -83,16 +83,6 @@ def fill(directory) -> int:
 def config(nvme_path) -> dict:
     return {"precision": "fp32", "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"},
             "nvme_path": str(nvme_path), "units": {"min_numel": 512}, "optimizer": {"lr": 1e-2}}
-
-
-def train(eng, batches) -> list[float]:
-    losses = []
-    for x, y in batches:
-        loss = eng(x, y)
-        eng.backward(loss)
-        eng.step()
-        losses.append(loss.item())
-    return losses
 
 
 def test_a_full_swap_file_system_is_refused_before_and_named_when_it_fills(tmp_path):

@@ -21,7 +21,7 @@ import offload
 import swap.store
 from offload.pipeline import Phase, StepFailed
 from swap import SwapIOError, SwapStore
-from tests.engine_util import MLP, mlp_batches
+from tests.engine_util import MLP, mlp_batches, train
 from tests.test_swap_failures import FaultyEngine
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
@@ -68,16 +68,6 @@ def config(path, gas: int) -> dict:
     return {"precision": "bf16", "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"},
             "nvme_path": str(path), "units": {"min_numel": 512}, "reuse_bytes": 0, "optimizer": {"lr": 1e-2},
             "gradient_accumulation_steps": gas, "aio": {"engine": "threads"}}
-
-
-def train(eng, batches) -> list[float]:
-    losses = []
-    for x, y in batches:
-        loss = eng(x, y)
-        eng.backward(loss)
-        eng.step()
-        losses.append(loss.item())
-    return losses
 
 
 def swap_io_error(e: BaseException) -> SwapIOError | None:
