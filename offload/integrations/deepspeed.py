@@ -270,7 +270,8 @@ def convert(ds: dict, total_steps: int | None = None) -> _Result:
     if res.values.get("offload_param.device") in ("cpu", "nvme") and "offload_optimizer.device" not in res.values:
         res.put("offload_optimizer.device", "cpu", "zero_optimization.offload_optimizer")  # as --offload-param does
         res.note("zero_optimization.offload_optimizer", "not set while the weights are offloaded: the optimizer "
-                 "states go to cpu (they cannot stay in hbm here)")
+                 "states go to cpu (as --offload-param alone does; offload_optimizer none keeps a small trained set's "
+                 "states, a LoRA adapter's, in hbm)")
     return res
 
 
