@@ -20,6 +20,7 @@ host buffer (1G: 1.35 GB RSS, 3G: 3.45 GB).
 from __future__ import annotations
 
 import collections
+import errno
 import re
 import time
 
@@ -117,7 +118,9 @@ def measure(directory, size_bytes: int, *, engine: str = "auto", block_bytes: in
         store.close()
     t_closed = time.perf_counter()
     if not all(torch.equal(last[i], probes[i]) for i in last):
-        raise RuntimeError("swap bench: bytes read back differ from bytes written")
+        raise OSError(errno.EIO, f"swap bench: bytes read back from {directory} differ from bytes written: the drive, "
+                      "its filesystem or the I/O engine returned wrong data; run it again with --engine threads to "
+                      "tell the engine from the drive, and check the drive")
     gb = size_bytes / 1e9
     return {
         "dir": str(directory), "size_bytes": size_bytes, "engine": engine_name, "block_bytes": block_bytes,
