@@ -209,31 +209,40 @@ def save_adapter(engine, model: torch.nn.Module, info: dict, lora: dict, directo
     from offload.hf import copy_companions
 
     state = engine.trainable_state_dict()  # the adapters' masters: no frozen weight is read
+    base = os.path.join(directory, "base")
+    if info["kind"] == "preset":
+        _save_base(engine, info, base)  # every rank: it gathers
     if engine.rank != 0:
-        if info["kind"] == "preset":
-            _save_base(engine, info, None)
         return directory
     if info["kind"] == "hf":
         model.save_pretrained(directory, state_dict=state)
         copy_companions(info["source"], directory)  # the tokenizer files (and a generation config it has)
         return directory
-    base = os.path.join(directory, "base")
-    _save_base(engine, info, base)
     _write_preset_adapter(state, lora, directory, os.path.abspath(base))
     return directory
 
 
-def _save_base(engine, info: dict, directory: str | None) -> None:
-    """The frozen base of a preset's LoRA run as a HF directory (None: take part in the gathering only)."""
+def write_run_directory(engine, items, info: dict, directory: str) -> str:
+    """(name, fp32 tensor) `items` of a run's model as a HF directory: rank 0 writes it (a preset's names as
+    transformers' Llama names; the config, the tokenizer files and the generation config beside them), the
+    other ranks read the items too, since over ranks reading them gathers every window from its owner."""
     from offload.hf import copy_companions, save_hf_directory
 
-    items = ((base_name(n), t) for n, t in engine.state_items() if ".lora_" not in n)
-    if directory is None:
+    if engine.rank != 0:
         for _ in items:
             pass
-        return
-    save_hf_directory(hf_names(items), info["hf_config"], directory)
+        return directory
+    if info["kind"] == "preset":
+        items = hf_names(items)
+    save_hf_directory(items, info["hf_config"], directory)
     copy_companions(info["source"], directory, info["hf_config"])
+    return directory
+
+
+def _save_base(engine, info: dict, directory: str) -> None:
+    """The frozen base of a preset's LoRA run as a HF directory."""
+    write_run_directory(engine, ((base_name(n), t) for n, t in engine.state_items() if ".lora_" not in n), info,
+                        directory)
 
 
 def _write_preset_adapter(state: dict, lora: dict, directory: str, base: str) -> None:
@@ -258,16 +267,5 @@ def _write_preset_adapter(state: dict, lora: dict, directory: str, base: str) ->
 
 def save_merged(engine, info: dict, lora: dict, directory: str) -> str:
     """--save-merged of a LoRA run ([Note: what a LoRA run saves]); every rank calls it, rank 0 writes."""
-    from offload.hf import copy_companions, save_hf_directory
-
-    items = merged_items(engine.state_items(), lora["alpha"] / lora["r"])
-    if engine.rank != 0:
-        for _ in items:
-            pass
-        return directory
-    if info["kind"] == "preset":
-        items = hf_names(items)
-    save_hf_directory(items, info["hf_config"], directory)
-    copy_companions(info["source"], directory, info["hf_config"])
-    return directory
+    return write_run_directory(engine, merged_items(engine.state_items(), lora["alpha"] / lora["r"]), info, directory)
 

@@ -737,20 +737,10 @@ def save(engine, info: dict, directory: str, lora: dict | None = None, merged: b
     """Writes the trained fp32 weights as a HF directory (shards + index + config.json) and returns it; a
     LoRA run's adapter, or with `merged` its merged model ([Note: what a LoRA run saves] in offload.lora)."""
     from offload import lora as lo
-    from offload.hf import copy_companions, save_hf_directory
 
     engine.flush()  # delayed_update: the last step's update is still pending
     if lora is not None and merged:
         return lo.save_merged(engine, info, lora, directory)
     if lora is not None:
         return lo.save_adapter(engine, engine.module, info, lora, directory)
-    items = engine.state_items()
-    if engine.rank != 0:  # over ranks rank 0 writes; the others take part in gathering (zero_stage 1-3)
-        for _ in items:
-            pass
-        return directory
-    if info["kind"] == "preset":
-        items = ((hf_name(n), t) for n, t in items)
-    save_hf_directory(items, info["hf_config"], directory)
-    copy_companions(info["source"], directory, info["hf_config"])  # tokenizer and generation config
-    return directory
+    return lo.write_run_directory(engine, engine.state_items(), info, directory)
