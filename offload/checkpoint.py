@@ -45,7 +45,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from offload import checkpoint_format as fmt
 from offload.checkpoint_format import CheckpointError
-from offload.chunks import chunk_key
+from offload.materialize import unit_buffers, write_slots
 
 log = logging.getLogger("offload")
 
@@ -203,7 +203,7 @@ def _save_parameters(engine, out: fmt.DataFile, accumulator: bool, states: bool 
             kinds = (*kinds, "weight")
         for kind in kinds:
             slots = [s for s in unit.slots if s.trainable == (kind != "weight")]
-            for b, e, t in _windows(engine, unit, kind):
+            for b, e, t in unit_buffers(engine, unit, kind):
                 for s in slots:
                     lo, hi = max(b, s.offset), min(e, s.offset + s.numel)
                     if lo < hi:
@@ -222,59 +222,6 @@ def _save_buffers(engine, out: fmt.DataFile) -> dict:
         buffers[name] = {"shape": list(b.shape), "dtype": fmt.dtype_name(b.dtype),
                          "ranges": [out.write(t, 0, t.numel())] if t.numel() else []}
     return buffers
-
-
-# -- the units' buffers at their homes, chunk by chunk -----------------------------------------------------
-
-def _windows(engine, unit, kind: str, write: bool = False, keep: bool = True):
-    """(begin, end, host tensor) over one of the unit's flat buffers (master, exp_avg, exp_avg_sq, grad, or
-    weight in the compute dtype), one chunk at a time, from its home: nvme chunks through a pool chunk (a
-    key never written reads as zeros: moments before the first step), accelerator-resident ones through a
-    host copy, host-resident ones as views. write: the tensor goes back to its home when the caller asks
-    for the next one (not after an exception). keep=False: it starts zeroed instead of read."""
-    st, w = engine.states[unit.index], engine.weights[unit.index]
-    if kind == "weight":
-        w.wait_for_write()  # new weights written behind by the last step
-        spans, home, key, dtype = w.chunks, w.home, w.key, w.dtype
-        flat = w.hbm if w.home == "hbm" else w.dram
-    else:
-        spans, home, key, dtype = st.windows, st.home, unit.key(kind, engine.rank), torch.float32
-        flat = st.t.get(kind)
-    held = w.held if kind == "weight" else st.mine  # the chunks / windows this rank holds
-    for i in held:
-        b, e = spans[i]
-        if home != "nvme":
-            handle = w if kind == "weight" else st
-            at_home = st.grad(i) if kind == "grad" else flat[handle.span(i)]  # grad: in the accumulator's dtype
-            t = at_home.cpu()
-            if not keep:
-                t.zero_()
-            yield b, e, t
-            if write and t is not at_home:
-                at_home.copy_(t)
-            continue
-        k = chunk_key(key, i)
-        buf = engine.staging.acquire(e - b, dtype, f"checkpoint {k}")
-        try:
-            if keep and k in engine.store:
-                engine.store.read(k, into=buf).wait()
-            else:
-                buf.zero_()
-            yield b, e, buf
-            if write:
-                engine.store.write(k, buf).wait()
-        finally:
-            engine.staging.release(buf)
-
-
-def _write_unit(engine, unit, kind: str, slots, fill, keep: bool) -> None:
-    """fill(dst, slot, lo, hi) writes elements [lo, hi) of `slot` into dst, for each slot in `slots`,
-    into the unit's `kind` buffer at its home."""
-    for b, e, buf in _windows(engine, unit, kind, write=True, keep=keep):
-        for s in slots:
-            lo, hi = max(b, s.offset), min(e, s.offset + s.numel)
-            if lo < hi:
-                fill(buf[lo - b:hi - b], s, lo - s.offset, hi - s.offset)
 
 
 # -- load ------------------------------------------------------------------------------------------------
@@ -347,13 +294,13 @@ def _load_unit(engine, unit, entries: dict, files: fmt.Reader, accumulator: bool
         if accumulator:
             st.grad_dtype = torch.float32  # the accumulator's own dtype (see OptimState.accumulate)
         for kind in (*STATES, *("grad",) * accumulator):
-            _write_unit(engine, unit, kind, st.slots, source(kind, "weight") if kind == "master" else source(kind),
+            write_slots(engine, unit, kind, st.slots, source(kind, "weight") if kind == "master" else source(kind),
                         keep=False)
         st.slot_steps = [entries[s.offset][1].get("step", 0) for s in st.slots]
         if accumulator:
             st.got_grad = {k for k, s in enumerate(st.slots) if entries[s.offset][1].get("has_grad")}
     trainable, frozen = source("master", "weight"), source("weight", "master")
-    _write_unit(engine, unit, "weight", unit.slots,
+    write_slots(engine, unit, "weight", unit.slots,
                 lambda dst, s, lo, hi: (trainable if s.trainable else frozen)(dst, s, lo, hi), keep=False)
 
 
@@ -545,8 +492,8 @@ def load_state_dict(engine, sd: dict, strict: bool = True) -> _IncompatibleKeys:
         value = {s.param: _whole(source[s.param]).detach().reshape(-1) for s in unit.slots if s.param in source}
         st, given = engine.states[unit.index], [s for s in unit.slots if s.param in value]
         if st is not None:
-            _write_unit(engine, unit, "master", [s for s in given if s.trainable], fill, keep=True)
-        _write_unit(engine, unit, "weight", given, fill, keep=True)
+            write_slots(engine, unit, "master", [s for s in given if s.trainable], fill, keep=True)
+        write_slots(engine, unit, "weight", given, fill, keep=True)
     with torch.no_grad():
         for n, t, is_param in entries:
             if not is_param and n in sd:

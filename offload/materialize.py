@@ -86,7 +86,9 @@ def _from_meta(engine, model: nn.Module, init: bool) -> None:
     if init:
         _check_initializable(events, paths)
     last = _last_events(events)
-    tracker = _UnitTracker(engine, model)
+    late = {p for kind, m, owner in events if kind == "peft" for g in _adapter_group(m, owner)
+            for p in g._parameters.values() if p is not None}
+    tracker = _UnitTracker(engine, model, late)
     replay: dict = {}  # module -> RNG state before its default init, drawn into scratch earlier
     torch.manual_seed(engine.cfg.seed)
     with torch.no_grad():
@@ -388,9 +390,16 @@ def _scratch(module: nn.Module, specs: dict, keep):
 
 class _UnitTracker:
     """Allocates modules' meta tensors on the CPU, rebinding every holder and slot of a parameter (tied
-    weights: several), and places a unit once the last of its parameters is initialized."""
+    weights: several), and places a unit once the last of its parameters is initialized.
 
-    def __init__(self, engine, model: nn.Module):
+    [Note: adapters initialized late]
+    peft's adapters are initialized after the whole base model (module note), so a decoder layer holding
+    lora_A/lora_B would wait for the end with its base weights in memory: all of them, 27 GB for a 7B
+    model. A unit holding base parameters and such `late` ones is placed when its base parameters are
+    initialized, the late ones zero; when the last of them is initialized, their values are written into
+    the unit's homes (only the chunks they touch are read and written back)."""
+
+    def __init__(self, engine, model: nn.Module, late: set = frozenset()):
         self.engine = engine
         self.slot_of = {s.param: (u, s) for u in engine.units for s in u.slots}
         self.holders: dict = {}  # parameter -> every (module, name) holding it
@@ -398,7 +407,10 @@ class _UnitTracker:
             for n, p in m._parameters.items():
                 if p is not None:
                     self.holders.setdefault(p, []).append((m, n))
-        self.pending = {u.index: len(u.slots) for u in engine.units}
+        self.late = {u.index: [s for s in u.slots if s.param in late] for u in engine.units
+                     if any(s.param in late for s in u.slots) and not all(s.param in late for s in u.slots)}
+        self.late_left = {i: len(slots) for i, slots in self.late.items()}
+        self.pending = {u.index: len(u.slots) - len(self.late.get(u.index, ())) for u in engine.units}
         self.specs = {m: {n: (t.shape, t.dtype) for n, t in [*m._parameters.items(), *m._buffers.items()]
                           if t is not None} for m in model.modules()}  # before anything is placed
         self.allocated: dict = {}  # module -> [(old meta parameter, new one)] until it is initialized
@@ -427,10 +439,38 @@ class _UnitTracker:
                 continue
             u, slot = self.slot_of.pop(old)
             slot.param = new
+            if any(s is slot for s in self.late.get(u.index, ())):
+                self.late_left[u.index] -= 1
+                if self.late_left[u.index] == 0:
+                    _fill_late(self.engine, u, self.late[u.index])
+                continue
             self.pending[u.index] -= 1
             if self.pending[u.index] == 0:
-                place(self.engine, u)
+                late = self.late.get(u.index, [])
+                metas = [s.param for s in late]
+                for s in late:  # stand-ins the weight handle may detach (a meta parameter cannot be)
+                    s.param = nn.Parameter(torch.empty(0), s.param.requires_grad)
+                try:
+                    place(self.engine, u, late)
+                finally:
+                    for s, p in zip(late, metas):
+                        s.param = p
                 self.progress.update(u.numel * self.engine.dtype.itemsize + u.trainable_numel * 4)
+
+
+def _fill_late(engine, unit: Unit, slots) -> None:
+    """[Note: adapters initialized late] The slots' values into the placed unit's weight and master homes;
+    the parameters then follow the weight handle (attached where the weights live in hbm, else empty)."""
+    values = {s.param: s.param.detach().reshape(-1) for s in slots}
+
+    def fill(dst, slot, lo, hi):
+        dst.copy_(values[slot.param][lo:hi])
+
+    if engine.states[unit.index] is not None:
+        write_slots(engine, unit, "master", [s for s in slots if s.trainable], fill, keep=True)
+    write_slots(engine, unit, "weight", slots, fill, keep=True)
+    w = engine.weights[unit.index]
+    w._attach() if w.home == "hbm" else w._detach()
 
 
 class _Progress:
@@ -460,13 +500,15 @@ class _Progress:
 
 
 @torch.no_grad()
-def place(engine, unit: Unit) -> None:
+def place(engine, unit: Unit, late=()) -> None:
     """Copies the unit's initial values into its weight and optimizer-state homes. Resident homes are
-    filled in place; nvme homes chunk by chunk through the pool."""
+    filled in place; nvme homes chunk by chunk through the pool. `late`: slots left zero, whose values
+    come later ([Note: adapters initialized late])."""
     p = engine.placement
-    values = {s.name: _initial_value(engine, s) for s in unit.slots}  # keeps the values past _detach()
+    given = [s for s in unit.slots if not any(s is x for x in late)]
+    values = {s.name: _initial_value(engine, s) for s in given}  # keeps the values past _detach()
     w = WeightHandle(unit, p.weight_home[unit.index], engine.dtype, engine.rt)
-    pieces = [(s.offset, values[s.name]) for s in unit.slots]
+    pieces = [(s.offset, values[s.name]) for s in given]
     if w.home == "nvme":
         _fill_chunks(engine, w.key, {i: w.chunks[i] for i in w.held}, engine.dtype, pieces)
     elif w.home == "dram":
@@ -478,7 +520,7 @@ def place(engine, unit: Unit) -> None:
     engine.weights[unit.index] = w
     if unit.trainable_numel:
         st = OptimState(unit, p.state_home[unit.index], engine.rt)
-        pieces = [(s.offset, values[s.name]) for s in unit.slots if s.trainable]
+        pieces = [(s.offset, values[s.name]) for s in given if s.trainable]
         for i in st.mine:  # every window, or over ranks the ones this rank owns
             b, e = st.windows[i]
             if st.home == "nvme":
@@ -509,6 +551,67 @@ def _initial_value(engine, s) -> torch.Tensor:
         raise ValueError(f"weights[{s.name!r}]: shape {tuple(t.shape)} but the model expects {tuple(s.shape)}; "
                          "the checkpoint does not belong to this model config")
     return t.reshape(-1)
+
+
+# -- a unit's buffers at their homes, chunk by chunk (checkpoints, and adapters initialized late) --
+
+def unit_buffers(engine, unit, kind: str, write: bool = False, keep: bool = True, only=None):
+    """(begin, end, host tensor) over one of the unit's flat buffers (master, exp_avg, exp_avg_sq, grad, or
+    weight in the compute dtype), one chunk at a time, from its home: nvme chunks through a pool chunk (a
+    key never written reads as zeros: moments before the first step), accelerator-resident ones through a
+    host copy, host-resident ones as views. write: the tensor goes back to its home when the caller asks
+    for the next one (not after an exception). keep=False: it starts zeroed instead of read. only: the
+    indices of the chunks / windows to visit (default: every one this rank holds)."""
+    st, w = engine.states[unit.index], engine.weights[unit.index]
+    if kind == "weight":
+        w.wait_for_write()  # new weights written behind by the last step
+        spans, home, key, dtype = w.chunks, w.home, w.key, w.dtype
+        flat = w.hbm if w.home == "hbm" else w.dram
+    else:
+        spans, home, key, dtype = st.windows, st.home, unit.key(kind, engine.rank), torch.float32
+        flat = st.t.get(kind)
+    held = w.held if kind == "weight" else st.mine  # the chunks / windows this rank holds
+    for i in held if only is None else [i for i in held if i in only]:
+        b, e = spans[i]
+        if home != "nvme":
+            handle = w if kind == "weight" else st
+            at_home = st.grad(i) if kind == "grad" else flat[handle.span(i)]  # grad: in the accumulator's dtype
+            t = at_home.cpu()
+            if not keep:
+                t.zero_()
+            yield b, e, t
+            if write and t is not at_home:
+                at_home.copy_(t)
+            continue
+        k = chunk_key(key, i)
+        buf = engine.staging.acquire(e - b, dtype, f"checkpoint {k}")
+        try:
+            if keep and k in engine.store:
+                engine.store.read(k, into=buf).wait()
+            else:
+                buf.zero_()
+            yield b, e, buf
+            if write:
+                engine.store.write(k, buf).wait()
+        finally:
+            engine.staging.release(buf)
+
+
+def write_slots(engine, unit, kind: str, slots, fill, keep: bool) -> None:
+    """fill(dst, slot, lo, hi) writes elements [lo, hi) of `slot` into dst, for each slot in `slots`,
+    into the unit's `kind` buffer at its home. keep=True: only the chunks the slots touch are read and
+    written back; keep=False: every chunk is written (zero where no slot is)."""
+    only = None
+    if keep:
+        st, w = engine.states[unit.index], engine.weights[unit.index]
+        spans = w.chunks if kind == "weight" else st.windows
+        only = {i for i, (b, e) in enumerate(spans) if any(b < s.offset + s.numel and s.offset < e for s in slots)}
+    for b, e, buf in unit_buffers(engine, unit, kind, write=True, keep=keep, only=only):
+        for s in slots:
+            lo, hi = max(b, s.offset), min(e, s.offset + s.numel)
+            if lo < hi:
+                fill(buf[lo - b:hi - b], s, lo - s.offset, hi - s.offset)
+
 
 
 @torch.no_grad()

@@ -78,6 +78,9 @@ PRESETS: dict[str, ModelConfig] = {
     # Llama-3.2-3B's shape (3.21B parameters, tied 128256-row embedding).
     "3b": ModelConfig(vocab_size=128256, d_model=3072, n_layers=28, n_heads=24, n_kv_heads=8, d_ff=8192,
                       max_seq_len=2048, rope_theta=500000.0, tie_embeddings=True),
+    # Llama-2-7B's shape (6.74B parameters, untied 32000-row embedding and head): the LoRA scale bench.
+    "7b": ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, d_ff=11008,
+                      max_seq_len=4096, tie_embeddings=False),
 }
 
 

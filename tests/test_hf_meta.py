@@ -98,12 +98,21 @@ def lora_llama(device: str, **lora):
         return peft.get_peft_model(transformers.LlamaForCausalLM(llama_config()), config)
 
 
-@pytest.mark.parametrize("init", [True, "gaussian"])
-def test_meta_peft_model_starts_from_the_base_model_as_its_cpu_build(tmp_path, init):
+@pytest.mark.parametrize("init,place", [(True, "nvme"), ("gaussian", "nvme"), ("gaussian", "cpu")])
+def test_meta_peft_model_starts_from_the_base_model_as_its_cpu_build(tmp_path, monkeypatch, init, place):
+    from offload import materialize
+
     cpu = lora_llama("cpu", init_lora_weights=init).eval()
     base = llama("cpu").eval()  # the same seed: the base model the CPU build wrapped
     meta = lora_llama("meta", init_lora_weights=init)
-    with offload.initialize(meta, cfg(tmp_path)) as eng:
+    events = []  # [Note: adapters initialized late]: each layer is placed with its base, not at the end
+    for name in ("place", "_fill_late"):
+        monkeypatch.setattr(materialize, name, lambda *a, _f=getattr(materialize, name), _n=name, **k:
+                            (events.append((_n, a[1].name)), _f(*a, **k))[1])
+    with offload.initialize(meta, cfg(tmp_path, place)) as eng:
+        layers = [u.name for u in eng.units if ".layers." in u.name]
+        assert len(layers) == 2 and [e for e in events if e[0] == "_fill_late"] == [("_fill_late", n) for n in layers]
+        assert max(events.index(("place", n)) for n in layers) < events.index(("_fill_late", layers[0]))
         state = eng.full_state_dict()
         lora_b = [n for n in state if ".lora_B." in n]
         assert len(lora_b) == 4 and all(not state[n].any() for n in lora_b)
