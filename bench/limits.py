@@ -27,7 +27,7 @@ FLOPS_PER_PARAM_TOKEN = 6
 def add_precision_argument(ap) -> None:
     ap.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
                     help="compute dtype of every mode (default auto: what the engine picks on this host; "
-                         "README 'Which precision')")
+                         "docs/precision.md)")
 
 
 def resolve(precision: str) -> str:

@@ -1,7 +1,7 @@
 """offload: train PyTorch models whose weights and optimizer states live in hbm, dram or NVMe.
 
 The public surface is small on purpose (see API.md): `initialize`, `Config`, `CPUAdam`,
-`add_arguments`, `config_from_args`, and `stop_on_signals` / `Stopped` (README, "Failures and signals").
+`add_arguments`, `config_from_args`, and `stop_on_signals` / `Stopped` (docs/failures.md).
 """
 
 from offload.config import Config, add_arguments, config_from_args, load_config
@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 def initialize(model, config=None, weights=None):
     """Wraps `model` in an Engine that trains it with the placement `config` asks for.
 
-    config: an offload.Config, a dict, or the path of a .json / .yaml file (see README, "Config").
+    config: an offload.Config, a dict, or the path of a .json / .yaml file (see docs/config.md).
     weights: optional callable `name -> tensor` giving each parameter's initial value (for example
     streamed from a safetensors directory); with a model built on the meta device, the model is
     then never materialized whole.

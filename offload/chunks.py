@@ -2,7 +2,7 @@
 is a fixed-size slice of a unit's flat buffers (`chunk_bytes` of fp32, i.e. chunk_numel elements of
 every buffer), and everything that moves between dram and nvme, and everything CPU Adam streams, moves
 one chunk at a time through one bounded pool. So the runtime's dram is a count of chunks, independent of
-the model and of its largest layer (DESIGN.md "Chunks").
+the model and of its largest layer (docs/design.md "Chunks and budgets").
 
 Element i of a unit lies in chunk i // chunk_numel of each of its buffers (weights in the compute dtype,
 fp32 master, exp_avg, exp_avg_sq, gradient), so the optimizer's window over chunk k of the states

@@ -157,11 +157,11 @@ class Config:
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     prefetch_units: int = 2        # units fetched ahead of use along the recorded trace (0: on demand)
     reuse_distance: int = 1        # keep a unit in hbm when the trace uses it again within this many fetches (-1: off, and no free holds)
-    reuse_bytes: int | None = None  # also keep units used again later in the step up to this many bytes (null: derived, README)
+    reuse_bytes: int | None = None  # also keep units used again later in the step up to this many bytes (null: derived; docs/design.md "Data flow of one step")
     overlap_step: bool = True      # step each unit as soon as its gradients are final, during backward (not with clipping or fp16)
-    split_step: float = 0.25       # nvme states, overlapped step: this fraction of the units steps as it is fetched for the next forward (0: none; README)
-    delayed_update: bool = False   # one-step delayed parameter update: step k's update lands during step k+1's backward (README)
-    chunk_bytes: int = 32 << 20    # the grain of nvme <-> dram movement and of the CPU Adam pipeline (README "Chunks")
+    split_step: float = 0.25       # nvme states, overlapped step: this fraction of the units steps as it is fetched for the next forward (0: none; docs/design.md "Split step")
+    delayed_update: bool = False   # one-step delayed parameter update: step k's update lands during step k+1's backward (docs/design.md "One-step delayed parameter update")
+    chunk_bytes: int = 32 << 20    # the grain of nvme <-> dram movement and of the CPU Adam pipeline (docs/design.md "Chunks and budgets")
     swap_checksum: bool = True     # per-block checksums of swap files, verified on read (nvme optimizer states: in the CPU Adam pass)
     seed: int = 0                  # seeds meta-device materialization
     collective_timeout_s: float = 600.0  # over ranks: a collective not matched by every rank within this raises an error naming it ([Note: collective order] in offload/ranks.py)
@@ -182,7 +182,7 @@ class Config:
         if not self.gradient_clipping >= 0:
             _fail("gradient_clipping", self.gradient_clipping, "must be >= 0", "use 0 to disable clipping")
         if self.zero_stage not in (0, 1, 2, 3):
-            _fail("zero_stage", self.zero_stage, "must be 0, 1, 2 or 3", "see README 'ZeRO stages'")
+            _fail("zero_stage", self.zero_stage, "must be 0, 1, 2 or 3", "see docs/zero.md")
         if self.delayed_update and self.gradient_accumulation_steps > 1:
             _fail("delayed_update", True, f"needs gradient_accumulation_steps 1 (got {self.gradient_accumulation_steps}): "
                   "the delayed update lands during the next backward, inside the next accumulation window",
@@ -236,8 +236,8 @@ class Config:
     @classmethod
     def from_deepspeed(cls, path_or_dict) -> "Config":
         """The Config of a DeepSpeed JSON config (a path or a dict). Keys without an exact equivalent here
-        are named in one DeepSpeedConfigWarning, each with what we do instead (README 'Coming from
-        DeepSpeed'); "auto" values mean not set."""
+        are named in one DeepSpeedConfigWarning, each with what we do instead (docs/deepspeed.md); "auto"
+        values mean not set."""
         from offload.integrations.deepspeed import to_config
 
         return to_config(path_or_dict)
@@ -250,7 +250,7 @@ def _build(cls, data: Any, path: str):
     if isinstance(data, cls):
         return data
     if not isinstance(data, dict):
-        _fail(path or "config", data, f"expected a mapping for {cls.__name__}", "see the README's config reference")
+        _fail(path or "config", data, f"expected a mapping for {cls.__name__}", "see the config reference, docs/config.md")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -326,7 +326,7 @@ def _read_file(path: pathlib.Path, flag: str = "config") -> dict:
             raise ValueError(f"{where}: not valid JSON ({e}); fix the file or use .yaml") from None
     if data is not None and not isinstance(data, dict):
         raise ValueError(f"{where}: expected a mapping of keys at the top level, got a {type(data).__name__}; "
-                         "see the README's config reference")
+                         "see the config reference, docs/config.md")
     return data or {}
 
 
@@ -369,7 +369,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="one-step delayed parameter update (the step overlaps the next backward; weights lag one step)")
     g.add_argument("--offload-config", default=None, metavar="PATH", help="a .json/.yaml config; flags override it")
     g.add_argument("--deepspeed", default=None, metavar="PATH",
-                   help="a DeepSpeed JSON config, read into ours (README 'Coming from DeepSpeed'); "
+                   help="a DeepSpeed JSON config, read into ours (docs/deepspeed.md); "
                         "--offload-config and flags override it")
     return parser
 

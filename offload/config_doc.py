@@ -1,9 +1,10 @@
 """The config reference: a markdown table (key path, type, default, help) generated from the Config
-dataclasses, so the README cannot drift from the code (tests/test_config_doc.py checks it).
+dataclasses, written into docs/config.md so the reference cannot drift from the code
+(tests/test_config_doc.py checks it).
 
-    python -m offload.config_doc                   # print the table
-    python -m offload.config_doc --write README.md # replace the text between the README's markers
-    python -m offload.config_doc --check README.md # exit 1 if the README differs from the code
+    python -m offload.config_doc                        # print the table
+    python -m offload.config_doc --write docs/config.md # replace the text between the file's markers
+    python -m offload.config_doc --check docs/config.md # exit 1 if the file differs from the code
 
 Help text comes from the field's inline comment in offload/config.py, else from HELP below, else (for a
 section) from its dataclass docstring. A field with none of these fails the test: document new keys.
@@ -23,11 +24,12 @@ import typing
 from offload.config import Config
 
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
-REGENERATE = "python -m offload.config_doc --write README.md"
+DOC = "docs/config.md"  # the reference, relative to the repository root
+REGENERATE = f"python -m offload.config_doc --write {DOC}"
 
 HELP = {
     "precision": 'compute dtype of weights and gradients: "auto" (bf16 where the device runs it natively, fp16 '
-                 'on an older GPU, fp32 on other CPUs; README "Which precision"), "bf16", "fp16" or "fp32"; master '
+                 'on an older GPU, fp32 on other CPUs; docs/precision.md), "bf16", "fp16" or "fp32"; master '
                  "weights and optimizer states are always fp32",
     "optimizer": "the optimizer, run on the CPU over fp32 states (CPU Adam)",
     "optimizer.type": '"adamw" (decoupled weight decay) or "adam" (L2 weight decay)',
@@ -111,7 +113,7 @@ def markdown() -> str:
 
 def replace_section(text: str, generated: str) -> str:
     if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
-        raise ValueError(f"README: no {BEGIN} ... {END} markers; add them where the reference belongs")
+        raise ValueError(f"no {BEGIN} ... {END} markers; add them where the reference belongs")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{BEGIN}\n{generated}\n{END}{tail}"
@@ -120,8 +122,8 @@ def replace_section(text: str, generated: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m offload.config_doc", description=__doc__.split("\n\n")[0])
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--write", metavar="README", help="replace the text between the markers in this file")
-    g.add_argument("--check", metavar="README", help="exit 1 if this file's section differs from the code")
+    g.add_argument("--write", metavar="FILE", help="replace the text between the markers in this file")
+    g.add_argument("--check", metavar="FILE", help="exit 1 if this file's section differs from the code")
     args = p.parse_args(argv)
     generated = markdown()
     path = args.write or args.check

@@ -1,6 +1,6 @@
 """The Engine: trains a torch module with its weights and optimizer states in hbm, dram or nvme.
 
-Data flow of one step (DESIGN.md): forward fetches each unit before it runs (prefetching the next ones
+Data flow of one step (docs/design.md): forward fetches each unit before it runs (prefetching the next ones
 along the recorded trace) and releases it after; backward fetches again, and each unit's gradients go
 hbm -> dram on the d2h copy stream into an fp32 accumulator as soon as they are final; step() runs CPU
 Adam unit by unit over states streamed from their tier, writing new weights straight to the weight tier.

@@ -3,7 +3,7 @@
 The model (a preset or a HF directory, built on the meta device) is wrapped with peft's `get_peft_model`
 on the meta device; the Engine then materializes it unit by unit as for any model: frozen base weights in
 the offload_param tier with no master, moments or gradients, the adapters' states in the offload_optimizer
-tier (hbm too: README "LoRA").
+tier (hbm too: docs/training.md "LoRA").
 
 [Note: the adapters' initial values]
 A preset's base has no checkpoint: the Engine initializes the wrapped model as its CPU build (the base by the

@@ -44,7 +44,7 @@ DEFAULT_KEEP_CHECKPOINTS = 2
 DEFAULT_EVAL_BATCHES = 8
 PER_STEP = ("losses", "step_seconds", "lrs", "grad_norms", "stall_seconds")  # history: one entry per step
 
-# What `make demo` runs: under 3 minutes of training on 2 quiet CPU cores in fp32 (README, "Quick start").
+# What `make demo` runs: under 3 minutes of training on 2 quiet CPU cores in fp32 (docs/training.md, "make demo").
 RECIPE = {"model": "small", "steps": 150, "batch_size": 8, "seq_len": 128, "lr": 3e-3,
           "warmup_steps": 10, "grad_accum": 1, "clip": 1.0, "seed": 0}
 # Train flags that are config keys: flag dest -> (config path, recipe default).
@@ -79,7 +79,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--out", default=None, metavar="DIR", help="report directory (default ./runs/<timestamp>)")
     g.add_argument("--save", default=None, metavar="DIR",
                    help="save the trained weights as a Hugging Face directory; with --lora the adapter as peft saves it "
-                        "(README 'LoRA')")
+                        "(docs/training.md 'LoRA')")
     g.add_argument("--save-merged", default=None, metavar="DIR",
                    help="with --lora: the model with its adapters merged (W + alpha/r B A) as a Hugging Face directory; "
                         "without: as --save")

@@ -1,4 +1,4 @@
-"""The README's config reference is the text offload.config_doc generates from the Config dataclasses."""
+"""The config reference (docs/config.md) is the text offload.config_doc generates from the Config dataclasses."""
 
 import dataclasses
 import pathlib
@@ -8,16 +8,16 @@ import pytest
 from offload import config_doc
 from offload.config import Config
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+DOC = pathlib.Path(__file__).resolve().parent.parent / config_doc.DOC
 
 
 def _section(text: str) -> str:
     return text.split(config_doc.BEGIN, 1)[1].split(config_doc.END, 1)[0].strip("\n")
 
 
-def test_readme_config_reference_matches_the_code():
-    assert _section(README.read_text()) == config_doc.markdown(), (
-        f"README.md's config reference drifted from offload/config.py; regenerate it with "
+def test_config_reference_matches_the_code():
+    assert _section(DOC.read_text()) == config_doc.markdown(), (
+        f"{config_doc.DOC}'s config reference drifted from offload/config.py; regenerate it with "
         f"`{config_doc.REGENERATE}`")
 
 
@@ -49,7 +49,7 @@ def test_a_new_field_changes_the_table(monkeypatch):
 
 
 def test_write_and_check(tmp_path, capsys):
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "config.md"
     readme.write_text(f"# x\n\n{config_doc.BEGIN}\nstale\n{config_doc.END}\nafter\n")
     assert config_doc.main(["--check", str(readme)]) == 1
     assert config_doc.REGENERATE in capsys.readouterr().err

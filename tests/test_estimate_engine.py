@@ -1,6 +1,7 @@
 """The estimate agrees with what the Engine measures on a real run.
 
-Margin (stated in the README): the plan is an upper bound per tier, and what a short run measures
+Margin (looser than docs/commands.md's, which tests/test_memory_model.py checks): the plan is an upper
+bound per tier, and what a short run measures
 (accountant peaks for hbm and dram, swap-file bytes for nvme) is at least 50% of it. nvme and the
 resident dram states are exact ledgers; the slack is in hbm's working set and dram's staging, which
 the plan sizes for the worst moment (every prefetch in flight, two units' gradients, both pipeline

@@ -76,7 +76,7 @@ def offload_run(tmp_path):
 
 
 def engine_loop(cfg, data, steps: int = STEPS):
-    """The plain engine loop (README) with Trainer's schedule set through engine.lr; its step losses
+    """The plain engine loop (docs/python.md) with Trainer's schedule set through engine.lr; its step losses
     summed in fp32 as Trainer sums them."""
     engine = offload.initialize(tiny_llama(), config=cfg)
     dummy = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)

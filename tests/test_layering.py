@@ -1,4 +1,4 @@
-"""DESIGN.md's layering: imports flow down only (offload -> scheduler -> swap), nothing imports bench/tests."""
+"""docs/design.md "Layers": imports flow down only (offload -> scheduler -> swap), nothing imports bench/tests."""
 
 import ast
 import pathlib
@@ -32,7 +32,7 @@ def test_imports_flow_down_only(package):
         str(f.relative_to(ROOT)): sorted(imported_top_levels(f) & FORBIDDEN[package]) for f in files
     }
     offenders = {f: bad for f, bad in offenders.items() if bad}
-    assert not offenders, f"layering broken (DESIGN.md 'Layers'): {offenders}"
+    assert not offenders, f"layering broken (docs/design.md 'Layers'): {offenders}"
 
 
 def test_checker_catches_a_violation(tmp_path):

@@ -26,7 +26,7 @@ def register(subparsers) -> None:
     p.add_argument("--offload-optimizer", default="none", choices=("none", "cpu", "nvme"))
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
                    help="compute dtype of weights and gradients (default auto: what the engine picks on this host, "
-                        "README 'Which precision')")
+                        "docs/precision.md)")
     p.add_argument("--unit-numel", type=int, default=None,
                    help="parameters in the largest unit (default: from the model; with --params, params/"
                         f"{est.DEFAULT_UNITS_FOR_PARAMS})")

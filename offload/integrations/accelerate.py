@@ -23,7 +23,7 @@ which would see no gradients: they live in the engine's accumulators) on that on
 `save_state` would gather the whole model into memory as a state dict (the engine's) and then ask the
 optimizer for a torch state dict, which lives in the engine's tiers: `route` replaces save_state and
 load_state too, with a refusal that points at engine.save_checkpoint / load_checkpoint (the weights,
-optimizer states, counters and RNG, streamed from their tiers; README "Checkpoints").
+optimizer states, counters and RNG, streamed from their tiers; docs/checkpoints.md).
 
 Settings: the Accelerator owns gradient accumulation and precision (`mixed_precision`), the optimizer's
 param_groups own the learning rate (set it with any torch LR scheduler); the offload config says where
@@ -39,7 +39,7 @@ from offload.integrations import common
 PRECISIONS = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}  # Accelerate's mixed_precision -> ours
 USE_ENGINE_CHECKPOINTS = ("the optimizer's states live in the offload engine's tiers: engine.save_checkpoint(dir) "
                           "saves them with the weights, step count, loss scale and RNG, and "
-                          "engine.load_checkpoint(dir) resumes exactly (README, Checkpoints)")
+                          "engine.load_checkpoint(dir) resumes exactly (docs/checkpoints.md)")
 
 
 class EngineOptimizer(torch.optim.Optimizer):

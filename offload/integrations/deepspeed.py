@@ -6,7 +6,7 @@ units differ), what we do instead (`Instead`: silent when the file asks for what
 DERIVED: read by one of the three functions below the table, for the settings that need several keys at
 once (precision, the optimizer's kind, the lr schedule). Every key of the file that sets nothing here,
 known or not, is named in one warning, each with what we do instead: DeepSpeed ignores renamed keys
-silently (DESIGN.md); we say so. A malformed file or a value of the wrong type is a ValueError naming the
+silently (docs/design.md); we say so. A malformed file or a value of the wrong type is a ValueError naming the
 file and the key.
 
 [Note: "auto"]
@@ -66,9 +66,9 @@ def _chunk_bytes(numel):
     return -(-int(numel) * 4 // CHUNK_ALIGN_BYTES) * CHUNK_ALIGN_BYTES
 
 
-POOL = "the staging pool is counted from the placement in chunks of chunk_bytes (README 'Chunks')"
+POOL = "the staging pool is counted from the placement in chunks of chunk_bytes (docs/design.md 'Chunks and budgets')"
 PINNED = "host staging buffers are pinned whenever CUDA is present"
-RANKS = "ZeRO over several ranks is not implemented yet (README 'ZeRO stages'); nothing is bucketed"
+RANKS = "over several ranks each unit's gradient windows are reduced as its backward ends (docs/zero.md); nothing is bucketed"
 BATCH = ("not a Config setting (the batch is your data loader's); `offload train` takes "
          "train_micro_batch_size_per_gpu as its --batch-size")
 Z, PARAM, OPT = "zero_optimization.", "zero_optimization.offload_param.", "zero_optimization.offload_optimizer."
@@ -393,7 +393,7 @@ def _settings(ds: dict, source: str, total_steps: int | None) -> tuple[dict, dic
         raise ValueError(f"{source}: {e}") from None
     if res.notes:
         warnings.warn(f"{source}: {len(res.notes)} DeepSpeed setting(s) without an exact equivalent here "
-                      "(README 'Coming from DeepSpeed'):\n" + "\n".join(f"  {n}" for n in res.notes),
+                      "(docs/deepspeed.md):\n" + "\n".join(f"  {n}" for n in res.notes),
                       DeepSpeedConfigWarning, stacklevel=4)
     return res.nested(), res.origin
 
