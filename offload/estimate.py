@@ -25,8 +25,8 @@ import json
 import math
 import os
 
-TIERS = ("hbm", "dram", "nvme")
-OFFLOAD_TIER = {"none": "hbm", "cpu": "dram", "nvme": "nvme"}
+from offload.memory import OFFLOAD_TIER, TIERS, Knobs, runtime_parts
+
 DEFAULT_UNITS_FOR_PARAMS = 32      # --params alone: assume the model is this many equal units
 
 
@@ -84,8 +84,6 @@ def runtime_bytes(unit_numel: int, terms: list[Term], device_type: str = "cuda",
     hbm_units: fetched units in hbm at once (None: the engine's default, 1 + prefetch_units + reuse_distance).
     trainable_unit_numel: the trained parameters of the largest unit, when not all of them are (LoRA).
     Returns {"hbm_bytes", "dram_bytes", "nvme_bytes", "parts": [{"name", "tier", "bytes", "formula"}]}."""
-    from offload.memory import Knobs, runtime_parts
-
     w, _, opt = terms
     knobs = Knobs()
     if hbm_units is not None:
@@ -281,19 +279,3 @@ def format_table(result: dict) -> str:
                       f"the largest unit's numel): {result['formula']}",
                       "Not included unless given: activations (--activation-bytes), allocator slack."])
 
-
-def engine_plan(model, config=None) -> dict:
-    """What the Engine itself plans for `model` in one process: its placement's bytes per tier (its flat,
-    padded unit buffers plus staging buffers, hbm working set and the reuse allowance, which is derived
-    from this machine's memory unless reuse_bytes is given), computed without allocating anything.
-    `model` may live on the meta device. A measured run stays within this plan (tests/test_estimate_engine.py)."""
-    import torch
-
-    from offload.config import load_config
-    from offload.placement import plan_placement
-    from offload.units import forward_order, partition
-
-    cfg = load_config(config)
-    units = partition(model, cfg.units.min_numel, cfg.units.classes)
-    need = plan_placement(units, cfg, torch.device("cpu"), check=False, order=forward_order(model, units)).need
-    return {f"{t}_bytes": need[t] for t in TIERS}

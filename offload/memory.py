@@ -29,6 +29,8 @@ import dataclasses
 from scheduler.policy import ResidencyPolicy
 from scheduler.trace import ExecutionTrace
 
+TIERS = ("hbm", "dram", "nvme")
+OFFLOAD_TIER = {"none": "hbm", "cpu": "dram", "nvme": "nvme"}  # offload_param/offload_optimizer device -> tier
 STATE_KINDS = 4    # fp32 master, exp_avg, exp_avg_sq, gradient (of a unit, or one chunk of each in a window)
 SWAP_SLACK_BYTES = 64 << 10  # beside the swap data: the run directory's owner file, allocation granularity
 READ_AHEAD = 2     # chunks of one nvme fetch in flight (offload.residency)

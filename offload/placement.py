@@ -18,12 +18,11 @@ import psutil
 import torch
 
 from offload.chunks import window_owners, windows
-from offload.config import CHUNK_ALIGN_BYTES
-from offload.estimate import OFFLOAD_TIER as HOME  # offload device -> tier
-from offload.memory import (MINIMUM, STATE_KINDS, Knobs, free_holds, grad_reserve, pool_chunks, runtime_parts,
-                            totals, working_set_peak)
+from offload.config import CHUNK_ALIGN_BYTES, load_config
+from offload.memory import (MINIMUM, OFFLOAD_TIER, STATE_KINDS, TIERS, Knobs, free_holds, grad_reserve,
+                            pool_chunks, runtime_parts, totals, working_set_peak)
 from offload.precision import PrecisionChoice, resolve_precision
-from offload.units import Unit
+from offload.units import Unit, forward_order, partition
 
 SAFETY = 0.85  # of the memory available at start, when a budget is not given
 
@@ -126,7 +125,7 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
         trainable_units = [u for u in units if u.trainable_numel]
         owned = window_owners([u.trainable_numel for u in trainable_units], chunk_bytes // 4, world)
         owners = {u.index: o for u, o in zip(trainable_units, owned)}
-    w_home, s_home = HOME[cfg.offload_param.device], HOME[cfg.offload_optimizer.device]
+    w_home, s_home = OFFLOAD_TIER[cfg.offload_param.device], OFFLOAD_TIER[cfg.offload_optimizer.device]
     if s_home == "hbm" and w_home != "hbm":
         check_states_in_hbm(units, cfg, device)
     weight_home = {u.index: "hbm" if u.persistent else w_home for u in units}
@@ -191,6 +190,17 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     if check:
         preflight(p, device, cfg, plan(MINIMUM)[1])
     return p
+
+
+def engine_plan(model, config=None) -> dict:
+    """What the Engine itself plans for `model` in one process: its placement's bytes per tier (its flat,
+    padded unit buffers plus staging buffers, hbm working set and the reuse allowance, which is derived
+    from this machine's memory unless reuse_bytes is given), computed without allocating anything.
+    `model` may live on the meta device. A measured run stays within this plan (tests/test_estimate_engine.py)."""
+    cfg = load_config(config)
+    units = partition(model, cfg.units.min_numel, cfg.units.classes)
+    need = plan_placement(units, cfg, torch.device("cpu"), check=False, order=forward_order(model, units)).need
+    return {f"{t}_bytes": need[t] for t in TIERS}
 
 
 def check_states_in_hbm(units: list[Unit], cfg, device: torch.device) -> None:

@@ -9,7 +9,8 @@ import statistics
 import threading
 import time
 
-TIERS = ("hbm", "dram", "nvme")
+from offload.memory import TIERS
+
 LINKS = ("nvme_to_dram", "dram_to_hbm", "hbm_to_dram", "dram_to_nvme")
 SAMPLE_COLUMNS = ("seconds", *(f"{t}_used_bytes" for t in TIERS), *(f"{l}_bytes" for l in LINKS), "stall_seconds")
 REPORT_FILE, PLOT_FILE = "report.json", "memory_and_links.png"

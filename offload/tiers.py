@@ -47,7 +47,6 @@ from scheduler.streams import JobThread
 from swap import BufferPool, PoolExhaustedError, aligned_empty
 from swap.buffers import populate
 
-TIERS = ("hbm", "dram", "nvme")
 STORAGE_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")  # [Note: reused host memory for hbm]
 
 

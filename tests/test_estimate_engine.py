@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import offload
-from offload.estimate import engine_plan, estimate, shape_of_model
+from offload.estimate import estimate, shape_of_model
 from offload.models import build_model
+from offload.placement import engine_plan
 
 
 @pytest.mark.parametrize("param,optim", [("cpu", "cpu"), ("nvme", "nvme"), ("none", "cpu")])

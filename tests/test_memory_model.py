@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import offload
-from offload.estimate import engine_plan
 from offload.models import build_model
+from offload.placement import engine_plan
 
 
 def _slow_d2h(monkeypatch) -> None:

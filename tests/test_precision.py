@@ -123,7 +123,7 @@ def test_the_engine_runs_the_resolved_precision_and_says_why(tmp_path, cpu_bf16,
 
 @pytest.mark.parametrize("native,same_as", [(False, "fp32"), (True, "bf16")])
 def test_the_memory_plan_follows_the_resolved_precision(tmp_path, cpu_bf16, native, same_as):
-    from offload.estimate import engine_plan
+    from offload.placement import engine_plan
 
     cpu_bf16(native)
     cfg = {"offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}, "nvme_path": str(tmp_path),

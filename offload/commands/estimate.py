@@ -90,6 +90,7 @@ def run(args) -> int:
 def _engine_plan(args) -> dict:
     """The Engine's placement for the model built on the meta device (nothing is allocated)."""
     from offload.models import build_model
+    from offload.placement import engine_plan
 
     model = build_model(args.model, device="meta")
     if args.lora is not None:  # as offload train --lora wraps it
@@ -98,5 +99,5 @@ def _engine_plan(args) -> dict:
         kind = "preset" if args.model in PRESETS and not os.path.isdir(args.model) else "hf"
         model = apply_lora(model, {"kind": kind}, {"r": args.lora, "alpha": 2.0 * args.lora,
                                                    "targets": _targets(args), "dropout": 0.0})
-    return est.engine_plan(model, {"precision": args.precision, "offload_param": {"device": args.offload_param},
-                                   "offload_optimizer": {"device": args.offload_optimizer}, "nvme_path": "."})
+    return engine_plan(model, {"precision": args.precision, "offload_param": {"device": args.offload_param},
+                               "offload_optimizer": {"device": args.offload_optimizer}, "nvme_path": "."})
