@@ -4,9 +4,11 @@ every buffer), and everything that moves between dram and nvme, and everything C
 one chunk at a time through one bounded pool. So the runtime's dram is a count of chunks, independent of
 the model and of its largest layer (docs/design.md "Chunks and budgets").
 
-Element i of a unit lies in chunk i // chunk_numel of each of its buffers (weights in the compute dtype,
-fp32 master, exp_avg, exp_avg_sq, gradient), so the optimizer's window over chunk k of the states
-writes exactly chunk k of the new weights.
+Element i of a unit's states lies in window i // chunk_numel of each of its buffers (fp32 master, exp_avg,
+exp_avg_sq, gradient). Its weights (in the compute dtype) are chunked the same way over the trainable
+prefix, and the frozen rest starts a chunk of its own (weight_chunks), so the optimizer's window k writes
+exactly weight chunk k, whole: new weights never read back frozen ones that shared their chunk (a LoRA
+layer's 0.5 MB of adapters beside 800 MB of frozen base).
 """
 
 from __future__ import annotations
@@ -24,14 +26,20 @@ def windows(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
     return [(b, min(b + chunk_numel, numel)) for b in range(0, numel, chunk_numel)]
 
 
-def window_owners(numels: list[int], chunk_numel: int, world: int) -> list[list[int]]:
-    """ZeRO stages 1-3 over `world` ranks: per unit (of `numels`: its trainable numel for the state windows
-    of stages 1-2, its numel for stage 3's weight chunks, whose trainable prefix are its state windows), the
-    rank that owns each of its windows, round robin over the model's windows in unit order, so every rank
-    holds about 1/world of them (within one window) and steps only those. Every rank computes the same map."""
+def weight_chunks(numel: int, trainable_numel: int, chunk_numel: int) -> list[tuple[int, int]]:
+    """[begin, end) element ranges of a unit's weight chunks: the trainable prefix's state windows, then the
+    frozen rest's chunks (module docstring)."""
+    rest = windows(numel - trainable_numel, chunk_numel)
+    return windows(trainable_numel, chunk_numel) + [(trainable_numel + b, trainable_numel + e) for b, e in rest]
+
+
+def window_owners(counts: list[int], world: int) -> list[list[int]]:
+    """ZeRO stages 1-3 over `world` ranks: per unit (`counts`: how many state windows of stages 1-2, or
+    weight chunks of stage 3, whose first ones are its state windows), the rank that owns each of its
+    windows, round robin over the model's windows in unit order, so every rank holds about 1/world of them
+    (within one window) and steps only those. Every rank computes the same map."""
     owners, g = [], 0
-    for n in numels:
-        count = len(windows(n, chunk_numel))
+    for count in counts:
         owners.append([(g + i) % world for i in range(count)])
         g += count
     return owners

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import psutil
 import torch
 
-from offload.chunks import window_owners, windows
+from offload.chunks import weight_chunks, window_owners, windows
 from offload.config import CHUNK_ALIGN_BYTES, load_config
 from offload.memory import (MINIMUM, OFFLOAD_TIER, STATE_KINDS, TIERS, Knobs, free_holds, grad_reserve,
                             pool_chunks, runtime_parts, totals, working_set_peak)
@@ -117,13 +117,13 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     sharded = world > 1 and cfg.zero_stage in (1, 2, 3)
     owners, weight_owners = {}, {}
     if sharded and cfg.zero_stage == 3:  # every chunk of every unit; a state window is its unit's chunk
-        owned = window_owners([u.numel for u in units], chunk_bytes // 4, world)
+        owned = window_owners([len(weight_chunks(u.numel, u.trainable_numel, chunk_bytes // 4)) for u in units], world)
         weight_owners = {u.index: o for u, o in zip(units, owned) if not u.persistent}
         owners = {u.index: o[:len(windows(u.trainable_numel, chunk_bytes // 4))]
                   for u, o in zip(units, owned) if u.trainable_numel}
     elif sharded:
         trainable_units = [u for u in units if u.trainable_numel]
-        owned = window_owners([u.trainable_numel for u in trainable_units], chunk_bytes // 4, world)
+        owned = window_owners([len(windows(u.trainable_numel, chunk_bytes // 4)) for u in trainable_units], world)
         owners = {u.index: o for u, o in zip(trainable_units, owned)}
     w_home, s_home = OFFLOAD_TIER[cfg.offload_param.device], OFFLOAD_TIER[cfg.offload_optimizer.device]
     if s_home == "hbm" and w_home != "hbm":
@@ -135,9 +135,10 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     # An nvme gradient accumulator exists only when the step does not follow each gradient at once.
     kinds = STATE_KINDS - (s_home == "nvme" and overlapped(cfg))
     for u in units:
-        states[weight_home[u.index]] += owned_numel(u.numel, chunk_bytes // 4, weight_owners.get(u.index), rank) * itemsize
+        states[weight_home[u.index]] += owned_numel(weight_chunks(u.numel, u.trainable_numel, chunk_bytes // 4),
+                                                    weight_owners.get(u.index), rank) * itemsize
         if u.trainable_numel:
-            states[state_home[u.index]] += kinds * 4 * owned_numel(u.trainable_numel, chunk_bytes // 4,
+            states[state_home[u.index]] += kinds * 4 * owned_numel(windows(u.trainable_numel, chunk_bytes // 4),
                                                                    owners.get(u.index), rank)
         rows.append((u.name, u.numel, weight_home[u.index], state_home.get(u.index, "-")))
     default_hbm, default_dram = _default_budgets(device)
@@ -320,8 +321,7 @@ def preflight(p: Placement, device: torch.device, cfg, minimum: dict[str, int]) 
                              "or use smaller units (units.min_numel) or chunks (chunk_bytes)")
 
 
-def owned_numel(numel: int, chunk_numel: int, owners: list[int] | None, rank: int) -> int:
-    """Elements of a unit's states that `rank` holds: all of them, or those of the windows it owns."""
-    if owners is None:
-        return numel
-    return sum(e - b for (b, e), r in zip(windows(numel, chunk_numel), owners) if r == rank)
+def owned_numel(spans: list[tuple[int, int]], owners: list[int] | None, rank: int) -> int:
+    """Elements of a unit's buffer (its windows or chunks `spans`) that `rank` holds: all of them, or those
+    of the spans it owns."""
+    return sum(e - b for (b, e), r in zip(spans, owners or [rank] * len(spans)) if r == rank)

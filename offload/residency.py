@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from offload.chunks import chunk_key, packed, windows
+from offload.chunks import chunk_key, packed, weight_chunks
 from offload.memory import READ_AHEAD  # chunks of one fetch in flight: one read while the previous is copied up
 from offload.tiers import Tiers
 from offload.units import Unit
@@ -80,7 +80,7 @@ class WeightHandle(_Handle):
         super().__init__(f"{unit.name}/weight", home)
         self.unit, self.dtype, self.rt = unit, dtype, rt
         self.key = unit.key(f"weight.{str(dtype).removeprefix('torch.')}")
-        self.chunks = windows(unit.numel, rt.chunk_numel)
+        self.chunks = weight_chunks(unit.numel, unit.trainable_numel, rt.chunk_numel)
         # [Note: partitioned weights] zero_stage 3 over several ranks: a fetched unit's home holds only the
         # chunks this rank owns (placement.weight_owners; dram: back to back, nvme: their keys), and a fetch
         # copies those into hbm, then each chunk is broadcast from its owner (wait_for_fetch, called when the

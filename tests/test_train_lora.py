@@ -200,6 +200,29 @@ def test_peft_adapters_stay_in_their_decoder_layers_unit(model_dir):
     assert all(u.trainable_numel and any(".lora_A." in s.name for s in u.slots) for u in units[:2])
 
 
+@pytest.mark.parametrize("optimizer", ["none", "cpu"])
+def test_a_step_writes_the_adapters_not_the_frozen_chunk_beside_them(model_dir, tmp_path, optimizer):
+    """Weight chunks split at the trainable prefix (offload.chunks.weight_chunks): a step writes each layer's
+    adapters alone (fp32 here: 4 B each) and reads no frozen weight back to rewrite it; the chunks are small
+    enough that a unit has several, so a chunk shared with frozen weights would show."""
+    model, weights, _ = recipe.build({"model": str(model_dir), "seq_len": SEQ,
+                                      "lora": {"r": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"], "dropout": 0.0}},
+                                     offload.Config())
+    cfg = {"precision": "fp32", "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": optimizer},
+           "nvme_path": str(tmp_path), "chunk_bytes": 16384, "optimizer": {"lr": LR}}
+    ids = torch.randint(0, 200, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    with offload.initialize(model, cfg, weights=recipe.LoraWeights(weights, model, 0)) as eng:
+        layers = [u for u in eng.units if u.trainable_numel]
+        assert len(layers) == 2 and all(eng.weights[u.index].chunks[0][1] < u.numel for u in layers)
+        for _ in range(2):
+            eng.backward(eng(ids, labels=ids).loss)
+            eng.step()
+        links = eng.stats()["last_step"]["links"]
+        assert links["dram_to_nvme"]["bytes"] == sum(u.trainable_numel for u in layers) * 4
+        fetched = sum(u.numel for u in eng.units if not u.persistent) * 4
+        assert links["nvme_to_dram"]["bytes"] in (fetched, 2 * fetched)  # whole fetches (kept or not), nothing more
+
+
 def _lora_mlp():
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
