@@ -1,4 +1,5 @@
-"""Config: frozen, nested dataclasses built from a dict, a JSON/YAML file or command-line flags.
+"""Config: frozen, nested dataclasses built from a dict or a JSON/YAML file (the training-script flags that
+build one are offload/flags.py's; a DeepSpeed config is read by offload/integrations/deepspeed.py).
 
 Unknown keys are an error naming the key and the nearest valid one (DeepSpeed silently ignores renamed
 keys; we refuse them). Every value is validated with a message that says how to fix it.
@@ -6,8 +7,6 @@ keys; we refuse them). Every value is validated with a message that says how to 
 
 from __future__ import annotations
 
-import argparse
-import copy
 import dataclasses
 import difflib
 import json
@@ -15,7 +14,7 @@ import os
 import pathlib
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 DEVICES = ("none", "cpu", "nvme")
 PRECISION_CHOICES = ("auto", "bf16", "fp16", "fp32")  # offload.precision.CHOICES, without importing torch here
@@ -26,6 +25,10 @@ def _fail(path: str, value: Any, why: str, fix: str) -> typing.NoReturn:
 
 
 CHUNK_ALIGN_BYTES = 8192  # units.ALIGN_NUMEL fp32 elements
+
+# Config.from_deepspeed's reader, offload.integrations.deepspeed.to_config. offload/__init__.py sets it:
+# this module imports nothing above it (docs/design.md "Layers").
+DEEPSPEED_READER: Callable[[Any], "Config"] | None = None
 
 
 @dataclass(frozen=True)
@@ -237,10 +240,8 @@ class Config:
     def from_deepspeed(cls, path_or_dict) -> "Config":
         """The Config of a DeepSpeed JSON config (a path or a dict). Keys without an exact equivalent here
         are named in one DeepSpeedConfigWarning, each with what we do instead (docs/deepspeed.md); "auto"
-        values mean not set."""
-        from offload.integrations.deepspeed import to_config
-
-        return to_config(path_or_dict)
+        values mean not set. The reading is offload.integrations.deepspeed.to_config (DEEPSPEED_READER)."""
+        return DEEPSPEED_READER(path_or_dict)
 
 
 # --- building configs from plain data ------------------------------------------------------------
@@ -260,14 +261,16 @@ def _build(cls, data: Any, path: str):
             near = difflib.get_close_matches(key, names, n=1)
             hint = f"did you mean {near[0]!r}?" if near else f"valid keys: {', '.join(names)}"
             raise ValueError(f"{where}: unknown config key; {hint}")
-        kwargs[key] = _coerce(hints[key], value, where)
+        kwargs[key] = coerce_value(hints[key], value, where)
     try:
         return cls(**kwargs)
     except TypeError as e:  # pragma: no cover - fields all have defaults
         raise ValueError(f"{path or 'config'}: {e}") from None
 
 
-def _coerce(hint, value: Any, where: str):
+def coerce_value(hint, value: Any, where: str):
+    """`value` as a field of type `hint` holds it (a dataclass built from a mapping, a list made a tuple, 1e9
+    made an int); a value of the wrong type is a ValueError naming `where`."""
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, where)
     origin = typing.get_origin(hint)
@@ -296,11 +299,11 @@ def load_config(config: Config | dict | str | pathlib.Path | None) -> Config:
     if isinstance(config, Config):
         return config
     if isinstance(config, (str, pathlib.Path)):
-        return _build(Config, _read_file(pathlib.Path(config)), "")
+        return _build(Config, read_settings_file(pathlib.Path(config)), "")
     return _build(Config, config, "")
 
 
-def _read_file(path: pathlib.Path, flag: str = "config") -> dict:
+def read_settings_file(path: pathlib.Path, flag: str = "config") -> dict:
     """The mapping in a .json or .yaml file; anything else is a one-line ValueError naming the file."""
     where = f"{flag}={str(path)!r}"
     if not path.is_file():
@@ -330,83 +333,10 @@ def _read_file(path: pathlib.Path, flag: str = "config") -> dict:
     return data or {}
 
 
-def _put(data: dict, path: str, value) -> None:
+def set_dotted(data: dict, path: str, value) -> None:
     """data["a"]["b"] = value for path "a.b", making the sections on the way."""
     *parents, last = path.split(".")
     for part in parents:
         data = data.setdefault(part, {})
     data[last] = value
 
-
-def _merge(base: dict, over: dict) -> dict:
-    """`over` laid over `base` section by section (a new dict; neither is changed)."""
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
-            else copy.deepcopy(value)
-    return out
-
-
-# --- training-script flags -------------------------------------------------------------------------
-
-
-FLAG_KEYS = ("nvme_path", "zero_stage", "precision", "delayed_update")  # top-level keys set by add_arguments' flags
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Adds the offload flags to an existing training script's parser."""
-    g = parser.add_argument_group("offload")
-    g.add_argument("--offload-param", choices=DEVICES, default=None, help="where weights live between uses")
-    g.add_argument("--offload-optimizer", choices=DEVICES, default=None, help="where fp32 optimizer states live")
-    g.add_argument("--nvme-path", default=None, type=_swap_dirs, metavar="DIR[,DIR...]",
-                   help="directory for swap files (needed for nvme); several, comma-separated (one per drive): "
-                        "each rank of a node takes its turn")
-    g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO partitioning stage")
-    g.add_argument("--precision", choices=PRECISION_CHOICES, default=None,
-                   help="compute dtype (default auto: bf16 where the device runs it natively, fp16 on an older GPU, "
-                        "fp32 on other CPUs)")
-    g.add_argument("--delayed-update", action="store_true", default=None,
-                   help="one-step delayed parameter update (the step overlaps the next backward; weights lag one step)")
-    g.add_argument("--offload-config", default=None, metavar="PATH", help="a .json/.yaml config; flags override it")
-    g.add_argument("--deepspeed", default=None, metavar="PATH",
-                   help="a DeepSpeed JSON config, read into ours (docs/deepspeed.md); "
-                        "--offload-config and flags override it")
-    return parser
-
-
-def file_settings(args: argparse.Namespace, total_steps: int | None = None) -> dict:
-    """The config data of --deepspeed with --offload-config's laid over it, section by section (a new dict).
-    total_steps fills a DeepSpeed "auto" total_num_steps (see offload/integrations/deepspeed.py)."""
-    data = {}
-    if getattr(args, "deepspeed", None):
-        from offload.integrations import deepspeed
-
-        data = deepspeed.settings(args.deepspeed, total_steps)
-    if getattr(args, "offload_config", None):
-        data = _merge(data, _read_file(pathlib.Path(args.offload_config)))
-    return data
-
-
-def _swap_dirs(text: str) -> str | list[str]:
-    """--nvme-path: one directory, or several comma-separated (a list)."""
-    paths = [p for p in text.split(",") if p]
-    return paths[0] if len(paths) == 1 else paths
-
-
-def config_from_args(args: argparse.Namespace) -> Config:
-    """The Config from --deepspeed and --offload-config (if any) with the explicit flags laid over them.
-
-    Precedence: explicit flags, then --offload-config, then --deepspeed, then Config's defaults."""
-    data = file_settings(args)
-    if getattr(args, "offload_param", None):
-        data.setdefault("offload_param", {})["device"] = args.offload_param
-    if getattr(args, "offload_optimizer", None):
-        data.setdefault("offload_optimizer", {})["device"] = args.offload_optimizer
-    for key in FLAG_KEYS:
-        if getattr(args, key, None) is not None:
-            data[key] = getattr(args, key)
-    if "nvme" in (data.get("offload_param", {}).get("device"), data.get("offload_optimizer", {}).get("device")):
-        data.setdefault("offload_optimizer", {}).setdefault("device", "cpu")
-    if data.get("offload_param", {}).get("device") in ("cpu", "nvme"):
-        data.setdefault("offload_optimizer", {}).setdefault("device", "cpu")
-    return load_config(data)

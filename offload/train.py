@@ -29,9 +29,10 @@ import time
 import torch
 
 import offload
-from offload.config import FLAG_KEYS, Config, _put, file_settings, load_config
+from offload.config import Config, load_config, set_dotted
 from offload.cpu_adam import kernel_backend
 from offload.data import BatchSampler, ByteTokenizer, load_data, load_tokens, make_sampler
+from offload.flags import FLAG_KEYS, file_settings
 from offload.lora import LoraWeights, apply_lora, base_name, lora_settings
 from offload.models import PRESETS, build_model, hf_llama_config, hf_name, loss_of
 from offload.ranks import reduced
@@ -162,11 +163,11 @@ def resolve(args: argparse.Namespace) -> tuple[Config, dict]:
         data["offload_param"] = {**data.get("offload_param", {}), "device": "nvme"}
         data["offload_optimizer"] = {**data.get("offload_optimizer", {}), "device": "nvme"}
     if args.offload_param:
-        _put(data, "offload_param.device", args.offload_param)
+        set_dotted(data, "offload_param.device", args.offload_param)
         if args.offload_param != "none" and not _get(data, "offload_optimizer.device"):
-            _put(data, "offload_optimizer.device", "cpu")  # as config_from_args: states follow weights off
+            set_dotted(data, "offload_optimizer.device", "cpu")  # as config_from_args: states follow weights off
     if args.offload_optimizer:
-        _put(data, "offload_optimizer.device", args.offload_optimizer)
+        set_dotted(data, "offload_optimizer.device", args.offload_optimizer)
     for key in FLAG_KEYS:
         if getattr(args, key) is not None:
             data[key] = getattr(args, key)
@@ -185,7 +186,7 @@ def resolve(args: argparse.Namespace) -> tuple[Config, dict]:
         if dest == "warmup_steps" and isinstance(run["steps"], int):
             default = min(default, run["steps"] // 10)  # short runs get a short warmup
         if value is not None or _get(file, path) is None:
-            _put(data, path, default if value is None else value)
+            set_dotted(data, path, default if value is None else value)
     _check_run(run, data)
     if "type" not in data.get("lr_schedule", {}):  # cosine over the run, down to 10%
         data["lr_schedule"].update(type="cosine", total_steps=run["steps"], min_ratio=0.1)

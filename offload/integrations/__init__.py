@@ -1,2 +1,4 @@
-"""Where users already are: DeepSpeed JSON configs read into our Config (deepspeed.py). Never imported by
-the core at import time; a module here that needs an optional package imports it itself."""
+"""Where users already are: DeepSpeed JSON configs read into our Config (deepspeed.py, standard library
+only: `offload` loads it for Config.from_deepspeed and --deepspeed), Hugging Face's Trainer
+(transformers.py) and Accelerate (accelerate.py). The core never imports the last two; a module here that
+needs an optional package imports it itself."""

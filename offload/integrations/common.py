@@ -16,7 +16,7 @@ import dataclasses
 import pathlib
 from typing import Any
 
-from offload.config import Config, LRScheduleConfig, _put, _read_file, load_config
+from offload.config import Config, LRScheduleConfig, load_config, read_settings_file, set_dotted
 
 # Top-level keys only a DeepSpeed config has: such a mapping is read as one (offload/integrations/deepspeed.py).
 DEEPSPEED_KEYS = {"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "bf16", "fp16",
@@ -31,7 +31,7 @@ def settings(offload_config) -> dict:
     if isinstance(offload_config, Config):
         return _changed(offload_config.to_dict(), Config().to_dict())
     if isinstance(offload_config, (str, pathlib.Path)):
-        data = _read_file(pathlib.Path(offload_config), flag="offload_config")
+        data = read_settings_file(pathlib.Path(offload_config), flag="offload_config")
     elif isinstance(offload_config, dict):
         data = offload_config
     else:
@@ -90,7 +90,7 @@ def with_owned(data: dict, owned: dict[str, tuple[Any, str]], owner: str, lr_fro
         mine = _get(data, key, missing=dataclasses.MISSING)
         if mine is not dataclasses.MISSING and not _same(mine, value):
             conflicts.append(f"{key}={mine!r} but {where} (the {owner} owns it)")
-        _put(data, key, value)
+        set_dotted(data, key, value)
     if conflicts:
         raise ValueError(f"offload_config: {'; '.join(conflicts)}; remove these keys from the offload config "
                          f"or make them equal")

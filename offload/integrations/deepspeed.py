@@ -25,7 +25,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from offload.config import CHUNK_ALIGN_BYTES, Config, _coerce, _put, _read_file, load_config
+from offload.config import CHUNK_ALIGN_BYTES, Config, coerce_value, load_config, read_settings_file, set_dotted
 
 AUTO = "auto"
 SKIP = object()   # a converter's answer for "DeepSpeed's default, which is ours: nothing to set"
@@ -172,7 +172,7 @@ def read(path_or_dict) -> tuple[dict, str]:
     if isinstance(path_or_dict, dict):
         return path_or_dict, "DeepSpeed config"
     path = pathlib.Path(path_or_dict)
-    return _read_file(path, flag="deepspeed"), str(path)
+    return read_settings_file(path, flag="deepspeed"), str(path)
 
 
 def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
@@ -222,7 +222,7 @@ class _Result:
     def nested(self) -> dict:
         data: dict = {}
         for ours, value in self.values.items():
-            _put(data, ours, value)
+            set_dotted(data, ours, value)
         return data
 
 
@@ -243,7 +243,7 @@ def _apply(key: str, row, value, res: _Result) -> None:
         if isinstance(converted, Instead):
             res.note(key, f"{value!r}: {converted.what}")
         elif converted is not SKIP:
-            res.put(row.ours, _coerce(_hint(row.ours), converted, key), key)
+            res.put(row.ours, coerce_value(_hint(row.ours), converted, key), key)
             if row.note:
                 res.note(key, row.note)
     elif row is not DERIVED and (row.ours is SKIP or value != row.ours):

@@ -1,0 +1,79 @@
+"""The offload flags of a training script: `add_arguments(parser)` adds them, `config_from_args(args)` reads
+them into a Config, with --deepspeed (offload/integrations/deepspeed.py) and --offload-config below them."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import pathlib
+
+from offload.config import DEVICES, PRECISION_CHOICES, Config, load_config, read_settings_file
+from offload.integrations import deepspeed
+
+FLAG_KEYS = ("nvme_path", "zero_stage", "precision", "delayed_update")  # top-level keys set by add_arguments' flags
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds the offload flags to an existing training script's parser."""
+    g = parser.add_argument_group("offload")
+    g.add_argument("--offload-param", choices=DEVICES, default=None, help="where weights live between uses")
+    g.add_argument("--offload-optimizer", choices=DEVICES, default=None, help="where fp32 optimizer states live")
+    g.add_argument("--nvme-path", default=None, type=_swap_dirs, metavar="DIR[,DIR...]",
+                   help="directory for swap files (needed for nvme); several, comma-separated (one per drive): "
+                        "each rank of a node takes its turn")
+    g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO partitioning stage")
+    g.add_argument("--precision", choices=PRECISION_CHOICES, default=None,
+                   help="compute dtype (default auto: bf16 where the device runs it natively, fp16 on an older GPU, "
+                        "fp32 on other CPUs)")
+    g.add_argument("--delayed-update", action="store_true", default=None,
+                   help="one-step delayed parameter update (the step overlaps the next backward; weights lag one step)")
+    g.add_argument("--offload-config", default=None, metavar="PATH", help="a .json/.yaml config; flags override it")
+    g.add_argument("--deepspeed", default=None, metavar="PATH",
+                   help="a DeepSpeed JSON config, read into ours (docs/deepspeed.md); "
+                        "--offload-config and flags override it")
+    return parser
+
+
+def file_settings(args: argparse.Namespace, total_steps: int | None = None) -> dict:
+    """The config data of --deepspeed with --offload-config's laid over it, section by section (a new dict).
+    total_steps fills a DeepSpeed "auto" total_num_steps (see offload/integrations/deepspeed.py)."""
+    data = {}
+    if getattr(args, "deepspeed", None):
+        data = deepspeed.settings(args.deepspeed, total_steps)
+    if getattr(args, "offload_config", None):
+        data = _merge(data, read_settings_file(pathlib.Path(args.offload_config)))
+    return data
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """`over` laid over `base` section by section (a new dict; neither is changed)."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else copy.deepcopy(value)
+    return out
+
+
+def _swap_dirs(text: str) -> str | list[str]:
+    """--nvme-path: one directory, or several comma-separated (a list)."""
+    paths = [p for p in text.split(",") if p]
+    return paths[0] if len(paths) == 1 else paths
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The Config from --deepspeed and --offload-config (if any) with the explicit flags laid over them.
+
+    Precedence: explicit flags, then --offload-config, then --deepspeed, then Config's defaults."""
+    data = file_settings(args)
+    if getattr(args, "offload_param", None):
+        data.setdefault("offload_param", {})["device"] = args.offload_param
+    if getattr(args, "offload_optimizer", None):
+        data.setdefault("offload_optimizer", {})["device"] = args.offload_optimizer
+    for key in FLAG_KEYS:
+        if getattr(args, key, None) is not None:
+            data[key] = getattr(args, key)
+    if "nvme" in (data.get("offload_param", {}).get("device"), data.get("offload_optimizer", {}).get("device")):
+        data.setdefault("offload_optimizer", {}).setdefault("device", "cpu")
+    if data.get("offload_param", {}).get("device") in ("cpu", "nvme"):
+        data.setdefault("offload_optimizer", {}).setdefault("device", "cpu")
+    return load_config(data)
