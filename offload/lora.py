@@ -206,7 +206,7 @@ def hf_names(items):
 
 def save_adapter(engine, model: torch.nn.Module, info: dict, lora: dict, directory: str) -> str:
     """--save of a LoRA run ([Note: what a LoRA run saves]); every rank calls it, rank 0 writes."""
-    from offload.hf import copy_companions
+    from offload.integrations.hf_io import copy_companions
 
     state = engine.trainable_state_dict()  # the adapters' masters: no frozen weight is read
     base = os.path.join(directory, "base")
@@ -226,7 +226,7 @@ def write_run_directory(engine, items, info: dict, directory: str) -> str:
     """(name, fp32 tensor) `items` of a run's model as a HF directory: rank 0 writes it (a preset's names as
     transformers' Llama names; the config, the tokenizer files and the generation config beside them), the
     other ranks read the items too, since over ranks reading them gathers every window from its owner."""
-    from offload.hf import copy_companions, save_hf_directory
+    from offload.integrations.hf_io import copy_companions, save_hf_directory
 
     if engine.rank != 0:
         for _ in items:

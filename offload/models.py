@@ -292,7 +292,7 @@ def build_model(name_or_dir: str | ModelConfig, device="cpu", dtype=None, seed: 
 
     Our models are initialized with init_weights(model, seed) unless device is "meta" (the Engine then
     materializes them under the same contract). A HF directory gives transformers' LlamaForCausalLM built
-    from its config with transformers' own init; its weights come from its safetensors (offload.hf).
+    from its config with transformers' own init; its weights come from its safetensors (offload.integrations.hf_io).
     """
     if isinstance(name_or_dir, str) and os.path.isdir(name_or_dir):
         return _hf_llama(name_or_dir, device, dtype, seed)

@@ -222,39 +222,6 @@ def _check_run(run: dict, data: dict) -> None:
 # --- model and weights --------------------------------------------------------------------------------
 
 
-class SafetensorsWeights:
-    """`name -> tensor` read lazily from a HF directory's safetensors shards: one open handle per shard,
-    kept until close(); each call copies out one tensor (safe_open maps the file)."""
-
-    def __init__(self, directory: str, aliases: dict[str, list[str]] | None = None):
-        from offload.hf import _safetensors, shard_files
-
-        self.directory, self.aliases = directory, aliases or {}
-        self._st = _safetensors()
-        self._where: dict[str, str] = {}
-        for path in shard_files(directory):
-            with self._st.safe_open(path, framework="pt", device="cpu") as f:
-                self._where.update((name, path) for name in f.keys())
-        self._open: dict[str, object] = {}
-
-    def __call__(self, name: str) -> torch.Tensor:
-        for candidate in [name, *self.aliases.get(name, [])]:  # a tied weight may be stored under another name
-            path = self._where.get(candidate)
-            if path is not None:
-                if path not in self._open:
-                    self._open[path] = self._st.safe_open(path, framework="pt", device="cpu")
-                return self._open[path].get_tensor(candidate)
-        if ".lora_" in name or ".base_layer." in name:  # a peft model's name
-            raise ValueError(f"weights[{name!r}]: a peft LoRA model's name, not in the safetensors of "
-                             f"{self.directory}; pass weights=offload.lora.LoraWeights(this source, model, seed), "
-                             "which maps the base's names and gives the adapters peft's init")
-        raise ValueError(f"weights[{name!r}]: not in the safetensors of {self.directory}; "
-                         f"the checkpoint does not match its config.json")
-
-    def close(self) -> None:
-        self._open.clear()  # safe_open handles unmap when dropped
-
-
 def _tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
     names: dict = {}
     for n, p in model.named_parameters(remove_duplicate=False):
@@ -306,7 +273,7 @@ def build(run: dict, cfg: Config):
     """(model, weights source or None, info dict) for a preset or a HF directory (built on meta)."""
     name = run["model"]
     if os.path.isdir(name):
-        from offload.hf import read_config
+        from offload.integrations.hf_io import SafetensorsWeights, read_config
 
         hf_config = read_config(name)
         model = build_model(name, device="meta")

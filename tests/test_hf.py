@@ -7,7 +7,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
-from offload import hf  # noqa: E402
+from offload.integrations import hf_io as hf  # noqa: E402
 
 
 def tiny_llama(tie: bool):

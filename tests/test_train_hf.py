@@ -10,6 +10,7 @@ import torch
 import offload
 from offload import train as recipe
 from offload.cli import main
+from offload.integrations.hf_io import SafetensorsWeights
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -60,7 +61,7 @@ def test_rotary_buffers_are_rebuilt_from_the_config(hf_dir):
 
 
 def test_weights_source_reports_missing_tensors(hf_dir):
-    weights = recipe.SafetensorsWeights(hf_dir)
+    weights = SafetensorsWeights(hf_dir)
     with pytest.raises(ValueError, match=r"weights\['nope'\]: not in the safetensors"):
         weights("nope")
     assert weights("model.norm.weight").shape == (64,)

@@ -109,7 +109,7 @@ def test_lora_run_of_a_hf_directory_equals_torch_and_peft_and_saves_what_they_lo
     assert report["losses"][-1] < report["losses"][0]
 
     # the frozen base: bit for bit the checkpoint's
-    from offload.hf import iter_safetensors
+    from offload.integrations.hf_io import iter_safetensors
 
     original = dict(iter_safetensors(str(model_dir)))
     frozen = {base_name(n): t for n, t in seen["state"].items() if ".lora_" not in n}

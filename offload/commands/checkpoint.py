@@ -79,7 +79,7 @@ def run_inspect(args) -> int:
 
 
 def run_export(args) -> int:
-    from offload.hf import copy_companions, save_hf_directory
+    from offload.integrations.hf_io import copy_companions, save_hf_directory
 
     path = ck.resolve(args.ckpt)
     manifest = ck.read_manifest(path)

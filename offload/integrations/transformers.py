@@ -172,7 +172,7 @@ class OffloadTrainer(Trainer):
         """Trainer's save: the engine's fp32 masters in the model's dtype, streamed one shard at a time (a
         model larger than RAM can be saved), config.json saying that dtype, then the generation config,
         the processing class and training_args.bin as Trainer writes them."""
-        from offload.hf import save_hf_directory
+        from offload.integrations.hf_io import save_hf_directory
 
         if not self.args.should_save:
             return

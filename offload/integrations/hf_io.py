@@ -1,4 +1,5 @@
-"""Local Hugging Face directories, tensor by tensor: read safetensors shards as a stream, write them back.
+"""Local Hugging Face directories, tensor by tensor: read safetensors shards as a stream (iter_safetensors,
+or SafetensorsWeights, a weights source for offload.initialize), write them back (save_hf_directory).
 
 Reading never holds more than one tensor of one open shard (safetensors.safe_open maps the file and
 copies out only the tensor asked for), so a model larger than RAM can stream into its tiers.
@@ -68,6 +69,37 @@ def iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
         with st.safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+class SafetensorsWeights:
+    """`name -> tensor` read lazily from a HF directory's safetensors shards: one open handle per shard,
+    kept until close(); each call copies out one tensor (safe_open maps the file)."""
+
+    def __init__(self, directory: str, aliases: dict[str, list[str]] | None = None):
+        self.directory, self.aliases = directory, aliases or {}
+        self._st = _safetensors()
+        self._where: dict[str, str] = {}
+        for path in shard_files(directory):
+            with self._st.safe_open(path, framework="pt", device="cpu") as f:
+                self._where.update((name, path) for name in f.keys())
+        self._open: dict[str, object] = {}
+
+    def __call__(self, name: str) -> torch.Tensor:
+        for candidate in [name, *self.aliases.get(name, [])]:  # a tied weight may be stored under another name
+            path = self._where.get(candidate)
+            if path is not None:
+                if path not in self._open:
+                    self._open[path] = self._st.safe_open(path, framework="pt", device="cpu")
+                return self._open[path].get_tensor(candidate)
+        if ".lora_" in name or ".base_layer." in name:  # a peft model's name
+            raise ValueError(f"weights[{name!r}]: a peft LoRA model's name, not in the safetensors of "
+                             f"{self.directory}; pass weights=offload.lora.LoraWeights(this source, model, seed), "
+                             "which maps the base's names and gives the adapters peft's init")
+        raise ValueError(f"weights[{name!r}]: not in the safetensors of {self.directory}; "
+                         f"the checkpoint does not match its config.json")
+
+    def close(self) -> None:
+        self._open.clear()  # safe_open handles unmap when dropped
 
 
 def _atomic_json(obj: dict, path: str) -> None:
