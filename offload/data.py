@@ -15,8 +15,8 @@ one array of records. One file holds one record shape:
 Instruction records are batched one example per row, right-padded (ExampleSampler), never packed.
 Any other extension or shape is refused with one line saying what is read (DATA_SHAPES).
 
-The bundled corpus is 38 public-domain Shakespeare plays (offload/data/shakespeare.txt.gz, 5.0 MB of
-text; offload/data/SOURCE.md says where it comes from).
+The bundled corpus is 38 public-domain Shakespeare plays (offload/corpus/shakespeare.txt.gz, 5.0 MB of
+text; offload/corpus/SOURCE.md says where it comes from).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-BUNDLED_CORPUS = os.path.join(os.path.dirname(__file__), "data", "shakespeare.txt.gz")
+BUNDLED_CORPUS = os.path.join(os.path.dirname(__file__), "corpus", "shakespeare.txt.gz")
 
 
 class ByteTokenizer:

