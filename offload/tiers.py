@@ -5,36 +5,22 @@ over the budget with a message naming tier, requested, used and budget. The nvme
 its accountant counts the bytes the swap files hold (budget: the free disk at start).
 
 [Note: reused host memory for hbm]
-On the CPU backend hbm is host memory, and a fetched unit's hbm copy used to be fresh memory every time (its
-storage resized back from zero: the allocator maps new pages), so the copy into it ran at the speed of page
-faults (about 2 GB/s here, against 11-12 GB/s into memory already touched), a step of the 3b preset spending
-about 11 s of a core on it. So fetched copies take their memory from a pool of pre-faulted, 4 KiB-aligned
-buffers, reused by size (swap.BufferPool): the buffer's memory is put under the unit's own storage
-(UntypedStorage._swap_data_ptr_), which keeps the storage object autograd's saved views point at, as the
-resize did, and given back on release. Being aligned, an nvme fetch reads straight into it
-(offload.residency). What the pool keeps is bounded three ways, because a cached buffer is held while the
-step's other memory (gradients, the embedding's step) peaks: on the 3b preset peak RSS rose from 5.76-5.96 GB
-(fresh memory) to 6.43-6.55 GB when every fetched copy's buffer stayed cached, and was 6.26 GB with the bounds
-that follow (bench/RESULTS.md). Only sizes that several fetched units share are pooled (a model's repeated
-blocks; one unit's own size, an embedding's, would sit cached between its uses); cached buffers wait up to the
-larger of two buffers of the largest such size (a fetch's buffer is mostly one just given back) and
-reuse_bytes, the room the plan leaves for weights kept beyond their use; and the cache lives across steps,
-since the next forward takes its buffers again. A model small enough that every block stays from its forward
-to its backward (reuse_bytes covers them) gives them all back in the backward and takes them all again in the
-next forward: bench-200m emptied its cache when each backward ended and faulted 14 fresh 25 MB copies in on
-the compute thread every step (0.06 s each on this VM, 0.5-1.7 s of system time a step), 4.5-5.3 s a step
-against 4.0-4.2 with the cache kept (bench/RESULTS.md). Used and cached together stay under the planned peak
-of those fetched weights (placement.fetched_peak), as CUDA's caching allocator keeps freed blocks. A request
-the pool does not serve at once (an embedding's size, or no buffer free) gets fresh memory, aligned too and
-marked for huge pages, and faulted in at once on a thread of its own (swap.buffers.populate, off the GIL), so
-that this overlaps whatever the reader thread still has queued before the fetch: its reads wait for it
-(fault_in). Faulting in is not free: on a VM that hands freed memory back to its host (virtio-balloon free
-page reporting, as here) the 3b preset's 788 MB embedding took 1.4-1.7 s to fault in, most of the time at the
-tied head, where it sat on the reader thread behind the last deferred step with the drive idle. It used to be
-the allocator's (a resized storage), whose address O_DIRECT cannot use, so every chunk was read into a fresh
-aligned staging buffer and copied: the 3b preset's 788 MB embedding, fetched twice a forward, stalled the
-forward 0.2-1.9 s each time. On CUDA, and with a torch that lacks UntypedStorage._swap_data_ptr_ (older
-releases), storages are resized.
+On the CPU backend hbm is host memory, and a copy into memory never touched runs at the speed of page
+faults, several times slower than into memory already touched. So a fetched unit's hbm copy takes a
+pre-faulted, 4 KiB-aligned buffer from a pool (swap.BufferPool), put under the unit's own storage with
+UntypedStorage._swap_data_ptr_ (autograd's saved views keep pointing at that storage object) and given
+back on release; being aligned, it takes an nvme fetch's O_DIRECT reads directly (offload.residency).
+A cached buffer is held while the step's other memory peaks, so the pool keeps little: only sizes that
+several fetched units share (a model's repeated blocks; a size one unit has alone would sit cached
+between its uses), cached buffers up to the larger of two of the largest such size (a fetch mostly
+takes one just given back) and reuse_bytes (the room the plan leaves for weights kept beyond their
+use), kept across steps since the next forward takes them again. Used and cached together stay under
+the planned peak of fetched weights (placement.fetched_peak), as CUDA's caching allocator keeps freed
+blocks. Any other request gets fresh memory, aligned too and marked for huge pages, faulted in on a
+thread of its own from the moment the fetch is issued (swap.buffers.populate, off the GIL), beside the
+reads queued before it; the fetch's reads wait for it (fault_in). On CUDA, and with a torch that lacks
+_swap_data_ptr_, storages are resized instead. Figures: bench/RESULTS.md (3b preset and bench-200m,
+2026-12-02), and docs/design.md "Chunks and budgets".
 """
 
 from __future__ import annotations
@@ -150,8 +136,8 @@ class Tiers:
     @staticmethod
     def fault_in(lent) -> None:
         """Waits until fresh memory given by give_hbm_memory is faulted in, so the reads into it move at the
-        drive's speed (faulted in by O_DIRECT as they were submitted, the 3b preset's 788 MB embedding took
-        0.2-1.9 s instead of about 0.25). Pooled memory is faulted in already."""
+        drive's speed instead of waiting on O_DIRECT to fault each page in as it submits (bench/RESULTS.md,
+        "Figures that code comments carried"). Pooled memory is faulted in already."""
         if lent is not None and lent[1] is not None:
             lent[1].wait()
 
