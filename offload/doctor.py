@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-MATMUL_SHAPE = (512, 1024, 4096)  # F.linear: (m x k) by (n x k): the shape issue 30 measured, a layer's size
+MATMUL_SHAPE = (512, 1024, 4096)  # F.linear: (m x k) by (n x k), a layer's size (bench/RESULTS.md quotes it)
 COPY_BYTES = 256 << 20
 SWAP_BYTES = 256 << 20
 

@@ -59,7 +59,8 @@ def pool_chunks(w_home: str, s_home: str, device_type: str, read_ahead: bool) ->
     # checked after the step that read them (they stay out of a live dram copy until then).
     new_w = 1 if s_home == "nvme" or w_home == "nvme" or (w_home == "hbm" and device_type != "cpu") else 0
     per_window = (STATE_KINDS if s_home == "nvme" else 0) + new_w
-    # nvme states: the window stepped and those read ahead; else only new weights pass through (2 as before)
+    # nvme states: the window stepped and those read ahead; else only new weights pass through: the window
+    # stepped and the one written behind
     windows = (1 + OPTIMIZER_READ_AHEAD if s_home == "nvme" else 2) if read_ahead else 1
     terms = [f"{fetch} per nvme fetch"] if fetch else []
     if per_window:
@@ -156,9 +157,10 @@ def free_holds(order: list[int], numels: list[int], trainables: list[int], items
                reserve: int) -> frozenset:
     """The units that a forward uses more than once (a tied embedding: its lookup, then the output head)
     whose weights can stay in hbm from one use to the next without raising the working set's peak
-    (working_set_peak, which replays the holding): released between the two, the 3b preset's 788 MB
-    table was read again from nvme and its fresh copy faulted in at the head, 1-1.5 s of the forward's end
-    with the drive idle. Largest first, each kept only if the peak with it and those before stays."""
+    (working_set_peak, which replays the holding): released between the two, such a table is read again
+    from nvme and its fresh copy faulted in at the head, at the forward's end with the drive idle (the 3b
+    preset's tied embedding: bench/RESULTS.md, 2026-12-02 18:42). Largest first, each kept only if the
+    peak with it and those before stays."""
     counts = collections.Counter(order)
     peak, held = working_set_peak(order, numels, trainables, itemsize, knobs, reserve), frozenset()
     for u in sorted((u for u, n in counts.items() if n > 1), key=lambda u: -numels[u]):

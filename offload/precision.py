@@ -1,10 +1,11 @@
 """Precision "auto": the compute dtype chosen on the host, from what its compute device runs natively.
 
 [Note: why the host decides]
-The same preset is fast in bf16 on one machine and several times slower on the next: measured on this
-project's 2-core AMD EPYC hosts (AVX2 only, torch's mkldnn bf16 check False), an F.linear of 512x1024 by
-4096x1024 ran at 84 GFLOP/s in fp32, 16.6 in bf16 and 20.8 in fp16; hosts of the same kind with AMX ran
-bf16 at 1.7-3 TFLOP/s. So "auto" (Config's default) asks the device, once, when the engine starts:
+The same preset is fast in bf16 on one machine and several times slower on the next: a CPU without
+native bf16 (AVX2 only, torch's mkldnn bf16 check False) runs bf16 and fp16 matmuls several times slower
+than fp32, while one with AMX runs bf16 fastest (figures: bench/RESULTS.md, "Precision auto on a host
+without native bf16" and "Figures that code comments carried"). So "auto" (Config's default) asks the
+device, once, when the engine starts:
 - CUDA with compute capability >= 8.0 (Ampere on): bf16;
 - an older GPU: fp16, with dynamic loss scaling (Config.loss_scale);
 - a CPU where torch's mkldnn bf16 check holds (AVX512_BF16 or AMX): bf16;

@@ -45,7 +45,8 @@ DEFAULT_KEEP_CHECKPOINTS = 2
 DEFAULT_EVAL_BATCHES = 8
 PER_STEP = ("losses", "step_seconds", "lrs", "grad_norms", "stall_seconds")  # history: one entry per step
 
-# What `make demo` runs: under 3 minutes of training on 2 quiet CPU cores in fp32 (docs/training.md, "make demo").
+# What `make demo` runs: sized to train within a few minutes on 2 CPU cores in fp32 (docs/training.md, "make
+# demo"; timings: bench/RESULTS.md, "make demo at the auto precision").
 RECIPE = {"model": "small", "steps": 150, "batch_size": 8, "seq_len": 128, "lr": 3e-3,
           "warmup_steps": 10, "grad_accum": 1, "clip": 1.0, "seed": 0}
 # Train flags that are config keys: flag dest -> (config path, recipe default).

@@ -71,8 +71,9 @@ def _subtree_numel(module: nn.Module, taken: set) -> int:
 
 def _adapter_dicts(model: nn.Module) -> set:
     """The module dicts of peft's tuner layers (lora_A, lora_B, lora_dropout: one entry per adapter name):
-    an adapter's few parameters belong to its layer's unit, so these are not containers of units (a 7B
-    Llama with LoRA on q and v made 291 units of them). Empty when peft is not imported."""
+    an adapter's few parameters belong to its layer's unit, so these are not containers of units (as
+    containers, a 7B Llama with LoRA on q and v would split into 291 units). Empty when peft is not
+    imported."""
     tuners = sys.modules.get("peft.tuners.tuners_utils")
     layer_class = getattr(tuners, "BaseTunerLayer", None)
     if layer_class is None:

@@ -1,13 +1,13 @@
 """Host buffers that O_DIRECT can use whole: 4 KiB-aligned, padded, pre-faulted (pinned with CUDA).
 
 [Note: why pre-fault]
-io_submit on pages that were never touched stalls on page faults inside the kernel: on our test
-machine the libaio package read 2 GiB at 0.4 GB/s into fresh pages and at 3.0-3.4 GB/s into touched
-ones. So every buffer handed out here is populated before its first I/O: large ones through
-madvise(MADV_POPULATE_WRITE) (the kernel zero-fills them in one pass), small ones by zeroing.
-Large buffers are also 2 MiB-aligned and marked MADV_HUGEPAGE: O_DIRECT pins the user pages of every transfer, and with huge pages that is one
-page per 2 MiB instead of 512; side by side on this machine that raised 1 MiB reads from about
-1.2 to 1.8-2.9 GB/s and writes from about 1.7 to 2.1-3.8 GB/s (busy machine, 4 runs each).
+io_submit on pages that were never touched stalls on page faults inside the kernel, and reads into
+fresh pages run several times slower than into touched ones. So every buffer handed out here is
+populated before its first I/O: large ones through madvise(MADV_POPULATE_WRITE) (the kernel zero-fills
+them in one pass), small ones by zeroing. Large buffers are also 2 MiB-aligned and marked MADV_HUGEPAGE:
+O_DIRECT pins the user pages of every transfer, and with huge pages that is one page per 2 MiB instead
+of 512, which speeds up 1 MiB reads and writes alike. Figures for both: bench/RESULTS.md, "NVMe swap"
+and "Figures that code comments carried".
 
 [Note: pinned buffers are our own]
 With CUDA, pinned (page-locked) buffers are the same populated mappings, registered with
@@ -47,8 +47,9 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, pin: bool = F
     """A 1-D contiguous tensor of `numel` elements whose data_ptr is 4 KiB-aligned and whose
     storage extends to a multiple of 4 KiB past it; pages are pre-faulted (see the Note above) unless
     `populate` is False: then a large one is faulted in as it is first written (in huge pages where the
-    kernel has them), by whoever writes it. (Populating runs under the GIL: 788 MB held every thread of
-    the process for up to 2 s when the kernel had to compact memory for huge pages.)"""
+    kernel has them), by whoever writes it. Populating here runs under the GIL, so every thread of the
+    process waits while the kernel faults the pages in (compacting memory for huge pages, at times for
+    seconds); populate() does it off the GIL."""
     if numel < 0:
         raise ValueError(f"numel={numel}: must be >= 0")
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -91,8 +92,8 @@ def populate(t: torch.Tensor) -> bool:
     (MADV_POPULATE_WRITE through ctypes); False where the kernel lacks it (the first write faults them).
     In pieces of POPULATE_PIECE_BYTES: one call holds the process's mmap lock while it faults, so every
     other thread's mmap or munmap (a tensor allocated or freed) waits for it; on a VM whose host backs
-    fresh memory slowly (the 3b preset's 788 MB embedding: 1.4-1.7 s here) one call over all of it stalled
-    the compute thread as long (a 0.06 s layer took 1.5 s)."""
+    fresh memory slowly, one call over a whole embedding would stall the compute thread for seconds
+    (bench/RESULTS.md, the 3b preset, 2026-12-02 12:16)."""
     begin = t.data_ptr() - t.data_ptr() % ALIGN_BYTES
     end = begin + round_up(t.data_ptr() + t.numel() * t.element_size() - begin)
     for at in range(begin, end, POPULATE_PIECE_BYTES):

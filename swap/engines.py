@@ -10,13 +10,12 @@ One small Protocol, two engines:
 A block marked `urgent` (a weight fetch the compute will wait for) goes ahead of every queued block that
 is not, in the order urgent blocks came; blocks already with the drive are not preempted. So a fetch
 issued while the optimizer's window pipeline keeps the queue full waits for what is in flight, not for
-the windows queued behind it (measured on the 3b preset: the forward's first fetch, 788 MB, took 2.8 s
-behind the deferred steps' windows, against 0.3 s at the drive's speed).
+the windows queued behind it (a 3b preset's first fetch would otherwise wait behind every deferred
+step's window: bench/RESULTS.md, "3b preset, 2026-12-02 04:09").
 Blocks already with the drive are the rest of its wait, so the libaio engine can also keep the bytes of
-non-urgent blocks in flight under `background_bytes`: with 8 MiB blocks and queue depth 32, 256 MiB of
-state windows were ahead of each weight fetch at the start of bench-200m's forward (0.13-0.16 s of
-stall a step on a 2.2 GB/s drive; 0.07-0.10 s with 64 MiB), while 2-4 such blocks in flight already
-reach the drive's bandwidth (bench/RESULTS.md, 2026-12-03).
+non-urgent blocks in flight under `background_bytes`: at full depth (32 blocks of 8 MiB) a weight fetch
+waits behind 256 MiB of state windows, while 2-4 such blocks in flight already reach the drive's
+bandwidth (stalls with and without the limit: bench/RESULTS.md, "2026-12-03 07:30").
 Urgent blocks still take any free slot. The swap layer's default is no limit (what `offload bench nvme`
 measures: the drive at full depth); the Engine passes `aio.background_bytes`.
 
@@ -198,9 +197,10 @@ class LibaioEngine:
 
     [Note: why the raw bindings]
     The `libaio` package's AIOBlock builds an iovec array, a ctypes buffer and a dict entry per
-    transfer; on a busy 2-core machine that Python work, not the drive, capped 1 MiB writes at about
-    half of fio's rate. So this engine keeps `queue_depth` preallocated iocbs (the package's ctypes
-    structures and io_submit/io_getevents bindings) and only fills in five fields per block.
+    transfer; on a busy 2-core machine that Python work, not the drive, caps 1 MiB writes well below
+    fio's rate (bench/RESULTS.md, "Figures that code comments carried"). So this engine keeps
+    `queue_depth` preallocated iocbs (the package's ctypes structures and io_submit/io_getevents
+    bindings) and only fills in five fields per block.
 
     [Note: who submits]
     The caller's thread submits while fewer than queue_depth blocks are in flight; the rest wait in a

@@ -13,8 +13,8 @@ SIZE is what goes to the drive, not what is held in RAM: the bytes move through 
 host slots of one key each, a key being one full I/O queue of the store (block_bytes x queue depth, or
 x threads, capped at CHUNK_BYTES), and a slot is written from (or read into) again only after its last
 transfer completed. So one key is in flight while the next is queued behind it, the drive always has a
-full queue, and RSS stays at the ring (512 MiB at most) whatever SIZE is; before, the whole SIZE was one
-host buffer (1G: 1.35 GB RSS, 3G: 3.45 GB).
+full queue, and RSS stays at the ring (512 MiB at most) whatever SIZE is, where one host buffer of SIZE
+would hold all of it (peak RSS both ways: bench/RESULTS.md, "Figures that code comments carried").
 """
 
 from __future__ import annotations

@@ -48,13 +48,11 @@ log = logging.getLogger("swap")
 DEFAULT_BLOCK_BYTES = 1 << 20
 DEFAULT_QUEUE_DEPTH = 32
 DEFAULT_THREADS = 4
-# Off by default, from the figures (bench/RESULTS.md, `python bench/nvme.py --size 4G --rounds 3`
-# runs ours with and without it side by side). Computed inline on the libaio reaper it cost 24% of
-# write and 26% of read bandwidth; on helper threads the cost fell inside this shared machine's noise
-# (-46% and +24% on writes in two runs). Either way hashing 2-5 GB/s takes a core and memory
-# bandwidth from CPU Adam, which runs while the optimizer's states stream to and from NVMe; short or
-# failed transfers are caught without it and the drive and link carry their own ECC/CRC. Turn it on
-# (checksum=True) to also catch silent corruption of the swap files.
+# Off by default: hashing 2-5 GB/s takes a core and memory bandwidth from CPU Adam, which runs while
+# the optimizer's states stream to and from NVMe (its cost on the swap bandwidth, on the reaper thread
+# and on helper threads: bench/RESULTS.md, "NVMe swap", `python bench/nvme.py --size 4G --rounds 3`).
+# Short or failed transfers are caught without it and the drive and link carry their own ECC/CRC. Turn
+# it on (checksum=True) to also catch silent corruption of the swap files.
 DEFAULT_CHECKSUM = False
 _MASK64 = (1 << 64) - 1
 OWNER_RECORD_S = 1.0  # owner.json's size is rewritten at a growth this long after its last record (or by 1/8)
@@ -64,11 +62,11 @@ def block_digest(addr: int, nbytes: int) -> int:
     """128-bit checksum of one I/O block: (xor << 64) | sum of its little-endian 64-bit words.
 
     [Note: why not crc32]
-    zlib.crc32 runs at about 2.5 GB/s on one core here when the machine is quiet and at 0.6 GB/s
-    when it is busy; it then becomes the bottleneck of a 2 GB/s drive (reads fell from 1.3-1.6 to
-    0.4 GB/s in a side-by-side run). Two numpy reductions over a block that is already in cache run
-    several times faster. They catch what goes wrong with swap files: flipped bits, zeroed, stale,
-    misdirected or torn blocks, truncation; they do not catch 8-byte words swapped inside one block.
+    zlib.crc32 on one core of a busy 2-core machine is slower than a 2 GB/s drive, so it becomes the
+    bottleneck of swap reads (bench/RESULTS.md, "Figures that code comments carried"). Two numpy
+    reductions over a block that is already in cache run several times faster. They catch what goes
+    wrong with swap files: flipped bits, zeroed, stale, misdirected or torn blocks, truncation; they do
+    not catch 8-byte words swapped inside one block.
     """
     n8 = nbytes - nbytes % 8
     s = x = 0
