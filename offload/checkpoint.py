@@ -251,7 +251,7 @@ def load(engine, path: str) -> dict:
 def _write_all(engine, manifest: dict, plan: dict, buffers: dict, files: fmt.Reader) -> None:
     """The checkpoint's states into the units' homes, its buffers into the module, its counters into the
     step pipeline: the part of a load that changes the engine."""
-    engine.pipeline.release_all()  # no fetched copy may outlive the update of its home
+    engine.prefetcher.release_all()  # no fetched copy may outlive the update of its home
     for unit in engine.units:
         _load_unit(engine, unit, {s.offset: plan[(unit.index, s.offset)] for s in unit.slots}, files,
                    manifest["accumulator"])
@@ -487,7 +487,7 @@ def load_state_dict(engine, sd: dict, strict: bool = True) -> _IncompatibleKeys:
     def fill(dst, slot, lo, hi):
         dst.copy_(value[slot.param][lo:hi])
 
-    engine.pipeline.release_all()
+    engine.prefetcher.release_all()
     for unit in engine.units:  # a sharded state dict's DTensors whole one unit at a time, in the same order on every rank
         value = {s.param: _whole(source[s.param]).detach().reshape(-1) for s in unit.slots if s.param in source}
         st, given = engine.states[unit.index], [s for s in unit.slots if s.param in value]

@@ -16,7 +16,6 @@ from dataclasses import replace
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload import checkpoint, hooks
@@ -26,8 +25,8 @@ from offload.optim import OptimState
 from offload.pipeline import Phase, StepPipeline
 from offload.placement import Placement, plan_placement
 from offload.precision import resolve_precision
-from offload.ranks import reduced
-from offload.residency import R, WeightHandle
+from offload.prefetch import agreed_keeping
+from offload.residency import WeightHandle
 from offload.runtime import Runtime
 from offload.units import Unit, forward_order, partition
 from scheduler.policy import ResidencyPolicy
@@ -76,12 +75,13 @@ class Engine(nn.Module):
         except BaseException:
             self.close()
             raise
-        self.pipeline = StepPipeline(rt, self.units, self.weights, self.states, self.trace, self._release_all)
-        self.policy = ResidencyPolicy(self.trace, [w.nbytes for w in self.weights], *_agreed_keeping(self.placement),
-                                      self.pipeline.grad_reserve, self.placement.knobs.held)
+        policy = ResidencyPolicy(self.trace, [w.nbytes for w in self.weights], *agreed_keeping(self.placement),
+                                 self.placement.grad_reserve, self.placement.knobs.held)
+        self.pipeline = StepPipeline(rt, self.units, self.weights, self.states, self.trace, policy)
+        self.prefetcher = self.pipeline.prefetch
         self._handles = [h for u in self.units if not u.persistent for m in [u.module, *u.users]
-                         for h in hooks.register(self, u, m)]
-        self._grad_hooks = [s.param.register_post_accumulate_grad_hook(self.pipeline.grad_hook(u))
+                         for h in hooks.register(self.prefetcher, self.weights[u.index], rt, u, m)]
+        self._grad_hooks = [s.param.register_post_accumulate_grad_hook(self.pipeline.grads.hook(u))
                             for u in self.units for s in u.slots if s.trainable]
         self._guards = checkpoint.guard_module(model)  # model.state_dict() would read placeholders: kept after close
         _serve_save_pretrained(self, model)
@@ -118,41 +118,6 @@ class Engine(nn.Module):
                 raise ValueError(f"batch tensor on {t.device}: the model runs on {self.device}; "
                                  f"move the batch with .to(engine.device)")
 
-    def fetch_for_use(self, unit: Unit, backward: bool = False) -> None:
-        """Called by the hooks before `unit` runs: prefetch what the policy says, then wait for this unit."""
-        with record_function("offload::fetch"):
-            self.pipeline.start_deferred()  # [Note: split step] in offload.pipeline: the last step's waiting units
-            hbm = self.tiers.acct["hbm"]
-            w = self.weights[unit.index]
-            while w.state in (R.NVME, R.DRAM) and not hbm.fits(w.nbytes):
-                if not self.pipeline.wait_oldest_grad_job():  # on demand: earlier gradients leave hbm first
-                    break
-            # This unit's own reads first: fetches run in turn on the reader thread, and the drive serves
-            # urgent reads in the order they came ([Note: urgent blocks] in swap/engines.py). Fetched after
-            # the prefetches, the first unit of a step (the 3b preset's 788 MB embedding) waited for two
-            # blocks' weights before its own: 1.6 s of the forward.
-            if w.update is None:  # a deferred step's unit waits for its step on the reader thread: not before others
-                w.fetch()
-            for nxt in self.policy.before_use(unit.index, hbm.budget_bytes - hbm.used_bytes, backward):
-                self.weights[nxt].fetch()
-            for other in self.weights:
-                other.advance()
-            w.wait_for_fetch()
-
-    def release_after_use(self, unit: Unit, backward: bool) -> None:
-        # a forward recomputed inside backward (activation checkpointing): its backward comes right after
-        if self.policy.after_use(unit.index, recompute=self.pipeline.in_backward and not backward):
-            with record_function("offload::release"):
-                self.weights[unit.index].release()
-
-    def _release_all(self) -> None:
-        """Drops every fetched copy, kept ones too: before homes are updated outside a backward (a step
-        after it, flush()), since a forward without backward (eval under no_grad) may have kept units;
-        and after a failure, when fetches in flight are settled and dropped (WeightHandle.reset)."""
-        for w in self.weights:
-            w.reset()
-        self.policy.release_all()  # the buffers they give back stay cached for the next step's fetches
-
     # -- backward and step: the step pipeline (offload.pipeline) -----------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
@@ -187,8 +152,8 @@ class Engine(nn.Module):
 
     step_count = property(lambda self: self.pipeline.step_count, doc="optimizer steps taken")
     micro_step = property(lambda self: self.pipeline.micro_step, doc="backwards since the last step")
-    loss_scale = property(lambda self: self.pipeline.loss_scale, doc="fp16's dynamic loss scale (1 otherwise)")
-    skipped_steps = property(lambda self: self.pipeline.skipped_steps, doc="fp16 overflows")
+    loss_scale = property(lambda self: self.pipeline.scale.value, doc="fp16's dynamic loss scale (1 otherwise)")
+    skipped_steps = property(lambda self: self.pipeline.scale.skipped_steps, doc="fp16 overflows")
     last_grad_norm = property(lambda self: self.pipeline.last_grad_norm,
                               doc="the global gradient norm of the last step (None when stepped in backward)")
     phase = property(lambda self: self.pipeline.phase, doc="offload.pipeline.Phase")
@@ -205,7 +170,7 @@ class Engine(nn.Module):
         without holding the whole model at once); trainable_only: the trainable parameters' masters alone,
         reading no frozen weight (a LoRA adapter's values without its base)."""
         self.pipeline.check_usable("reading the weights")
-        self.pipeline.finish_deferred()  # [Note: split step] in offload.pipeline
+        self.pipeline.deferred.finish()  # [Note: split step] in offload.pipeline
         names: dict = {}
         for n, p in self.module.named_parameters(remove_duplicate=False):
             names.setdefault(p, []).append(n)
@@ -276,7 +241,7 @@ class Engine(nn.Module):
             swap = self.store.where()  # the unlinked data file: its directory, /proc path and bytes
             tiers["nvme"]["used_bytes"] = swap["disk_bytes"]
             tiers["nvme"]["peak_bytes"] = max(tiers["nvme"]["peak_bytes"], swap["disk_bytes"])
-        return {"step": self.step_count, "tiers": tiers, **snap, "last_step": self.pipeline.last_step,
+        return {"step": self.step_count, "tiers": tiers, **snap, "last_step": self.pipeline.stats.last,
                 "loss_scale": self.loss_scale, "skipped_steps": self.skipped_steps, "swap": swap}
 
     def close(self) -> None:
@@ -348,14 +313,3 @@ def _check_ranks(cfg: Config, world: int) -> None:
     if stage in (1, 2, 3) and cfg.delayed_update:
         raise ValueError(f"delayed_update=true: not implemented with zero_stage={stage} over {world} ranks yet; "
                          "set it false, or use zero_stage 0")
-
-
-def _agreed_keeping(p: Placement) -> tuple[int, int]:
-    """(reuse_distance, reuse_bytes), with zero_stage 3 the same on every rank (the smallest of each): both
-    may be shrunk to each rank's own budgets, and a unit kept on one rank and released on another would be
-    gathered by one and not the other ([Note: partitioned weights])."""
-    ours = (p.knobs.reuse_distance, p.reuse_bytes)
-    if not p.weight_owners:
-        return ours
-    distance, nbytes = reduced(list(ours), "min")
-    return int(distance), int(nbytes)

@@ -11,8 +11,8 @@ release, since the recomputed forward's own backward follows at once.
 
 [Note: backward without weights]
 An embedding lookup's backward reads the indices, not the table: a use of a unit by a module whose
-forward is nn.Embedding's needs no fetch for its backward, and none is hooked (on the 3b preset the tied
-788 MB table is not read again, nor held, at the end of the backward). Its released parameters take their
+forward is nn.Embedding's needs no fetch for its backward, and none is hooked (a tied embedding table is
+not read again, nor held, at the end of the backward). Its released parameters take their
 shapes instead (WeightHandle.shape_only: the gradient accumulator checks the gradient against them). This
 is not inferred for other modules: activation checkpointing hides what a forward saves and recomputes it
 outside the module's hooks. As a guard, the use must also leave the unit's parameters and hbm storage
@@ -49,21 +49,21 @@ def _tensors_requiring_grad(tree):
     return flat, spec, idx
 
 
-def register(engine, unit, module: torch.nn.Module) -> list:
-    """Hooks `module` (the unit's root or a module using its tied parameters) to fetch/release `unit`."""
+def register(prefetcher, weights, rt, unit, module: torch.nn.Module) -> list:
+    """Hooks `module` (the unit's root or a module using its tied parameters) to fetch/release `unit` through
+    `prefetcher` (offload.prefetch); `weights`: the unit's handle; `rt`: the runtime (telemetry, ranks)."""
     starts: list[tuple[float, int | None]] = []  # forward start times and storage refs (a stack: a module may call itself)
-    weights = engine.weights[unit.index]
     lookup = getattr(type(module), "forward", None) is torch.nn.Embedding.forward  # [Note: backward without weights]
 
     def pre_forward(mod, args, kwargs):
-        engine.fetch_for_use(unit)
+        prefetcher.fetch_for_use(unit)
         starts.append((time.perf_counter(), weights.refs() if lookup else None))
         if not torch.is_grad_enabled():
             return None
         flat, spec, idx = _tensors_requiring_grad((args, kwargs))
         if not idx:
             return None
-        wrapped = _PostBackward.apply(lambda: engine.release_after_use(unit, backward=True), *[flat[i] for i in idx])
+        wrapped = _PostBackward.apply(lambda: prefetcher.release_after_use(unit, backward=True), *[flat[i] for i in idx])
         wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
         for i, t in zip(idx, wrapped):
             flat[i] = t
@@ -73,18 +73,18 @@ def register(engine, unit, module: torch.nn.Module) -> list:
         refs = None
         if starts:
             t0, refs = starts.pop()
-            engine.telemetry.span("compute", f"forward {unit.name}", t0, time.perf_counter())
+            rt.telemetry.span("compute", f"forward {unit.name}", t0, time.perf_counter())
         needs_weights = refs is None or weights.refs() > refs  # [Note: backward without weights]
         if lookup and weights.partitioned and torch.is_grad_enabled():  # the fetch gathers: every rank or none
-            needs_weights = bool(engine.rt.ranks.agree([float(needs_weights)], "max",
+            needs_weights = bool(rt.ranks.agree([float(needs_weights)], "max",
                                                        f"all_reduce: does {unit.name}'s backward need weights")[0])
         if torch.is_grad_enabled():
             flat, _, idx = _tensors_requiring_grad(output)
-            before_backward = ((lambda grad: engine.fetch_for_use(unit, backward=True)) if needs_weights
+            before_backward = ((lambda grad: prefetcher.fetch_for_use(unit, backward=True)) if needs_weights
                                else (lambda grad: weights.shape_only()))
             for i in idx:
                 flat[i].register_hook(before_backward)
-        engine.release_after_use(unit, backward=False)
+        prefetcher.release_after_use(unit, backward=False)
         return None
 
     return [

@@ -475,7 +475,7 @@ def _fill_late(engine, unit: Unit, slots) -> None:
 
 class _Progress:
     """"offload: initializing: 12/30 units placed, 10.2 GB written" on stderr every few seconds, once the
-    initialization has taken PROGRESS_FIRST_S (the 3b preset writes 30 GB in minutes; tests stay quiet)."""
+    initialization has taken PROGRESS_FIRST_S (a multi-billion-parameter model writes tens of GB in minutes; tests stay quiet)."""
 
     def __init__(self, total_units: int):
         self.total_units, self.units, self.nbytes = total_units, 0, 0

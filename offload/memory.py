@@ -34,7 +34,7 @@ OFFLOAD_TIER = {"none": "hbm", "cpu": "dram", "nvme": "nvme"}  # offload_param/o
 STATE_KINDS = 4    # fp32 master, exp_avg, exp_avg_sq, gradient (of a unit, or one chunk of each in a window)
 SWAP_SLACK_BYTES = 64 << 10  # beside the swap data: the run directory's owner file, allocation granularity
 READ_AHEAD = 2     # chunks of one nvme fetch in flight (offload.residency)
-OPTIMIZER_READ_AHEAD = 2  # windows the optimizer pipeline reads ahead of the one it steps (offload.step)
+OPTIMIZER_READ_AHEAD = 2  # windows the optimizer pipeline reads ahead of the one it steps (offload.windows)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,7 +61,7 @@ class OptimState(_Handle):
         # torch's optimizers skip a parameter whose .grad is None: no decay, no moment update, and its own
         # step count (bias correction) does not advance. So each trainable slot counts its steps, the
         # accumulator notes which slots received a gradient in the accumulation window, and the step
-        # updates only those (see offload.step); in the common case that is one run over all.
+        # updates only those (see offload.windows); in the common case that is one run over all.
         self.slots = sorted((s for s in unit.slots if s.trainable), key=lambda s: s.offset)
         self.slot_steps = [0] * len(self.slots)
         self._slot_at = {s.offset: i for i, s in enumerate(self.slots)}

@@ -24,17 +24,17 @@ close() still works and removes the swap files.
 
 [Note: split step]
 With the overlapped step and optimizer states on nvme, all of a step's state I/O (read 12 B, write 14 B
-per parameter) fell in the backward, beside its compute, while the forward read only the weights: on a
-host where both phases are busy (the 3b preset here) the step took the forward's compute plus the
-backward's I/O. With split_step (a fraction, default 0.25) the placement defers that share of the fetched
-units, spread evenly over the forward order (placement.deferred): in backward such a unit's gradient goes
-to its nvme accumulator in the compute dtype (2 B write) and its step waits; at the next forward's first fetch, every deferred unit's
-step is queued on the d2h thread in forward order (a window pipeline of its own), and each unit's fetch
-waits for its own step (WeightHandle.update) on the reader thread, so the steps run ahead of the forward's
-compute. It is the same update (the same gradient, lr and scale) applied before the unit's next use, so
+per parameter) would fall in the backward, beside its compute, while the forward reads only the weights:
+where both phases are busy the step takes the forward's compute plus the backward's I/O. With split_step
+(a fraction, default 0.25) the placement defers that share of the fetched units, spread evenly over the
+forward order (placement.deferred): in backward such a unit's gradient goes to its nvme accumulator in the
+compute dtype (2 B write) and its step waits (StepMode.SPLIT, offload.modes); at the next forward's first
+fetch (Prefetcher.before_fetch), every deferred unit's step is queued on the d2h thread in forward order
+(a window pipeline of its own), and each unit's fetch waits for its own step (WeightHandle.update) on the
+reader thread, so the steps run ahead of the forward's compute. It is the same update (the same gradient, lr and scale) applied before the unit's next use, so
 the numbers are those of the step in backward (the parity tests compare them bit for bit). Whatever
 reads or saves states (full_state_dict, state_dict, checkpoints, flush, close) applies the waiting steps
-first (finish_deferred); a failed deferred step fails the engine as a failed step does.
+first (DeferredSteps.finish); a failed deferred step fails the engine as a failed step does.
 """
 
 from __future__ import annotations
@@ -47,9 +47,12 @@ import time
 import torch
 from torch.profiler import record_function
 
+from offload.gradients import Backward, GradientPath, settle
+from offload.modes import StepMode, step_mode
 from offload.optim import KINDS, STATES
-from offload.step import WindowPipeline
+from offload.prefetch import Prefetcher
 from offload.units import Unit
+from offload.windows import WindowPipeline
 from scheduler.telemetry import overlap_fraction
 
 log = logging.getLogger("offload")
@@ -84,33 +87,32 @@ class EngineClosed(RuntimeError):
 
 
 class StepPipeline:
-    """Forward/backward/step control over `weights` and `states` (the units' handles) on runtime `rt`.
-    `release_all()` drops every fetched weight copy (the engine's residency policy)."""
+    """Forward/backward/step control over `weights` and `states` (the units' handles) on runtime `rt`, with
+    its parts: `prefetch` (offload.prefetch, which the module hooks call), `grads` (offload.gradients) and
+    `deferred` ([Note: split step]). policy: the residency policy the prefetcher carries out.
 
-    def __init__(self, rt, units: list[Unit], weights, states, trace, release_all):
-        self.rt, self.units, self.weights, self.states = rt, units, weights, states
-        self.trace, self.release_all = trace, release_all
+    One micro-step, in order: begin_forward, then the hooks fetch each unit through `prefetch` (whose first
+    fetch queues the last step's deferred units); backward: the step mode is chosen once (offload.modes),
+    its window pipeline started, autograd runs (each unit's gradients go through `grads`, the overlapped
+    step or the delayed update beside them on the d2h thread), the fetched copies are released and the
+    jobs waited for; step() at the accumulation boundary, unless the backward took it, runs every unit's
+    windows (run_step)."""
+
+    def __init__(self, rt, units: list[Unit], weights, states, trace, policy):
+        self.rt, self.units, self.weights, self.states, self.trace = rt, units, weights, states, trace
+        self.grads = GradientPath(rt, units, states)
+        self.deferred = DeferredSteps(rt, units, weights, states, self._deferred_failed)
+        self.prefetch = Prefetcher(weights, policy, rt.tiers.acct["hbm"], self.grads.make_room, self.deferred.start,
+                                   lambda: self.phase is P.BACKWARD)
+        self.scale = LossScale(rt.cfg)
+        self.stats = StepStats(rt.telemetry)
         self.phase = P.IDLE
         self.failure: str | None = None
         self.step_count = self.micro_step = 0
-        self.loss_scale = rt.cfg.loss_scale.initial if rt.cfg.precision == "fp16" else 1.0
-        self.good_steps = self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self.lr_value: float | None = None          # set through Engine.lr: replaces lr_schedule from then on
-        self.grad_reserve = rt.placement.grad_reserve
-        self._jobs: list[tuple] = []                # (completion, hbm bytes) of gradient jobs in flight
-        self._waiting = {u.index: [] for u in units}  # a unit's parameters whose gradient is final
-        self._grad_sq: dict[int, float] = {}
-        self._flushed: set[int] = set()
-        self._touched: set[int] = set()            # units whose accumulator this micro-step changed
-        self._overlap = self._delayed = self._stepped_in_backward = False
-        self._pending: dict | None = None  # delayed_update: the accepted update not applied yet (step args)
-        self._pipe: WindowPipeline | None = None
-        self._args: dict | None = None             # the overlapped step's lr and grad_scale
-        self._deferred: dict | None = None          # [Note: split step] the step args of units not stepped yet
-        self._deferred_pipe: WindowPipeline | None = None
-        self._deferred_jobs: list = []
-        self._step_mark, self.last_step = rt.telemetry.snapshot(), None
+        self._pending: dict | None = None           # delayed_update: the accepted update not applied yet
+        self._mode = StepMode.PLAIN                 # the last backward's: OVERLAPPED or SPLIT took the step
 
     # -- phases ------------------------------------------------------------------------------------
     def _to(self, target: Phase) -> None:
@@ -140,6 +142,9 @@ class StepPipeline:
         self.failure = failure
         self._to(P.FAILED)
 
+    def _deferred_failed(self, error: BaseException) -> None:
+        self._fail(f"the step of step {self.step_count} applied at the next fetch (split_step)", error)
+
     @property
     def in_backward(self) -> bool:
         return self.phase is P.BACKWARD
@@ -157,210 +162,83 @@ class StepPipeline:
     def forward_failed(self, before: Phase) -> None:
         if before is P.BACKWARD:
             return  # the backward's own failure handling rolls it back
-        self.release_all()
+        self.prefetch.release_all()
         self.trace.abandon_step()
         try:
-            self.finish_deferred()  # the previous step's: applied whatever this forward did
+            self.deferred.finish()  # the previous step's: applied whatever this forward did
         except Exception:  # the engine failed (StepFailed from now on); the forward's error is the one raised
             return
         self._to(before)
 
-    # -- the deferred steps ([Note: split step]) -----------------------------------------------------
-    def start_deferred(self) -> None:
-        """Queues the deferred units' steps on the d2h thread in forward order; each unit's next fetch waits
-        for its own. Called before the first fetch after the step (Engine.fetch_for_use); idempotent."""
-        if self._deferred is None or self._deferred_pipe is not None:
-            return
-        order = self.rt.placement.deferred  # in forward order
-        pipe = self._deferred_pipe = WindowPipeline(self, list(order), self._deferred, KINDS,
-                                                    read_ahead=self.rt.placement.read_ahead)
-        for u in (self.units[i] for i in order):
-            done = self.rt.d2h.submit(pipe.step_unit, u)
-            self.weights[u.index].update = done
-            self._deferred_jobs.append(done)
-
-    def finish_deferred(self) -> None:
-        """Applies the deferred steps (starts them if no fetch did) and waits for them. A failure leaves
-        states partly updated: the engine fails."""
-        if self._deferred is None:
-            return
-        self.start_deferred()
-        pipe, jobs = self._deferred_pipe, self._deferred_jobs
-        try:
-            for done in jobs:
-                done.wait()
-            pipe.finish()
-        except BaseException as e:
-            for done in jobs:
-                _settle(done)
-            pipe.abort()
-            if self.phase is not P.FAILED:
-                self._fail(f"the step of step {self.step_count} applied at the next fetch (split_step)", e)
-            raise
-        finally:
-            self._deferred, self._deferred_pipe, self._deferred_jobs = None, None, []
-            for u in self.units:
-                self.weights[u.index].update = None
-
     # -- backward: gradients to their accumulators, and the step pipelined with them -----------------
-    def grad_hook(self, unit: Unit):
-        n_trainable = sum(s.trainable for s in unit.slots)
-
-        def hook(param: torch.Tensor) -> None:
-            waiting = self._waiting[unit.index]
-            waiting.append(param)
-            if len(waiting) == n_trainable:
-                self._flush_grads(unit)
-
-        return hook
-
-    def _flush_grads(self, unit: Unit) -> None:
-        """Hands this unit's final gradients of the micro-step to the d2h thread (hbm -> dram, fp32 add),
-        and with overlap_step / delayed_update its optimizer step after it."""
-        params, self._waiting[unit.index] = self._waiting[unit.index], []
-        self._flushed.add(unit.index)
-        offsets = {s.param: s.offset for s in unit.slots}
-        grads = [(offsets[p], p.grad.reshape(-1)) for p in params if p.grad is not None]
-        for p in params:
-            p.grad = None
-        gas = self.rt.cfg.gradient_accumulation_steps
-        first, last = self.micro_step % gas == 0, self.micro_step % gas == gas - 1
-        nbytes = sum(g.numel() * g.element_size() for _, g in grads)
-        hbm = self.rt.tiers.acct["hbm"]
-        # back-pressure: earlier gradients leave hbm first, within the budget and the planned reserve
-        while self._jobs and (not hbm.fits(nbytes) or sum(n for _, n in self._jobs) + nbytes > self.grad_reserve):
-            self.wait_oldest_grad_job()
-        hbm.charge(nbytes, f"{unit.name} gradients")  # they exist in hbm until the d2h job consumed them
-        state, overlap, delayed, tel = self.states[unit.index], self._overlap, self._delayed, self.rt.telemetry
-        deferred = overlap and unit.index in self.rt.placement.deferred  # [Note: split step]
-
-        def job():
-            try:
-                if delayed:  # the previous step's update, before the accumulator takes this step's gradient
-                    self._pipe.step_unit(unit)
-                t0 = time.perf_counter()
-                if self.rt.world > 1 and not self.rt.sharded:  # sharded: reduced window by window (offload.optim)
-                    average_over_ranks(grads, self.rt)
-                if not first:
-                    self._touched.add(unit.index)  # holds earlier micro-steps' gradients: changed from here
-                sq = state.accumulate(grads, first, last, keep=overlap and not deferred, deferred=deferred)
-                tel.link("hbm_to_dram", nbytes, time.perf_counter() - t0)
-                if sq is not None:
-                    self._grad_sq[unit.index] = sq
-                if overlap:
-                    if not math.isfinite(sq):
-                        raise FloatingPointError(f"{unit.name}: gradients are not finite ({self.rt.cfg.precision}); "
-                                                 "lower the learning rate or enable gradient_clipping")
-                    if not deferred:
-                        self._pipe.step_unit(unit)  # nvme states read the gradient from `grads` window by window
-            finally:
-                grads.clear()
-                hbm.refund(nbytes)
-
-        try:
-            self._jobs.append((self.rt.d2h.submit(job, tensors=[g for _, g in grads]), nbytes))
-        except BaseException:  # not queued (a closed or dead thread): the job's own refund will not run
-            hbm.refund(nbytes)
-            raise
-
-    def wait_oldest_grad_job(self) -> bool:
-        """Waits for the oldest gradient job in flight (its hbm bytes are free after); False if none."""
-        if not self._jobs:
-            return False
-        self._jobs.pop(0)[0].wait()
-        return True
-
     def backward(self, loss: torch.Tensor) -> None:
         self.check_usable("backward")
         self.rt.ranks.step = self.step_count + 1
         cfg = self.rt.cfg
-        self.finish_deferred()  # normally done already: each deferred unit's fetch waited for its step
+        self.deferred.finish()  # normally done already: each deferred unit's fetch waited for its step
         self._to(P.BACKWARD)
-        self._flushed, self._touched = set(), set()
-        self._overlap = self._can_overlap()
-        self._delayed = self._pending is not None
-        scale = self.loss_scale / cfg.gradient_accumulation_steps
+        gas = cfg.gradient_accumulation_steps
+        mode = step_mode(cfg, self.rt.sharded, self.micro_step, self._pending is not None, self.rt.placement.deferred)
+        args = {"lr": self.lr, "grad_scale": self.scale.value} if mode.overlapped else self._pending
+        pipe = self._windows(mode, args)
+        self.grads.begin(Backward(mode, self.micro_step % gas == 0, self.micro_step % gas == gas - 1, pipe))
+        scale = self.scale.value / gas
         t_start = time.perf_counter()
         try:
             with record_function("offload::backward"):
-                if self._overlap:
-                    self._args = {"lr": self.lr, "grad_scale": self.loss_scale}
-                    self._begin_pipelined_step(self._args, STATES)
-                elif self._delayed:
-                    self._begin_pipelined_step(self._pending, KINDS)  # gradients of the previous step
                 (loss * scale if scale != 1.0 else loss).backward()
-                for u in self.units:  # units with unused parameters: flush what they have
-                    if u.trainable_numel and u.index not in self._flushed:
-                        self._flush_grads(u)
-                self.release_all()
-                while self.wait_oldest_grad_job():
-                    pass
-                if self._pipe is not None:
-                    self._finish_pipelined_step()
+                self.grads.flush_rest()
+                self.prefetch.release_all()
+                self.grads.wait_all()
+                if pipe is not None:
+                    pipe.finish()
         except BaseException as e:
-            self._backward_failed(e)
+            self._backward_failed(e, pipe)
             raise
         finally:
             self.rt.telemetry.span("compute", "backward", t_start, time.perf_counter())
         self.trace.end_step()
-        self._delayed = False
+        self._mode = mode
+        if mode is StepMode.DELAYED:
+            self._pending = None
+        elif mode.overlapped:
+            self._took_step(args)
         self.micro_step += 1
         self._to(P.IDLE)
 
-    def _backward_failed(self, error: BaseException) -> None:
+    def _windows(self, mode: StepMode, args: dict | None) -> WindowPipeline | None:
+        """The window pipeline beside this backward's gradient jobs: units stepped on the d2h thread as their
+        gradients become final, in reverse unit order, the first one's states read ahead (STATES when the
+        gradient comes from this backward, KINDS for the delayed update of the previous one)."""
+        if not (mode.overlapped or mode is StepMode.DELAYED):
+            return None
+        skip = self.rt.placement.deferred if mode is StepMode.SPLIT else ()
+        order = [u.index for u in reversed(self.units) if u.trainable_numel and u.index not in skip]
+        return WindowPipeline(self.states, self.weights, self.rt, order, args, STATES if mode.overlapped else KINDS,
+                              read_ahead=self.rt.placement.read_ahead)
+
+    def _took_step(self, args: dict) -> None:
+        """An overlapped backward stepped its units: counted as the step (step() then only ends the window)."""
+        self.stats.mark()
+        self.grads.grad_sq.clear()
+        self.last_grad_norm = None
+        self.step_count += 1
+        if self.rt.placement.deferred:
+            self.deferred.defer(args)
+
+    def _backward_failed(self, error: BaseException, pipe: WindowPipeline | None) -> None:
         """Settles everything the micro-step has in flight; rolls it back unless a state changed."""
-        self._settle_jobs()
-        changed = bool(self._touched) or (self._pipe is not None and self._pipe.started)
-        if self._pipe is not None:
-            self._pipe.abort()
-            self._pipe = None
-        for u in self.units:  # gradients autograd produced and no job took
-            self._waiting[u.index] = []
-            for s in u.slots:
-                s.param.grad = None
-        for st in self.states:
-            if st is not None:
-                st.drop_gradients()
-        self._grad_sq.clear()
-        self._delayed = False
-        self.release_all()
+        self.grads.settle()
+        changed = bool(self.grads.touched) or (pipe is not None and pipe.started)
+        if pipe is not None:
+            pipe.abort()
+        self.grads.drop()
+        self.prefetch.release_all()
         self.trace.abandon_step()
         if changed:
             self._fail(f"step {self.step_count + 1} (during backward)", error)
         else:
             self._to(P.IDLE)
-
-    def _settle_jobs(self) -> None:
-        for completion, _ in self._jobs:
-            _settle(completion)
-        self._jobs = []
-
-    def _can_overlap(self) -> bool:
-        c = self.rt.cfg
-        last = self.micro_step % c.gradient_accumulation_steps == c.gradient_accumulation_steps - 1
-        return (last and c.overlap_step and not c.delayed_update and c.gradient_clipping == 0 and c.precision != "fp16"
-                and not self.rt.sharded)
-
-    def _begin_pipelined_step(self, args: dict, kinds) -> None:
-        """Units are stepped on the d2h thread as their gradients become final, in reverse unit order:
-        the first one's states (`kinds`) are read ahead. args: step_window's lr and grad_scale."""
-        skip = self.rt.placement.deferred if self._overlap else ()
-        order = [u.index for u in reversed(self.units) if u.trainable_numel and u.index not in skip]
-        self._pipe = WindowPipeline(self, order, args, kinds, read_ahead=self.rt.placement.read_ahead)
-
-    def _finish_pipelined_step(self) -> None:
-        self._pipe.finish()
-        self._pipe = None
-        if self._delayed:
-            self._pending = None
-            return
-        self._mark_step()
-        self._grad_sq.clear()
-        self.last_grad_norm = None
-        self.step_count += 1
-        self._stepped_in_backward = True
-        if self.rt.placement.deferred:
-            self._deferred = self._args
 
     # -- step ----------------------------------------------------------------------------------------
     @property
@@ -379,21 +257,22 @@ class StepPipeline:
         cfg = self.rt.cfg
         if self.micro_step % cfg.gradient_accumulation_steps != 0:
             return False
-        if self._stepped_in_backward:  # done unit by unit during backward (overlap_step)
-            self._stepped_in_backward = False
+        if self._mode.overlapped:  # taken unit by unit during backward
+            self._mode = StepMode.PLAIN
             self.micro_step = 0
             return True
-        sq = sum(self._grad_sq.values())
+        sq = sum(self.grads.grad_sq.values())
         if self.rt.sharded:  # each rank summed the windows it owns: the global norm, the same on every rank
             sq = sum_over_ranks(sq, self.rt)
         if not math.isfinite(sq):
             self.micro_step = 0
-            self._grad_sq.clear()
-            return self._skip_step()
-        grad_norm = math.sqrt(sq) / self.loss_scale
+            self.grads.grad_sq.clear()
+            self.scale.overflow(cfg, self.step_count)
+            return False
+        grad_norm = math.sqrt(sq) / self.scale.value
         clip = cfg.gradient_clipping
         clip_coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
-        update = {"lr": self.lr, "grad_scale": self.loss_scale / clip_coef}
+        update = {"lr": self.lr, "grad_scale": self.scale.value / clip_coef}
         if cfg.delayed_update:  # applied unit by unit during the next backward (or by flush())
             self._pending = update
         else:
@@ -408,20 +287,21 @@ class StepPipeline:
             self.rt.telemetry.span("compute", "step", t0, time.perf_counter())
             self._to(P.IDLE)
         self.micro_step = 0
-        self._grad_sq.clear()
+        self.grads.grad_sq.clear()
         self.last_grad_norm = grad_norm
         self.step_count += 1
-        self._mark_step()
-        self._grow_loss_scale()
+        self.stats.mark()
+        self.scale.good_step(cfg)
         return True
 
     def run_step(self, update: dict, where: str) -> None:
         """The step after backward: every trainable unit's windows in turn, reading window j+1's states
         ahead while window j updates and writing window j-1's behind. A failure after the first window
         began updating puts the pipeline in `failed`."""
-        self.release_all()  # no fetched copy may outlive the update of its home ([Note: updates beside residency])
+        self.prefetch.release_all()  # no fetched copy may outlive the update of its home ([Note: updates beside residency])
         trainable = [u for u in self.units if u.trainable_numel]
-        pipe = WindowPipeline(self, [u.index for u in trainable], update, read_ahead=self.rt.placement.read_ahead)
+        pipe = WindowPipeline(self.states, self.weights, self.rt, [u.index for u in trainable], update,
+                              read_ahead=self.rt.placement.read_ahead)
         sharing = False
         try:
             with record_function("offload::step"):
@@ -444,7 +324,7 @@ class StepPipeline:
         """delayed_update: applies the accepted update that would land during the next backward, now (and
         split_step's deferred steps)."""
         self.check_usable("flush")
-        self.finish_deferred()
+        self.deferred.finish()
         if self._pending is not None:
             self._to(P.STEPPING)
             try:
@@ -456,30 +336,6 @@ class StepPipeline:
             self._pending = None
             self._to(P.IDLE)
 
-    def _skip_step(self) -> bool:
-        cfg = self.rt.cfg
-        if cfg.precision != "fp16":
-            raise FloatingPointError(f"gradients are not finite at step {self.step_count + 1} ({cfg.precision}); "
-                                     "lower the learning rate or enable gradient_clipping")
-        self.loss_scale = max(self.loss_scale / 2, cfg.loss_scale.min_scale)
-        self.skipped_steps += 1
-        self.good_steps = 0
-        log.info("offload: fp16 overflow, step skipped; loss scale now %g", self.loss_scale)
-        return False
-
-    def _grow_loss_scale(self) -> None:
-        if self.rt.cfg.precision != "fp16":
-            return
-        self.good_steps += 1
-        if self.good_steps % self.rt.cfg.loss_scale.growth_interval == 0:
-            self.loss_scale *= 2
-
-    def _mark_step(self) -> None:
-        """Per-step telemetry: what moved and how long compute stalled since the previous step."""
-        now = self.rt.telemetry.snapshot()
-        self.last_step = _delta(now, self._step_mark)
-        self._step_mark = now
-
     # -- checkpoints (offload.checkpoint) -------------------------------------------------------------
     def checkpoint_state(self) -> dict:
         """The counters, the loss scaler and the accepted update not applied yet (delayed_update), as a
@@ -487,71 +343,126 @@ class StepPipeline:
         last backward of an accumulation window and before its step() the step is half taken (or, overlapped,
         taken and not counted). Deferred steps ([Note: split step]) are applied first."""
         self.check_usable("checkpoint")
-        self.finish_deferred()
+        self.deferred.finish()
         gas = self.rt.cfg.gradient_accumulation_steps
         if self.phase not in (P.IDLE, P.FORWARD) or (self.micro_step and self.micro_step % gas == 0):
             raise RuntimeError(f"offload: checkpoint while {self.phase.value}, {self.micro_step} backward(s) since "
                                "the last step: save or load between steps (after engine.step())")
-        return {"step_count": self.step_count, "micro_step": self.micro_step, "loss_scale": self.loss_scale,
-                "good_steps": self.good_steps, "skipped_steps": self.skipped_steps,
+        return {"step_count": self.step_count, "micro_step": self.micro_step, "loss_scale": self.scale.value,
+                "good_steps": self.scale.good_steps, "skipped_steps": self.scale.skipped_steps,
                 "last_grad_norm": self.last_grad_norm, "pending_update": self._pending}
 
     def restore(self, state: dict) -> None:
         """Sets what checkpoint_state() returned, once the units' states hold the checkpoint's."""
         self.checkpoint_state()  # the same precondition
         self.step_count, self.micro_step = state["step_count"], state["micro_step"]
-        self.loss_scale, self.good_steps = state["loss_scale"], state["good_steps"]
-        self.skipped_steps, self.last_grad_norm = state["skipped_steps"], state["last_grad_norm"]
+        self.scale.value, self.scale.good_steps = state["loss_scale"], state["good_steps"]
+        self.scale.skipped_steps, self.last_grad_norm = state["skipped_steps"], state["last_grad_norm"]
         self._pending = state["pending_update"]
 
     # -- close ---------------------------------------------------------------------------------------
     def close(self) -> None:
         """Settles the jobs in flight and returns the optimizer pipeline's chunks; always succeeds."""
-        self._settle_jobs()
-        for done in self._deferred_jobs:
-            _settle(done)
-        if self._deferred_pipe is not None:
-            self._deferred_pipe.abort()
-        self._deferred, self._deferred_pipe, self._deferred_jobs = None, None, []
-        if self._pipe is not None:
-            self._pipe.abort()
-            self._pipe = None
+        self.grads.settle()
+        self.deferred.close()
         self.phase = P.CLOSED
 
 
-def _settle(done) -> None:
-    try:
-        done.wait()
-    except Exception:  # reported by whoever waited first (an interrupt is not held back)
-        pass
+class DeferredSteps:
+    """[Note: split step] The steps of the placement's deferred units, queued on the d2h thread in forward
+    order before the next forward's first fetch; each unit's fetch waits for its own (WeightHandle.update).
+    on_failure(error): a deferred step failed (the engine fails: states are partly updated)."""
 
+    def __init__(self, rt, units: list[Unit], weights, states, on_failure):
+        self.rt, self.units, self.weights, self.states, self.on_failure = rt, units, weights, states, on_failure
+        self._args: dict | None = None     # the step's lr and grad_scale, while its deferred units wait
+        self._queued: tuple | None = None  # (window pipeline, completions) once started
 
-def average_over_ranks(grads: list, rt) -> None:
-    """zero_stage 0 over several ranks (data parallel): each gradient becomes the mean over the ranks, in
-    place, before it enters the accumulator, so every rank holds the same accumulators, takes the same
-    global decisions (norm, clipping, fp16 overflow) and applies the same update, as DDP does. Summed in
-    fp32 and divided (gloo's AVG and its bf16 sums are missing or slow in some torch versions), one
-    parameter at a time: the fp32 copy of a low-precision gradient is at most the largest parameter, charged
-    to hbm while it exists (the placement plans it). Runs on the d2h thread, in the same unit order on
-    every rank, which keeps the collectives matched."""
-    import torch.distributed as dist
+    def defer(self, args: dict) -> None:
+        self._args = args
 
-    t0, nbytes, hbm = time.perf_counter(), 0, rt.tiers.acct["hbm"]
-    for _, g in grads:
-        copy = g.dtype != torch.float32
-        if copy:
-            hbm.charge(g.numel() * 4, "gradient all-reduce buffer")
+    def start(self) -> None:
+        """Queues the deferred units' steps (idempotent; a no-op when none wait)."""
+        if self._args is None or self._queued is not None:
+            return
+        order = self.rt.placement.deferred  # in forward order
+        pipe = WindowPipeline(self.states, self.weights, self.rt, list(order), self._args, KINDS,
+                              read_ahead=self.rt.placement.read_ahead)
+        jobs: list = []
+        self._queued = (pipe, jobs)
+        for u in (self.units[i] for i in order):
+            done = self.rt.d2h.submit(pipe.step_unit, u)
+            self.weights[u.index].update = done
+            jobs.append(done)
+
+    def finish(self) -> None:
+        """Applies the deferred steps (starts them if no fetch did) and waits for them. A failure leaves
+        states partly updated: on_failure runs, and the error is raised."""
+        if self._args is None:
+            return
+        self.start()
+        pipe, jobs = self._queued
         try:
-            buf = g.float() if copy else g
-            rt.ranks.run("all_reduce", "a gradient", lambda: dist.all_reduce(buf, group=rt.ranks.grad))
-            buf.div_(rt.world)
-            if copy:
-                g.copy_(buf)
+            for done in jobs:
+                done.wait()
+            pipe.finish()
+        except BaseException as e:
+            for done in jobs:
+                settle(done)
+            pipe.abort()
+            self.on_failure(e)
+            raise
         finally:
-            if copy:
-                hbm.refund(g.numel() * 4)
-        nbytes += g.numel() * 4
-    rt.telemetry.collective("all_reduce", nbytes, time.perf_counter() - t0)
+            self._clear()
+
+    def close(self) -> None:
+        if self._queued is not None:
+            pipe, jobs = self._queued
+            for done in jobs:
+                settle(done)
+            pipe.abort()
+        self._clear()
+
+    def _clear(self) -> None:
+        self._args = self._queued = None
+        for u in self.units:
+            self.weights[u.index].update = None
+
+
+class LossScale:
+    """fp16's dynamic loss scale (1 otherwise): halved when a step's gradients overflow (the step is skipped),
+    doubled after loss_scale.growth_interval good steps."""
+
+    def __init__(self, cfg):
+        self.value = cfg.loss_scale.initial if cfg.precision == "fp16" else 1.0
+        self.good_steps = self.skipped_steps = 0
+
+    def overflow(self, cfg, step_count: int) -> None:
+        if cfg.precision != "fp16":
+            raise FloatingPointError(f"gradients are not finite at step {step_count + 1} ({cfg.precision}); "
+                                     "lower the learning rate or enable gradient_clipping")
+        self.value = max(self.value / 2, cfg.loss_scale.min_scale)
+        self.skipped_steps += 1
+        self.good_steps = 0
+        log.info("offload: fp16 overflow, step skipped; loss scale now %g", self.value)
+
+    def good_step(self, cfg) -> None:
+        if cfg.precision != "fp16":
+            return
+        self.good_steps += 1
+        if self.good_steps % cfg.loss_scale.growth_interval == 0:
+            self.value *= 2
+
+
+class StepStats:
+    """Per-step telemetry: what moved and how long compute stalled since the previous step (`last`)."""
+
+    def __init__(self, telemetry):
+        self.telemetry, self._mark, self.last = telemetry, telemetry.snapshot(), None
+
+    def mark(self) -> None:
+        now = self.telemetry.snapshot()
+        self.last, self._mark = _delta(now, self._mark), now
 
 
 def sum_over_ranks(x: float, rt) -> float:

@@ -21,6 +21,7 @@ from offload.chunks import weight_chunks, window_owners, windows
 from offload.config import CHUNK_ALIGN_BYTES, load_config
 from offload.memory import (MINIMUM, OFFLOAD_TIER, STATE_KINDS, TIERS, Knobs, free_holds, grad_reserve,
                             pool_chunks, runtime_parts, totals, working_set_peak)
+from offload.modes import every_step_overlapped
 from offload.precision import PrecisionChoice, resolve_precision
 from offload.units import Unit, forward_order, partition
 
@@ -133,7 +134,7 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     states = {"hbm": 0, "dram": 0, "nvme": 0}
     rows = []
     # An nvme gradient accumulator exists only when the step does not follow each gradient at once.
-    kinds = STATE_KINDS - (s_home == "nvme" and overlapped(cfg))
+    kinds = STATE_KINDS - (s_home == "nvme" and every_step_overlapped(cfg, sharded))
     for u in units:
         states[weight_home[u.index]] += owned_numel(weight_chunks(u.numel, u.trainable_numel, chunk_bytes // 4),
                                                     weight_owners.get(u.index), rank) * itemsize
@@ -228,18 +229,11 @@ def deferred_units(units, cfg, weight_home: dict, state_home: dict, sharded: boo
     order, never the first (its step could overlap nothing before its use): 0.5 defers every other unit
     from the second on, 0.25 every fourth from the fourth on."""
     f = float(cfg.split_step)
-    if not (f and overlapped(cfg)) or sharded:
+    if not (f and every_step_overlapped(cfg, sharded)):
         return ()
     seen = list(dict.fromkeys(order if order is not None else range(len(units))))
     fetched = [i for i in seen if units[i].trainable_numel and state_home.get(i) == "nvme" and weight_home[i] != "hbm"]
     return tuple(i for k, i in enumerate(fetched) if k and int(k * f + 1e-9) > int((k - 1) * f + 1e-9))
-
-
-def overlapped(cfg) -> bool:
-    """Whether every step runs unit by unit during the backward that produced its gradients (the engine's
-    overlap_step path), so no gradient accumulator outlives a backward."""
-    return (cfg.overlap_step and not cfg.delayed_update and cfg.gradient_accumulation_steps == 1
-            and cfg.gradient_clipping == 0 and cfg.precision != "fp16")
 
 
 def _fit(plan, p: Placement, cfg) -> tuple[Knobs, list[str]]:

@@ -302,7 +302,7 @@ class WeightHandle(_Handle):
     # The optimizer writes a unit's new weights to its home copy while the hbm copy may still be attached
     # (the unit's backward is over once its gradients are final, but units are released when backward()
     # ends, and a step outside backward first releases every fetched copy, kept ones included: see
-    # Engine._release_all). So an update never changes the residency state: dram homes and the CPU
+    # Prefetcher.release_all in offload.prefetch). So an update never changes the residency state: dram homes and the CPU
     # backend's hbm are written in place (the trainable prefix only; frozen weights are never written),
     # an nvme home chunk by chunk through pool chunks written behind, which the next fetch waits for.
     def new_weights(self, i: int, begin: int, end: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ def test_hbm_budget_of_two_units_holds(tmp_path, monkeypatch, delayed):
     eng = offload.initialize(model, cfg(tmp_path, prefetch_units=1, budgets={"hbm_bytes": budget},
                                        delayed_update=delayed))
     most_fetched = 0
-    original = eng.fetch_for_use
+    original = eng.prefetcher.fetch_for_use
 
     def counting(unit, backward=False):
         nonlocal most_fetched
@@ -38,7 +38,7 @@ def test_hbm_budget_of_two_units_holds(tmp_path, monkeypatch, delayed):
         fetched = sum(w.state in (R.HBM, R.DRAM_TO_HBM) and w.home == "nvme" for w in eng.weights)
         most_fetched = max(most_fetched, fetched)
 
-    monkeypatch.setattr(eng, "fetch_for_use", counting)
+    monkeypatch.setattr(eng.prefetcher, "fetch_for_use", counting)
     for x, y in mlp_batches(4):
         eng.backward(eng(x, y))
         eng.step()
@@ -499,8 +499,8 @@ def test_embedding_backward_fetches_no_weights(tmp_path, monkeypatch, tied):
         eng = offload.initialize(LlamaLoss(llama(tied=tied)), cfg(path, units={"min_numel": 512}, reuse_bytes=0))
         embed = next(u.index for u in eng.units if isinstance(u.module, torch.nn.Embedding))
         fetches = []
-        original = eng.fetch_for_use
-        monkeypatch.setattr(eng, "fetch_for_use", lambda unit, backward=False: (
+        original = eng.prefetcher.fetch_for_use
+        monkeypatch.setattr(eng.prefetcher, "fetch_for_use", lambda unit, backward=False: (
             fetches.append((unit.index, backward)), original(unit, backward))[-1])
         losses = []
         for ids, labels in llama_batches(3):
@@ -533,7 +533,7 @@ def test_a_unit_is_fetched_before_its_prefetches(tmp_path, monkeypatch):
     monkeypatch.setattr(WeightHandle, "fetch", lambda self: (
         order.append(self.unit.index) if self.state in (R.NVME, R.DRAM) else None, original(self))[-1])
     first = []
-    monkeypatch.setattr(eng, "fetch_for_use", lambda unit, backward=False, f=eng.fetch_for_use: (
+    monkeypatch.setattr(eng.prefetcher, "fetch_for_use", lambda unit, backward=False, f=eng.prefetcher.fetch_for_use: (
         first.append(unit.index) if not first else None, f(unit, backward))[-1])
     eng.backward(eng(*batches[1]))
     eng.step()
@@ -542,18 +542,18 @@ def test_a_unit_is_fetched_before_its_prefetches(tmp_path, monkeypatch):
 
 
 def test_optimizer_reads_windows_ahead(tmp_path, monkeypatch):
-    """The window pipeline (offload.step) steps a window with OPTIMIZER_READ_AHEAD windows loaded ahead of
+    """The window pipeline (offload.windows) steps a window with OPTIMIZER_READ_AHEAD windows loaded ahead of
     it (nvme states), never more: the pool's optimizer share."""
-    import offload.step as step_mod
+    import offload.windows as step_mod
     from offload.memory import OPTIMIZER_READ_AHEAD
 
     eng = offload.initialize(MLP(d=64, n_blocks=3), cfg(tmp_path, chunk_bytes=8192))
     loaded = []
     original = step_mod.step_window
 
-    def counting(ctx, unit, i, **kw):
-        loaded.append(sum(st.loaded(j) for st in ctx.states if st is not None for j in range(len(st.windows))))
-        return original(ctx, unit, i, **kw)
+    def counting(rt, state, w, unit, i, **kw):
+        loaded.append(sum(st.loaded(j) for st in eng.states if st is not None for j in range(len(st.windows))))
+        return original(rt, state, w, unit, i, **kw)
 
     monkeypatch.setattr(step_mod, "step_window", counting)
     x, y = mlp_batches(1)[0]

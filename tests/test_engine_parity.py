@@ -325,7 +325,7 @@ def test_weights_kept_by_an_eval_forward_see_a_later_update(tmp_path, extra):
             before = eng(x2, y2).item()
             eng.flush()
             after = eng(x2, y2).item()
-            eng._release_all()  # everything fetched afresh from its home
+            eng.prefetcher.release_all()  # everything fetched afresh from its home
             fresh = eng(x2, y2).item()
     assert after == fresh
     if extra.get("delayed_update"):

@@ -202,7 +202,7 @@ def test_a_deferred_step_that_fails_fails_the_engine_in_the_forward_that_waited(
 
 def test_a_failed_step_after_backward_fails_the_engine(tmp_path, monkeypatch):
     """An error in step() once the first window began updating: failed, with the step named."""
-    import offload.step as step_mod
+    import offload.windows as step_mod
 
     model, batches = faulty_mlp(), mlp_batches(2)
     with offload.initialize(model, config(tmp_path, "cpu", overlap_step=False)) as eng:
@@ -226,7 +226,7 @@ def test_a_failed_step_after_backward_fails_the_engine(tmp_path, monkeypatch):
 
 
 def test_a_step_that_fails_before_changing_anything_can_be_retried(tmp_path, monkeypatch):
-    import offload.step as step_mod
+    import offload.windows as step_mod
 
     model, batches = faulty_mlp(), mlp_batches(2)
     with offload.initialize(copy.deepcopy(model), config(tmp_path, "cpu", overlap_step=False)) as ref:

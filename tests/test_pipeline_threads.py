@@ -10,7 +10,7 @@ import torch
 
 import offload
 import offload.optim as optim
-import offload.step as step
+import offload.windows as step
 from tests.engine_util import MLP, mlp_batches
 
 

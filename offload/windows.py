@@ -3,13 +3,10 @@
 A WindowPipeline steps windows in the order the caller gives units (all of them after backward, or one
 unit at a time during backward as its gradient becomes final) with up to READ_AHEAD windows read ahead
 and one written behind (landed before another read starts): the pool's optimizer share is READ_AHEAD + 1
-windows' chunks at any model size (offload.memory). With one window ahead the drive idled between a
-window's writes and the next read (3b preset: 80-110 ms a window against 59 ms at the swap bandwidth);
-two keep a read queued while the previous window's writes land. Keeping one window's writes in flight
-while the next read starts (one more window of chunks) was tried on 2026-12-02: the window pattern replayed
-alone took 49.5-54.4 ms a window with it, 61.1 ms without, but the 3b preset's step did not show it
-beyond the host's drift (1.32x its I/O bound against 1.30x) and its peak RSS reached 6.03 GB, so it is not
-done (bench/RESULTS.md). CPU Adam writes each window's new weights straight into the weight tier's buffer.
+windows' chunks at any model size (offload.memory). Two windows ahead keep a read queued while the previous
+window's writes land, so the drive does not idle between them; one window's writes are landed before the
+next read starts, which bounds the pool (the measurements behind both choices: bench/RESULTS.md, 3b preset
+2026-12-02, "writes in flight"). CPU Adam writes each window's new weights straight into the weight tier's buffer.
 """
 
 from __future__ import annotations
@@ -32,19 +29,21 @@ class WindowPipeline:
     order: the unit indices in the order they are expected; a unit stepped out of that order is loaded
     when its turn comes (the read-ahead slots stay with the windows they hold, so the pool bound holds).
     kinds: what a window's read loads (STATES when the gradient comes from the backward itself).
-    ctx: what holds the units' `weights` and `states` and the runtime `rt` (offload.pipeline.StepPipeline)."""
+    states, weights: the units' optimizer states and weight handles (by unit index); rt: the runtime."""
 
-    def __init__(self, ctx, order: list[int], args: dict, kinds=KINDS, read_ahead: bool = True):
-        self.ctx, self.order, self.args, self.kinds = ctx, order, args, kinds
+    def __init__(self, states: list, weights: list, rt, order: list[int], args: dict, kinds=KINDS,
+                 read_ahead: bool = True):
+        self.states, self.weights, self.rt = states, weights, rt
+        self.order, self.args, self.kinds = order, args, kinds
         self.depth = READ_AHEAD if read_ahead else 0
         self.done: set[int] = set()
         self.failed = False
         self.started = False  # a window's update began: states or weights may differ from before
         self.ahead: collections.deque[tuple[int, int]] = collections.deque()  # (unit index, window) read ahead, in order
         self.last: tuple[int, int] | None = None    # the window written behind
-        first = next((u for u in order if ctx.states[u].mine), None)
+        first = next((u for u in order if states[u].mine), None)
         if self.depth and first is not None:
-            self._load((first, ctx.states[first].mine[0]))
+            self._load((first, states[first].mine[0]))
 
     def step_unit(self, unit: Unit) -> None:
         if self.failed:
@@ -65,12 +64,12 @@ class WindowPipeline:
             self._land_last()
         except Exception:  # the first error is the one reported (an interrupt is not held back)
             pass
-        for st in self.ctx.states:
+        for st in self.states:
             for i in range(len(st.windows) if st is not None else 0):
                 st.discard(i)
 
     def _step_unit(self, unit: Unit) -> None:
-        st = self.ctx.states[unit.index]
+        st = self.states[unit.index]
         for i in st.mine:  # every window, or over ranks the ones this rank owns ([Note: windows over ranks])
             item = (unit.index, i)
             if item in self.ahead:  # the first, unless units come out of order
@@ -82,7 +81,7 @@ class WindowPipeline:
             self._land_last()
             self._fill(item)
             self.started = True
-            step_window(self.ctx, unit, i, **self.args)
+            step_window(self.rt, self.states[unit.index], self.weights[unit.index], unit, i, **self.args)
             self.last = item
         st.count_steps()
         self.done.add(unit.index)
@@ -99,29 +98,29 @@ class WindowPipeline:
             self._load(nxt)
 
     def _next(self, index: int, i: int, stepping: int) -> tuple[int, int] | None:
-        mine = self.ctx.states[index].mine
+        mine = self.states[index].mine
         k = mine.index(i)
         if k + 1 < len(mine):
             return index, mine[k + 1]
         after = self.order[self.order.index(index) + 1:] if index in self.order and index != stepping else self.order
-        nxt = next((u for u in after if u not in self.done and u != stepping and u != index and self.ctx.states[u].mine), None)
-        return None if nxt is None else (nxt, self.ctx.states[nxt].mine[0])
+        nxt = next((u for u in after if u not in self.done and u != stepping and u != index and self.states[u].mine), None)
+        return None if nxt is None else (nxt, self.states[nxt].mine[0])
 
     def _load(self, item: tuple[int, int]) -> None:
         self.ahead.append(item)
-        self.ctx.states[item[0]].load(item[1], self.kinds)
+        self.states[item[0]].load(item[1], self.kinds)
 
     def _land_last(self) -> None:
         if self.last is not None:
             index, i = self.last
             self.last = None
-            self.ctx.states[index].wait_stored(i)
-            self.ctx.weights[index].wait_for_write()
+            self.states[index].wait_stored(i)
+            self.weights[index].wait_for_write()
 
 
-def step_window(ctx, unit: Unit, i: int, lr: float, grad_scale: float) -> None:
-    """CPU Adam over window i of one unit's states; the new weights go straight into the weight tier."""
-    st, w, rt = ctx.states[unit.index], ctx.weights[unit.index], ctx.rt
+def step_window(rt, st: OptimState, w, unit: Unit, i: int, lr: float, grad_scale: float) -> None:
+    """CPU Adam over window i of one unit's states `st`; the new weights go straight into its weight tier
+    (handle `w`)."""
     b, e = st.windows[i]
     hashed = st.digest_bounds(i) is not None  # nvme states with swap checksums, read unverified
     # Until the states are checked the new weights stay out of the live copy (a dram or CPU hbm home).

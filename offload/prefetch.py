@@ -1,0 +1,71 @@
+"""The prefetcher: the residency policy's decisions (scheduler/policy.py) carried out on the weight handles.
+
+The module hooks (offload.hooks) call it around every use of a unit: `fetch_for_use` before the use starts
+the unit's own fetch, then the fetches the policy wants ahead of it, and waits for the unit;
+`release_after_use` drops the hbm copy when the policy says it is not kept; `release_all` drops every
+fetched copy (before homes are updated outside a backward, and after a failure). With partitioned weights
+(zero_stage 3) a fetch ends in a gather, so every rank must keep and release alike: the keeping knobs are
+agreed over the ranks once (`agreed_keeping`, [Note: collective order] in offload.ranks).
+"""
+
+from __future__ import annotations
+
+from torch.profiler import record_function
+
+from offload.ranks import reduced
+from offload.residency import R
+from offload.units import Unit
+from scheduler.policy import ResidencyPolicy
+
+
+class Prefetcher:
+    """weights: the units' handles; policy: the residency policy; make_room(nbytes): waits for gradient
+    jobs until nbytes fit hbm (offload.gradients); before_fetch(): work owed before any fetch (a split
+    step's deferred units, [Note: split step] in offload.pipeline); in_backward(): whether a backward runs."""
+
+    def __init__(self, weights: list, policy: ResidencyPolicy, hbm, make_room, before_fetch, in_backward):
+        self.weights, self.policy, self.hbm = weights, policy, hbm
+        self.make_room, self.before_fetch, self.in_backward = make_room, before_fetch, in_backward
+
+    def fetch_for_use(self, unit: Unit, backward: bool = False) -> None:
+        """Before `unit` runs: its own fetch first, the prefetches after it, then waits for it."""
+        with record_function("offload::fetch"):
+            self.before_fetch()
+            w = self.weights[unit.index]
+            if w.state in (R.NVME, R.DRAM):
+                self.make_room(w.nbytes)  # on demand: earlier gradients leave hbm first
+            # This unit's own reads first: fetches run in turn on the reader thread and the drive serves urgent
+            # reads in the order they came ([Note: urgent blocks] in swap/engines.py), so a unit fetched after
+            # its prefetches would wait for their reads.
+            if w.update is None:  # a deferred step's unit waits for its step on the reader thread: not before others
+                w.fetch()
+            for nxt in self.policy.before_use(unit.index, self.hbm.budget_bytes - self.hbm.used_bytes, backward):
+                self.weights[nxt].fetch()
+            for other in self.weights:
+                other.advance()
+            w.wait_for_fetch()
+
+    def release_after_use(self, unit: Unit, backward: bool) -> None:
+        # a forward recomputed inside backward (activation checkpointing): its backward comes right after
+        if self.policy.after_use(unit.index, recompute=self.in_backward() and not backward):
+            with record_function("offload::release"):
+                self.weights[unit.index].release()
+
+    def release_all(self) -> None:
+        """Drops every fetched copy, kept ones too: before homes are updated outside a backward (a step
+        after it, flush()), since a forward without backward (eval under no_grad) may have kept units;
+        and after a failure, when fetches in flight are settled and dropped (WeightHandle.reset)."""
+        for w in self.weights:
+            w.reset()
+        self.policy.release_all()  # the buffers they give back stay cached for the next step's fetches
+
+
+def agreed_keeping(placement) -> tuple[int, int]:
+    """(reuse_distance, reuse_bytes), with zero_stage 3 the same on every rank (the smallest of each): both
+    may be shrunk to each rank's own budgets, and a unit kept on one rank and released on another would be
+    gathered by one and not the other ([Note: partitioned weights] in offload.residency)."""
+    ours = (placement.knobs.reuse_distance, placement.reuse_bytes)
+    if not placement.weight_owners:
+        return ours
+    distance, nbytes = reduced(list(ours), "min")
+    return int(distance), int(nbytes)
