@@ -67,7 +67,7 @@ def save(engine, directory: str, name: str | None = None, keep: int | None = Non
     if keep is not None and keep < 1:
         raise ValueError(f"keep={keep}: must be >= 1 (or None: keep every checkpoint)")
     manifest = _manifest_head(engine, counters, accumulator, extra)
-    if engine.world > 1:
+    if engine.rt.world > 1:
         return _save_ranks(engine, directory, name, keep, manifest, accumulator)
     with fmt.writing(directory, name) as tmp:
         part = _save_part(engine, tmp, accumulator)
@@ -94,13 +94,13 @@ def _save_part(engine, tmp: str, accumulator: bool) -> dict:
     """This rank's data file in `tmp` and what the manifest says of it ([Note: ranks]): the optimizer states
     of the windows it holds (zero_stage 0: rank 0 holds all, the others write none), and on rank 0 the frozen
     weights and the buffers, which every rank holds alike."""
-    first = engine.rank == 0
-    with fmt.DataFile(tmp, fmt.data_file_name(engine.rank)) as out:
+    first = engine.rt.rank == 0
+    with fmt.DataFile(tmp, fmt.data_file_name(engine.rt.rank)) as out:
         tensors = _save_parameters(engine, out, accumulator, states=first or engine.rt.sharded, weights=first)
         buffers = _save_buffers(engine, out) if first else {}
         out.sync()
-    return {"tensors": tensors, "buffers": buffers, "files": {out.name: {"rank": engine.rank, "nbytes": out.nbytes}},
-            "rng": {str(engine.rank): _rng_state()}}
+    return {"tensors": tensors, "buffers": buffers, "files": {out.name: {"rank": engine.rt.rank, "nbytes": out.nbytes}},
+            "rng": {str(engine.rt.rank): _rng_state()}}
 
 
 def _merge(parts: list[dict]) -> dict:
@@ -130,7 +130,7 @@ def _save_ranks(engine, directory: str, name: str, keep: int | None, manifest: d
 
     dist.barrier()  # every rank finished the step being saved
     box: list = [None]
-    if engine.rank == 0:
+    if engine.rt.rank == 0:
         try:
             box = [fmt.begin(directory, name)]
         except Exception as e:
@@ -142,16 +142,16 @@ def _save_ranks(engine, directory: str, name: str, keep: int | None, manifest: d
     try:
         part = _save_part(engine, tmp, accumulator)
     except Exception as e:
-        part = f"rank {engine.rank}: {type(e).__name__}: {e}"
-    parts = [None] * engine.world if engine.rank == 0 else None
+        part = f"rank {engine.rt.rank}: {type(e).__name__}: {e}"
+    parts = [None] * engine.rt.world if engine.rt.rank == 0 else None
     dist.gather_object(part, parts, dst=0)
     outcome = [None]
-    if engine.rank == 0:
+    if engine.rt.rank == 0:
         try:
             failed = [p for p in parts if isinstance(p, str)]
             if failed:
                 raise CheckpointError(f"saving {final}: " + "; ".join(failed) + "; nothing was published")
-            fmt.write_manifest(tmp, {**manifest, "world_size": engine.world, **_merge(parts)})
+            fmt.write_manifest(tmp, {**manifest, "world_size": engine.rt.world, **_merge(parts)})
             fmt.commit(tmp, final)
             outcome = [_published(engine, directory, name, keep)]
         except BaseException as e:
@@ -164,7 +164,7 @@ def _save_ranks(engine, directory: str, name: str, keep: int | None, manifest: d
 
 
 def _manifest_head(engine, counters: dict, accumulator: bool, extra: dict | None) -> dict:
-    cfg = engine.cfg
+    cfg = engine.rt.cfg
     extra = dict(extra or {})
     pretrained = getattr(sys.modules.get("transformers"), "PreTrainedModel", None)
     if pretrained is not None and isinstance(engine.module, pretrained) and "hf_config" not in extra:
@@ -174,7 +174,7 @@ def _manifest_head(engine, counters: dict, accumulator: bool, extra: dict | None
     except (TypeError, ValueError) as e:
         raise ValueError(f"extra: not JSON-serializable ({e}); pass plain dicts, lists, numbers and strings") from e
     essentials = json.loads(json.dumps(cfg.to_dict()))
-    return {"format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "world_size": engine.world,
+    return {"format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "world_size": engine.rt.world,
             "zero_stage": cfg.zero_stage, "precision": cfg.precision, **counters, "accumulator": accumulator,
             "saved_at": time.time(), "config": {k: essentials[k] for k in CONFIG_KEYS}, "extra": extra,
             "run_id": run_id(engine)}
@@ -192,7 +192,7 @@ def _save_parameters(engine, out: fmt.DataFile, accumulator: bool, states: bool 
         entry = {}
         for s in unit.slots:
             name, *aliases = names[s.param]
-            meta = entry[s.offset] = tensors[name] = {"shape": list(s.shape), "dtype": fmt.dtype_name(engine.dtype),
+            meta = entry[s.offset] = tensors[name] = {"shape": list(s.shape), "dtype": fmt.dtype_name(engine.rt.dtype),
                                                       "trainable": s.trainable, "aliases": aliases}
             if s.trainable:
                 meta["step"] = steps[s.offset]
@@ -233,7 +233,7 @@ def load(engine, path: str) -> dict:
     ckpt = fmt.resolve(path)
     manifest = fmt.read_manifest(ckpt)
     engine.pipeline.checkpoint_state()  # between steps, engine usable
-    _check_config(engine.cfg, manifest, ckpt)
+    _check_config(engine.rt.cfg, manifest, ckpt)
     plan = _match_parameters(engine, manifest, ckpt)
     buffers = _match_buffers(engine.module, manifest, ckpt)
     with fmt.Reader(ckpt, manifest) as files:
@@ -243,7 +243,7 @@ def load(engine, path: str) -> dict:
         except BaseException as e:
             _fail_half_loaded(engine, ckpt, e)
             raise
-    _set_rng_state(manifest["rng"].get(str(engine.rank)))
+    _set_rng_state(manifest["rng"].get(str(engine.rt.rank)))
     engine.checkpoint_run_id = manifest.get("run_id") or run_id(engine)  # the run it continues
     return manifest["extra"]
 

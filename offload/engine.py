@@ -37,7 +37,15 @@ _WRAPPED: weakref.WeakSet = weakref.WeakSet()  # models an Engine has taken over
 
 
 class Engine(nn.Module):
-    """Wraps `model`; see offload.initialize. Use as `engine(batch)`, `engine.backward(loss)`, `engine.step()`."""
+    """Wraps `model`; see offload.initialize. Use as `engine(batch)`, `engine.backward(loss)`, `engine.step()`.
+
+    Besides its methods and properties, its public fields are PUBLIC_FIELDS: what the modules around it
+    (materialize, checkpoint, the integrations) work through: the runtime `rt`, the units and their handles
+    (`weights`, `states`), the step's `pipeline` and `prefetcher`; nothing reaches its other attributes
+    (tests/test_layering.py)."""
+
+    PUBLIC_FIELDS = ("module", "cfg", "device", "precision", "placement", "units", "rt", "weights", "states",
+                     "pipeline", "prefetcher", "weights_source", "checkpoint_run_id")
 
     def __init__(self, model: nn.Module, config: Config | dict | str | None = None, weights=None):
         super().__init__()
@@ -60,6 +68,7 @@ class Engine(nn.Module):
         self.placement: Placement = plan_placement(self.units, cfg, self.device, order=forward_order(model, self.units),
                                                    world=self.world, rank=self.rank, precision=self.precision)
         self.rt = rt = Runtime.open(cfg, self.device, self.placement, self.rank, self.world)
+        # shorthands for scripts and tests; the modules around the engine use rt (PUBLIC_FIELDS)
         self.tiers, self.telemetry, self.staging, self.store = rt.tiers, rt.telemetry, rt.staging, rt.store
         self.chunk_numel = rt.chunk_numel
         agree = (lambda values, op: rt.ranks.agree(values, op, "all_reduce: the trace to replay")
@@ -67,8 +76,8 @@ class Engine(nn.Module):
         self.trace = ExecutionTrace(self.placement.knobs.prefetch_units, agree=agree)
         self._closed = False
         self.checkpoint_run_id: str | None = None  # the run its checkpoints belong to (offload.checkpoint.run_id)
-        self.weights: list[WeightHandle] = []
-        self.states: list[OptimState | None] = []
+        self.weights: list[WeightHandle | None] = [None] * len(self.units)  # filled by materialize
+        self.states: list[OptimState | None] = [None] * len(self.units)
         _WRAPPED.add(model)  # from here on its parameters become the engine's placeholders
         try:
             materialize(self)

@@ -212,7 +212,7 @@ def save_adapter(engine, model: torch.nn.Module, info: dict, lora: dict, directo
     base = os.path.join(directory, "base")
     if info["kind"] == "preset":
         _save_base(engine, info, base)  # every rank: it gathers
-    if engine.rank != 0:
+    if engine.rt.rank != 0:
         return directory
     if info["kind"] == "hf":
         model.save_pretrained(directory, state_dict=state)
@@ -228,7 +228,7 @@ def write_run_directory(engine, items, info: dict, directory: str) -> str:
     other ranks read the items too, since over ranks reading them gathers every window from its owner."""
     from offload.integrations.hf_io import copy_companions, save_hf_directory
 
-    if engine.rank != 0:
+    if engine.rt.rank != 0:
         for _ in items:
             pass
         return directory

@@ -60,8 +60,6 @@ PROGRESS_EVERY_S = 5.0
 
 def materialize(engine) -> None:
     model = engine.module
-    engine.weights = [None] * len(engine.units)
-    engine.states = [None] * len(engine.units)
     if any(p.is_meta for p in model.parameters()):
         _from_meta(engine, model, init=engine.weights_source is None)
     else:
@@ -72,7 +70,7 @@ def materialize(engine) -> None:
             if b.is_meta:
                 raise ValueError(f"buffer {type(module).__name__}.{name}: still on the meta device after "
                                  "reset_parameters(); initialize buffers in reset_parameters() too")
-            module._buffers[name] = b.to(engine.device)
+            module._buffers[name] = b.to(engine.rt.device)
 
 
 def _from_meta(engine, model: nn.Module, init: bool) -> None:
@@ -90,7 +88,7 @@ def _from_meta(engine, model: nn.Module, init: bool) -> None:
             for p in g._parameters.values() if p is not None}
     tracker = _UnitTracker(engine, model, late)
     replay: dict = {}  # module -> RNG state before its default init, drawn into scratch earlier
-    torch.manual_seed(engine.cfg.seed)
+    torch.manual_seed(engine.rt.cfg.seed)
     with torch.no_grad():
         for i, (kind, module, owner) in enumerate(events):
             if kind == "peft":
@@ -455,7 +453,7 @@ class _UnitTracker:
                 finally:
                     for s, p in zip(late, metas):
                         s.param = p
-                self.progress.update(u.numel * self.engine.dtype.itemsize + u.trainable_numel * 4)
+                self.progress.update(u.numel * self.engine.rt.dtype.itemsize + u.trainable_numel * 4)
 
 
 def _fill_late(engine, unit: Unit, slots) -> None:
@@ -504,13 +502,13 @@ def place(engine, unit: Unit, late=()) -> None:
     """Copies the unit's initial values into its weight and optimizer-state homes. Resident homes are
     filled in place; nvme homes chunk by chunk through the pool. `late`: slots left zero, whose values
     come later ([Note: adapters initialized late])."""
-    p = engine.placement
+    p = engine.rt.placement
     given = [s for s in unit.slots if not any(s is x for x in late)]
     values = {s.name: _initial_value(engine, s) for s in given}  # keeps the values past _detach()
-    w = WeightHandle(unit, p.weight_home[unit.index], engine.dtype, engine.rt)
+    w = WeightHandle(unit, p.weight_home[unit.index], engine.rt.dtype, engine.rt)
     pieces = [(s.offset, values[s.name]) for s in given]
     if w.home == "nvme":
-        _fill_chunks(engine, w.key, {i: w.chunks[i] for i in w.held}, engine.dtype, pieces)
+        _fill_chunks(engine, w.key, {i: w.chunks[i] for i in w.held}, engine.rt.dtype, pieces)
     elif w.home == "dram":
         for i in w.held:  # every chunk, or with zero_stage 3 the ones this rank owns
             gather(pieces, *w.chunks[i], w.dram[w.span(i)])
@@ -524,7 +522,7 @@ def place(engine, unit: Unit, late=()) -> None:
         for i in st.mine:  # every window, or over ranks the ones this rank owns
             b, e = st.windows[i]
             if st.home == "nvme":
-                _fill_chunks(engine, unit.key("master", engine.rank), {i: (b, e)}, torch.float32, pieces)
+                _fill_chunks(engine, unit.key("master", engine.rt.rank), {i: (b, e)}, torch.float32, pieces)
             else:
                 gather(pieces, b, e, st.t["master"][st.span(i)])
         engine.states[unit.index] = st
@@ -534,12 +532,12 @@ def _fill_chunks(engine, key: str, chunks: dict[int, tuple[int, int]], dtype, pi
     """Writes (offset, flat value) pieces, zero elsewhere, to the swap chunks of `key` ({chunk index:
     bounds}), one pool chunk at a time."""
     for i, (b, e) in chunks.items():
-        buf = engine.staging.acquire(e - b, dtype, f"initial {key}")
+        buf = engine.rt.staging.acquire(e - b, dtype, f"initial {key}")
         try:
             gather(pieces, b, e, buf)
-            engine.store.write(chunk_key(key, i), buf).wait()
+            engine.rt.store.write(chunk_key(key, i), buf).wait()
         finally:
-            engine.staging.release(buf)
+            engine.rt.staging.release(buf)
 
 
 def _initial_value(engine, s) -> torch.Tensor:
@@ -568,7 +566,7 @@ def unit_buffers(engine, unit, kind: str, write: bool = False, keep: bool = True
         spans, home, key, dtype = w.chunks, w.home, w.key, w.dtype
         flat = w.hbm if w.home == "hbm" else w.dram
     else:
-        spans, home, key, dtype = st.windows, st.home, unit.key(kind, engine.rank), torch.float32
+        spans, home, key, dtype = st.windows, st.home, unit.key(kind, engine.rt.rank), torch.float32
         flat = st.t.get(kind)
     held = w.held if kind == "weight" else st.mine  # the chunks / windows this rank holds
     for i in held if only is None else [i for i in held if i in only]:
@@ -584,17 +582,17 @@ def unit_buffers(engine, unit, kind: str, write: bool = False, keep: bool = True
                 at_home.copy_(t)
             continue
         k = chunk_key(key, i)
-        buf = engine.staging.acquire(e - b, dtype, f"checkpoint {k}")
+        buf = engine.rt.staging.acquire(e - b, dtype, f"checkpoint {k}")
         try:
-            if keep and k in engine.store:
-                engine.store.read(k, into=buf).wait()
+            if keep and k in engine.rt.store:
+                engine.rt.store.read(k, into=buf).wait()
             else:
                 buf.zero_()
             yield b, e, buf
             if write:
-                engine.store.write(k, buf).wait()
+                engine.rt.store.write(k, buf).wait()
         finally:
-            engine.staging.release(buf)
+            engine.rt.staging.release(buf)
 
 
 def write_slots(engine, unit, kind: str, slots, fill, keep: bool) -> None:
@@ -627,7 +625,7 @@ def unit_values(engine, unit: Unit, frozen: bool = True):
         master = _gather_master(engine, unit, st)
     elif st is not None:
         if st.home == "nvme":
-            master = _read_chunks(engine, unit.key("master", engine.rank), st.windows, torch.float32)
+            master = _read_chunks(engine, unit.key("master", engine.rt.rank), st.windows, torch.float32)
         else:
             master = st.t["master"]
     if not frozen:
@@ -648,7 +646,7 @@ def unit_values(engine, unit: Unit, frozen: bool = True):
 def _read_chunks(engine, key: str, chunks, dtype) -> torch.Tensor:
     """A buffer stored in swap chunks, read whole into a new tensor (its values are returned whole)."""
     out = torch.empty(chunks[-1][1] if chunks else 0, dtype=dtype)
-    tickets = [engine.store.read(chunk_key(key, i), into=out[b:e]) for i, (b, e) in enumerate(chunks)]
+    tickets = [engine.rt.store.read(chunk_key(key, i), into=out[b:e]) for i, (b, e) in enumerate(chunks)]
     for t in tickets:
         t.wait()
     return out
@@ -656,7 +654,7 @@ def _read_chunks(engine, key: str, chunks, dtype) -> torch.Tensor:
 
 def _gather_master(engine, unit, st) -> torch.Tensor:
     """A unit's fp32 master whole on every rank ([Note: windows over ranks] in offload.optim)."""
-    key = unit.key("master", engine.rank)
+    key = unit.key("master", engine.rt.rank)
     return _gathered(engine, st.windows, st.owner, torch.float32, st.home, lambda i: chunk_key(key, i),
                      lambda i: st.t["master"][st.span(i)])
 
@@ -676,9 +674,9 @@ def _gathered(engine, spans, owners, dtype, home: str, key_of, resident) -> torc
 
     out = torch.empty(spans[-1][1] if spans else 0, dtype=dtype)
     for i, (b, e) in enumerate(spans):
-        if owners[i] == engine.rank:
+        if owners[i] == engine.rt.rank:
             if home == "nvme":
-                engine.store.read(key_of(i), into=out[b:e]).wait()
+                engine.rt.store.read(key_of(i), into=out[b:e]).wait()
             else:
                 out[b:e].copy_(resident(i))
         dist.broadcast(out[b:e].view(torch.uint8), src=owners[i])

@@ -362,7 +362,7 @@ def train(args_or_config=None) -> dict:
                 final = engine.stats()
                 if args.trace:
                     engine.save_trace(args.trace)
-                    rep.plot_timeline(engine.telemetry.chrome_trace(), args.trace + ".png")
+                    rep.plot_timeline(engine.rt.telemetry.chrome_trace(), args.trace + ".png")
                 saved = save(engine, info, args.save, run["lora"]) if args.save else None
                 merged = save(engine, info, args.save_merged, run["lora"], merged=True) if args.save_merged else None
             check_stop()
@@ -492,7 +492,7 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, 
         history["samples"] = samples.rows
         for step in range(start, run["steps"]):
             t = time.perf_counter()
-            stall0 = engine.telemetry.stall_seconds  # not stats(): that lists the swap directory
+            stall0 = engine.rt.telemetry.stall_seconds  # not stats(): that lists the swap directory
             lr, loss_sum = engine.lr, 0.0
             for micro in range(gas):
                 ids, labels = sampler.batch(step * gas + micro)
@@ -503,7 +503,7 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, 
             if getattr(engine, "world", 1) > 1:  # the global batch's loss (the d2h thread is idle now)
                 loss_sum = _mean_over_ranks(loss_sum)
             seconds = time.perf_counter() - t
-            engine.telemetry.span("step", f"step {step + 1}", t, t + seconds)
+            engine.rt.telemetry.span("step", f"step {step + 1}", t, t + seconds)
             stats = history["stats"] = engine.stats()  # the last one also serves a stopped run's report
             history["losses"].append(loss_sum / gas)
             history["step_seconds"].append(seconds)

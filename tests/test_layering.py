@@ -134,3 +134,46 @@ def test_cycle_checker_finds_a_function_level_circle(tmp_path):
     graph = import_graph(tmp_path, ("offload",))
     assert graph["offload"] == {"offload.a"} and graph["offload.b"] == {"offload.sub.c"}
     assert cycles(graph) == [["offload.a", "offload.b", "offload.sub.c"]]
+
+
+# --- no module reaches into the Engine ---------------------------------------------------------------------
+
+ENGINE_NAMES = {"engine", "eng"}
+PROTOCOL_MARKERS = {"_is_accelerate_prepared"}  # Accelerate's own flag on what it must not wrap again
+
+
+def engine_reaches(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, attribute) of every `engine.X`, `eng.X` or `self.engine.X` in the file."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        v = node.value
+        if (isinstance(v, ast.Name) and v.id in ENGINE_NAMES) or (
+                isinstance(v, ast.Attribute) and v.attr == "engine" and isinstance(v.value, ast.Name)
+                and v.value.id == "self"):
+            out.append((node.lineno, node.attr))
+    return out
+
+
+def unknown_reaches(files, allowed: set[str]) -> list[str]:
+    return [f"{p.relative_to(p.parents[1])}:{line} .{attr}" for p in files for line, attr in engine_reaches(p)
+            if attr not in allowed]
+
+
+def engine_api() -> set[str]:
+    from offload.engine import Engine
+
+    return {n for n in dir(Engine) if not n.startswith("_")} | set(Engine.PUBLIC_FIELDS) | PROTOCOL_MARKERS
+
+
+def test_no_module_reaches_an_engine_field_outside_its_public_api():
+    files = [p for p in module_files(ROOT, ("offload",)).values() if p.name != "engine.py"]  # swap's engine is I/O
+    assert not unknown_reaches(files, engine_api()), unknown_reaches(files, engine_api())
+
+
+def test_reach_checker_sees_a_private_field(tmp_path):
+    bad = tmp_path / "pkg" / "mod.py"
+    bad.parent.mkdir()
+    bad.write_text("def f(engine):\n    return engine._closed, engine.units, engine.staging_pool\n")
+    assert unknown_reaches([bad], engine_api()) == ["pkg/mod.py:2 ._closed", "pkg/mod.py:2 .staging_pool"]
