@@ -43,7 +43,6 @@ import limits
 from e2e import REPO, add_engine_config_argument, default_ds_python, worker_env
 from offload.report import Periodic
 
-RUN_KEYS = ("params", "init_s", "deepspeed_version")  # once per run
 
 
 def worker(args) -> None:
@@ -147,7 +146,7 @@ class PeakRss(Periodic):
 
 def run_sampled(cmd: list[str], label: str) -> dict:
     """Runs a worker, echoing its stderr and a line per step, sampling its RSS. Returns what it reported
-    (RUN_KEYS, per-step lists), steps_completed, peak_rss_bytes (sampled), ru_maxrss_bytes (the worker's own
+    (its once-per-run keys: params, init_s, deepspeed_version, ...; per-step lists), steps_completed, peak_rss_bytes (sampled), ru_maxrss_bytes (the worker's own
     peak, if it got to say it) and error: its last stderr line, or null when it succeeded."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env())
     tail: collections.deque = collections.deque(maxlen=20)
@@ -188,10 +187,12 @@ def _take(out: dict, line: str, label: str) -> None:
         out["step_s"].append(event["step_s"])
         out["losses"].append(event["loss"])
         out["links"].append(event.get("links"))
+        for k in set(event) - {"step", "step_s", "loss", "links"}:  # a bench's own per-step figures
+            out.setdefault(k, []).append(event[k])
         print(f"{label} step {event['step'] + 1}: {event['step_s']:.2f} s, loss {event['loss']:.4f}",
               file=sys.stderr, flush=True)
     else:
-        out.update({k: event[k] for k in RUN_KEYS if k in event})
+        out.update({k: v for k, v in event.items() if k != "peak_rss_bytes"})  # once per run
         if "init_s" in event:
             print(f"{label} initialized in {event['init_s']:.1f} s", file=sys.stderr, flush=True)
         if "peak_rss_bytes" in event:  # the worker's own, exact peak (ru_maxrss): beside the sampled one

@@ -239,7 +239,7 @@ def estimate(shape: ModelShape, dp: int = 1, stage: int = 0, offload_param: str 
     return {"params": shape.params, "trainable_params": trainable, "frozen_params": shape.params - trainable,
             "largest_unit_numel": shape.largest_unit_numel, "source": shape.source,
             "dp": dp, "stage": stage, "offload_param": offload_param, "offload_optimizer": offload_optimizer,
-            "precision": precision, "K": terms[2].bytes_per_param,
+            "precision": precision, "K": terms[2].bytes_per_param, "device": runtime_kwargs.get("device_type", "cuda"),
             "model_states": states, "runtime": runtime, "per_rank": per_rank,
             "all_ranks": {k: v * dp for k, v in per_rank.items()},
             "formula": formula(terms, runtime, frozen=shape.trainable is not None)}
@@ -270,7 +270,8 @@ def format_table(result: dict) -> str:
                if result["frozen_params"] else "")
     head = (f"{result['params']:,} parameters{trained} from {result['source']}; dp={result['dp']}, "
             f"zero stage {result['stage']}, offload_param={result['offload_param']}, "
-            f"offload_optimizer={result['offload_optimizer']}, {result['precision']}, K={result['K']}")
+            f"offload_optimizer={result['offload_optimizer']}, {result['precision']}, K={result['K']}, runtime "
+            f"buffers for {result.get('device', 'cuda')}")
     rows = [f"{'per rank':<14}" + "".join(f"{t:>12}" for t in TIERS)]
     for label, key in (("model states", "model_states"), ("runtime", "runtime"), ("total", "per_rank")):
         rows.append(f"{label:<14}" + "".join(f"{format_bytes(result[key][t + '_bytes']):>12}" for t in TIERS))

@@ -87,6 +87,21 @@ class _Mapping(mmap.mmap):
 POPULATE_PIECE_BYTES = 32 << 20  # one madvise call's share (populate)
 
 
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def map_large_allocations(threshold_bytes: int = 1 << 20) -> bool:
+    """Makes the C library give every allocation of at least `threshold_bytes` its own mapping, unmapped
+    when freed (glibc's mallopt M_MMAP_THRESHOLD); False where the C library has no mallopt. A training step
+    allocates and frees gigabytes of activations in tensors of a few MB. By default glibc raises its mmap
+    threshold to up to 32 MB after the first large free and serves such tensors from its heap, whose free
+    chunks keep their pages: on the CPU backend, where activations live in host memory, the process's RSS
+    then grew step after step past what was live (bench/RESULTS.md, LoRA on the 7b preset). Setting the
+    threshold also stops that adjustment. Process-wide; the engine sets it on the CPU backend only."""
+    mallopt = getattr(_libc, "mallopt", None)
+    return bool(mallopt is not None and mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(threshold_bytes)) == 1)
+
+
 def populate(t: torch.Tensor) -> bool:
     """Faults in the pages under host tensor t now, on the calling thread, without holding the GIL
     (MADV_POPULATE_WRITE through ctypes); False where the kernel lacks it (the first write faults them).

@@ -147,3 +147,16 @@ def test_resident_units_sets_the_fetch_window(capsys):
     default = {p["name"]: p["bytes"] for p in run_json(capsys, *base)["runtime"]["parts"]}
     two = {p["name"]: p["bytes"] for p in run_json(capsys, *base, "--resident-units", "2")["runtime"]["parts"]}
     assert default["fetched weights"] == 4 * 2 * 1_000_000 and two["fetched weights"] == 2 * 2 * 1_000_000
+
+
+def test_runtime_buffers_are_for_the_device_given_and_match_the_engine_plan_on_cpu(capsys):
+    """On the CPU backend a fetch reads straight into the hbm copy: no staging chunk, so the ledger's dram is the
+    engine's own plan's (a LoRA run: the optimizer windows' new weights alone); --device cuda adds the fetch's."""
+    argv = ["--model", "tiny", "--lora", "4", "--offload-param", "nvme", "--offload-optimizer", "none",
+            "--precision", "fp32"]
+    cpu, cuda = run_json(capsys, *argv, "--device", "cpu"), run_json(capsys, *argv, "--device", "cuda")
+    assert cpu["device"] == "cpu" and cuda["device"] == "cuda"
+    # the same two chunks; the plan's are of the padded unit (its flat buffer aligns each parameter to 8 KiB)
+    assert 0 <= cpu["engine_plan"]["dram_bytes"] - cpu["per_rank"]["dram_bytes"] <= 2 * 8192
+    assert cpu["per_rank"]["dram_bytes"] > 0
+    assert cuda["per_rank"]["dram_bytes"] > cpu["per_rank"]["dram_bytes"]

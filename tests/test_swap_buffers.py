@@ -1,5 +1,6 @@
 """Aligned host buffers and the BufferPool: alignment, padding, back-pressure, randomized invariants."""
 
+import sys
 import threading
 
 import pytest
@@ -223,3 +224,30 @@ def test_unpopulated_buffer_is_faulted_in_by_populate():
         pytest.skip("the kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
     assert _resident_pages(t) == (pages, pages)
     assert _resident_pages(aligned_empty(16 << 20)) == (pages, pages)  # the default: populated at once
+
+
+_HEAP_SCRIPT = """
+import sys, psutil, torch
+from swap.buffers import map_large_allocations
+if sys.argv[1] == "mapped":
+    assert map_large_allocations()
+torch.empty(4 << 20, dtype=torch.uint8).fill_(1)  # a 16 MiB free: glibc raises its mmap threshold to it
+base = psutil.Process().memory_info().rss
+held = [torch.empty(1 << 20).fill_(1.0) for _ in range(100)]  # 4 MiB each, as activations
+last = torch.empty(16).fill_(1.0)  # a small live allocation above them in the heap
+del held
+print((psutil.Process().memory_info().rss - base) >> 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_large_allocations_leave_rss_when_freed_once_mapped():
+    """swap.buffers.map_large_allocations (set by the engine on the CPU backend): 400 MiB of 4 MiB tensors
+    freed leave RSS; with glibc's default (threshold raised by an earlier large free) they stay."""
+    import subprocess
+
+    def retained(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _HEAP_SCRIPT, mode], capture_output=True, text=True, check=True)
+        return int(out.stdout.strip())
+
+    assert retained("mapped") < 50 and retained("default") > 300

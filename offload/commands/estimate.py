@@ -7,7 +7,10 @@ import json
 import math
 import os
 
+import torch
+
 from offload import estimate as est
+from offload.config import CHUNK_ALIGN_BYTES, Config
 from offload.models import PRESETS
 from offload.precision import resolve_precision
 
@@ -34,6 +37,10 @@ def register(subparsers) -> None:
                    help="units whose full weights are in hbm at once (default 4: the one in use, 2 prefetched, "
                         "1 kept for its next use; the engine's defaults)")
     p.add_argument("--activation-bytes", type=int, default=0, help="activations in hbm, if known")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="the compute device the runtime buffers are for (default: this machine's, cuda when a GPU "
+                        "is visible, else cpu: on the CPU backend an nvme fetch reads straight into the hbm copy, "
+                        "with no staging chunk)")
     p.add_argument("--lora", type=int, default=None, metavar="R",
                    help="with --model: LoRA adapters of rank R trained, the model's own parameters frozen (weights "
                         "only: no gradient, no optimizer state), as `offload train --lora R`")
@@ -72,9 +79,12 @@ def run(args) -> int:
                          f"need at least 1 resident unit and non-negative bytes")
     choice = resolve_precision(args.precision)  # as the engine would resolve it on this host
     args.precision = choice.name
-    result = est.estimate(_shape(args), dp=args.dp, stage=args.stage, offload_param=args.offload_param,
+    shape = _shape(args)
+    result = est.estimate(shape, dp=args.dp, stage=args.stage, offload_param=args.offload_param,
                           offload_optimizer=args.offload_optimizer, precision=args.precision,
-                          hbm_units=args.resident_units, activation_bytes=args.activation_bytes)
+                          hbm_units=args.resident_units, activation_bytes=args.activation_bytes,
+                          device_type=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+                          chunk_bytes=_chunk_bytes(shape.largest_unit_numel))
     result["precision_reason"] = choice.line()
     if args.model is not None and args.dp == 1 and (args.model in PRESETS or os.path.isdir(args.model)):
         result["engine_plan"] = _engine_plan(args)
@@ -85,6 +95,12 @@ def run(args) -> int:
                   "set, weights kept for their backward (reuse_bytes) on this machine): " + ", ".join(f"{t} {est.format_bytes(plan[f'{t}_bytes'])}" for t in est.TIERS))
     print(json.dumps(result) if args.json else table)
     return 0
+
+
+def _chunk_bytes(unit_numel: int) -> int:
+    """The chunk the placement uses: chunk_bytes, or less when the largest unit's fp32 buffer is smaller."""
+    default = Config().chunk_bytes
+    return min(default, max(CHUNK_ALIGN_BYTES, -(-unit_numel * 4 // CHUNK_ALIGN_BYTES) * CHUNK_ALIGN_BYTES))
 
 
 def _engine_plan(args) -> dict:

@@ -1,0 +1,290 @@
+"""LoRA on a base larger than RAM: the frozen base streamed from nvme, the adapters and their states in hbm.
+
+Ours runs in a subprocess: a preset (default 7b, Llama-2-7B's shape) built on the meta device, wrapped
+with peft's LoRA (offload.lora, as `offload train --lora` does: r --lora on --targets), placed with
+offload_param nvme, offload_optimizer none and budgets.hbm_bytes --hbm, initialized (init_s) and trained
+--steps steps of --batch x --seq byte-id tokens. Each step reports its time, forward/backward split,
+loss and bytes per link. Its peak RSS is sampled every 0.2 s (bench/scale.py's PeakRss) and compared with
+what is stated: the process before initialize (interpreter, torch, peft), the hbm budget set (on the CPU
+backend hbm is host memory), the memory plan's dram need, and the step's activations (measured below);
+the goal is at most 6 GB at --hbm 2.5G.
+
+The limits a step is stated against, measured in the same run:
+  io_bound_s       bytes the step read and wrote on nvme (the engine's counters) over `offload bench nvme`'s
+                   bandwidth in the same --dir (before and after ours: the mean; bench/iobound.py)
+  compute_bound_s  the step's compute in plain torch, in memory, at the same precision: the LoRA model with
+                   one decoder layer (embedding, one layer, norm, head, loss: forward + backward), plus
+                   (layers - 1) x one more decoder layer's forward + backward on its input, each the
+                   median of 3 after a warm-up; with no optimizer (the adapters' Adam is microseconds)
+  compute_floor_s  (4 x frozen + 6 x trainable parameters) x tokens / the matmul GFLOP/s measured in this run:
+                   a frozen weight needs no weight gradient, so 2 FLOPs forward + 2 for the input gradient
+The goal (issue 31): step <= 1.2 x max(compute_bound_s, io_bound_s).
+
+python bench/lora.py --dir DIR [--model 7b] [--layers N] [--lora 16] [--targets q_proj,v_proj] [--hbm 2.5G]
+                     [--steps 4] [--batch 1] [--seq 256] [--io-size 16G] [--precision auto|fp32|bf16] [--json]
+--layers N trains the preset with N decoder layers (a quick run of the same shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import iobound  # bench/, this script's directory, is first on sys.path
+import limits
+from e2e import worker_env
+from scale import bracketed, run_sampled, steady
+
+GOAL_RATIO = 1.2
+GOAL_RSS_BYTES = 6e9
+
+
+def _model(args, device: str):
+    """The preset (with --layers) wrapped with peft's LoRA, on `device`; and its info dict."""
+    from offload import models
+    from offload.lora import apply_lora
+
+    if args.layers:
+        models.PRESETS[args.model] = dataclasses.replace(models.PRESETS[args.model], n_layers=args.layers)
+    model = models.build_model(args.model, device="meta")
+    if device != "meta":
+        import torch
+
+        from offload.precision import DTYPES
+
+        model = model.to_empty(device=device).to(DTYPES[args.precision])
+        with torch.no_grad():
+            for p in model.parameters():  # values do not matter, but garbage may hold denormals or NaNs
+                p.normal_(0.0, 0.02)
+    lora = {"r": args.lora, "alpha": 2.0 * args.lora, "targets": args.targets.split(","), "dropout": 0.0}
+    return apply_lora(model, {"kind": "preset"}, lora)
+
+
+def worker(args) -> None:
+    """In the subprocess: a JSON line after initialize, one per step, one at the end."""
+    import psutil
+
+    import offload
+    from offload.config import load_config
+    from offload.data import BatchSampler, load_tokens
+    from offload.models import loss_of
+
+    cfg = load_config({"precision": args.precision, "offload_param": {"device": "nvme"},
+                       "offload_optimizer": {"device": "none"}, "nvme_path": args.dir, "optimizer": {"lr": 1e-4},
+                       "budgets": {"hbm_bytes": args.hbm}})
+    model = _model(args, "meta")
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    sampler = BatchSampler(load_tokens(), args.batch, args.seq, seed=0)
+    proc = psutil.Process()
+    baseline = proc.memory_info().rss  # the interpreter, torch, peft: before the engine holds anything
+    t0 = time.perf_counter()
+    with offload.initialize(model, cfg) as engine:
+        need = engine.placement.need
+        _emit({"params": params, "trainable_params": trainable, "init_s": time.perf_counter() - t0,
+               "baseline_rss_bytes": baseline, "rss_after_init_bytes": proc.memory_info().rss,
+               "plan_hbm_bytes": need["hbm"], "plan_dram_bytes": need["dram"]})
+        for i in range(args.steps):
+            ids, labels = (t.to(engine.device) for t in sampler.batch(i))
+            t0 = time.perf_counter()
+            loss = loss_of(engine(ids, labels=labels))
+            t1 = time.perf_counter()
+            rss_forward = proc.memory_info().rss  # the step's activations are all alive here
+            engine.backward(loss)
+            engine.step()
+            t2 = time.perf_counter()
+            _emit({"step": i, "step_s": t2 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1, "loss": loss.item(),
+                   "links": engine.stats()["last_step"]["links"], "rss_after_forward_bytes": rss_forward,
+                   "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+    _emit({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+
+
+def compute_worker(args) -> None:
+    """In a subprocess: compute_bound_s (module docstring) and the activations one decoder layer keeps."""
+    import psutil
+    import torch
+
+    from offload.data import BatchSampler, load_tokens
+    from offload.models import loss_of, rotary
+
+    layers = args.layers or _preset(args).n_layers
+    args.layers = 1
+    model = _model(args, "cpu")
+    ids, labels = BatchSampler(load_tokens(), args.batch, args.seq, seed=0).batch(0)
+    block = next(m for name, m in model.named_modules() if name.endswith("layers.0"))
+    cfg = _preset(args)
+    x = torch.randn(args.batch, args.seq, cfg.d_model, dtype=next(model.parameters()).dtype, requires_grad=True)
+    cos, sin = rotary(args.seq, cfg.head_dim, cfg.rope_theta, "cpu")
+
+    def whole():
+        loss_of(model(ids, labels=labels)).backward()
+
+    def layer():
+        out = block(x, cos, sin)
+        out.backward(torch.ones_like(out))
+
+    def timed(fn):
+        times = []
+        for _ in range(4):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
+            x.grad = None
+        return statistics.median(times[1:])
+
+    one, per_layer = timed(whole), timed(layer)
+    rss = psutil.Process().memory_info().rss
+    outs = [block(x, cos, sin) for _ in range(4)]  # four layers' saved activations held at once
+    activations = (psutil.Process().memory_info().rss - rss) / 4
+    del outs
+    _emit({"model_one_layer_s": one, "layer_s": per_layer, "compute_bound_s": one + (layers - 1) * per_layer,
+           "activation_bytes_per_layer": activations})
+
+
+def _preset(args):
+    from offload.models import PRESETS
+
+    return PRESETS[args.model]
+
+
+def _emit(line: dict) -> None:
+    print(json.dumps(line), flush=True)
+
+
+def _sub(args, flag: str, extra: list[str]) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), flag, "--model", args.model, "--layers", str(args.layers),
+            "--lora", str(args.lora), "--targets", args.targets, "--batch", str(args.batch), "--seq", str(args.seq),
+            "--precision", args.precision, *extra]
+
+
+def _run(args, work: str) -> dict:
+    import subprocess
+
+    aio = {}
+    bw = iobound.measure_swap(work, args.io_size, aio) if args.io_size else None
+    ours_dir = os.path.join(work, "ours")
+    os.makedirs(ours_dir)
+    ours = run_sampled(_sub(args, "--worker", ["--hbm", str(args.hbm), "--steps", str(args.steps), "--dir", ours_dir]),
+                       "ours")
+    shutil.rmtree(ours_dir, ignore_errors=True)
+    if bw:
+        bw = bracketed(bw, iobound.measure_swap(work, args.io_size, aio))
+    proc = subprocess.run(_sub(args, "--compute-worker", []), capture_output=True, text=True, env=worker_env())
+    if proc.returncode:
+        raise RuntimeError(f"compute bound not measured: {proc.stderr.strip()[-2000:]}")
+    compute = json.loads(proc.stdout.strip().splitlines()[-1])
+    gflops = limits.matmul_gflops(args.precision)
+    report = {"model": args.model, "layers": args.layers or _preset(args).n_layers, "lora_r": args.lora,
+              "targets": args.targets, "batch": args.batch, "seq": args.seq, "precision": args.precision,
+              "hbm_budget_bytes": args.hbm, "matmul_gflops": gflops, **compute, **ours}
+    links = [l for l in report.pop("links") if l]
+    report["nvme_read_bytes"] = [l["nvme_to_dram"]["bytes"] for l in links]
+    report["nvme_write_bytes"] = [l["dram_to_nvme"]["bytes"] for l in links]
+    if ours["params"]:
+        frozen = ours["params"] - ours["trainable_params"]
+        report["compute_floor_s"] = ((4 * frozen + 6 * ours["trainable_params"]) * args.batch * args.seq
+                                     / (gflops * 1e9))
+    report.update({k: bw.get(k) if bw else None for k in ("swap_read_gbps", "swap_write_gbps", "swap_read_gbps_before",
+                                                           "swap_read_gbps_after")})
+    step = steady(ours["step_s"])
+    report["step_s_steady"] = step
+    report["io_bound_s"] = steady([iobound.io_bound_s(iobound.step_nvme_bytes(
+        {k: l[k] for k in iobound.NVME_LINKS}), bw) for l in links]) if bw and links else None
+    bound = max(report["compute_bound_s"], report["io_bound_s"] or 0.0)
+    report["step_vs_bound"] = step / bound if step else None
+    # What is stated for host memory on the CPU backend: the process before initialize, the hbm budget
+    # (fetched weights, adapters, their states), the dram need (pool), and the step's activations (layers x
+    # measured per layer).
+    report["stated_host_bytes"] = (ours.get("baseline_rss_bytes", 0) + args.hbm + (ours.get("plan_dram_bytes") or 0)
+                                   + report["layers"] * compute["activation_bytes_per_layer"])
+    return report
+
+
+def _print_summary(r: dict) -> None:
+    gb = 1e9
+    print(f"model {r['model']} ({r['layers']} layers, {(r['params'] or 0) / 1e9:.2f}B params, "
+          f"{(r['trainable_params'] or 0) / 1e6:.1f}M trained: LoRA r {r['lora_r']} on {r['targets']}), batch "
+          f"{r['batch']} x {r['seq']}, {r['precision']}, hbm budget {r['hbm_budget_bytes'] / 2**30:.2f} GiB")
+    print(f"init {r['init_s'] or float('nan'):.1f} s; steps (s): " + ", ".join(f"{s:.1f}" for s in r["step_s"])
+          + "; forward/backward of the last: "
+          + (f"{r['forward_s'][-1]:.1f} / {r['backward_s'][-1]:.1f}" if r.get("forward_s") else "-"))
+    print(f"io bound {r['io_bound_s'] or float('nan'):.1f} s: read {r['nvme_read_bytes'][-1] / gb:.1f} GB at "
+          f"{r['swap_read_gbps'] or float('nan'):.2f} GB/s, wrote {r['nvme_write_bytes'][-1] / gb:.2f} GB at "
+          f"{r['swap_write_gbps'] or float('nan'):.2f} GB/s (offload bench nvme in --dir, mean of before and after)")
+    print(f"compute bound {r['compute_bound_s']:.1f} s = model with one layer {r['model_one_layer_s']:.2f} s + "
+          f"{r['layers'] - 1} x layer {r['layer_s']:.2f} s (plain torch, in memory); compute floor "
+          f"{r.get('compute_floor_s') or float('nan'):.1f} s at {r['matmul_gflops']:.0f} GFLOP/s")
+    print(f"step (median after the first) {r['step_s_steady'] or float('nan'):.1f} s = "
+          f"{r['step_vs_bound'] or float('nan'):.2f} x max(compute bound, io bound) (goal <= {GOAL_RATIO})")
+    print(f"peak RSS {r['peak_rss_bytes'] / gb:.2f} GB (goal <= {GOAL_RSS_BYTES / gb:.0f} GB; after each forward: "
+          + ", ".join(f"{x / gb:.2f}" for x in r.get("rss_after_forward_bytes", [])) + "); stated: before initialize "
+          f"{r.get('baseline_rss_bytes', 0) / gb:.2f} + hbm budget {r['hbm_budget_bytes'] / gb:.2f} + dram plan {(r.get('plan_dram_bytes') or 0) / gb:.2f} + activations "
+          f"{r['layers']} x {r['activation_bytes_per_layer'] / 1e6:.0f} MB = {r['stated_host_bytes'] / gb:.2f} GB"
+          + (f"  FAILED: {r['error']}" if r.get("error") else ""))
+
+
+def _parse_args() -> argparse.Namespace:
+    from swap.measure import parse_size
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="7b", help="a preset (default 7b)")
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: the preset's)")
+    ap.add_argument("--lora", type=int, default=16, help="LoRA rank r (alpha 2r)")
+    ap.add_argument("--targets", default="q_proj,v_proj")
+    ap.add_argument("--hbm", type=parse_size, default="2.5G", help="budgets.hbm_bytes (default 2.5G = 2.5 GiB)")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--dir", help="a directory on the drive; the run's swap goes in a new subdirectory, removed "
+                                  "at the end")
+    ap.add_argument("--io-size", type=parse_size, default="16G",
+                    help="bytes `offload bench nvme` writes then reads in --dir for the I/O bound (0 skips it)")
+    limits.add_precision_argument(ap)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--compute-worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.precision = limits.resolve(args.precision)
+    from offload.models import PRESETS
+
+    if args.model not in PRESETS:
+        ap.error(f"--model={args.model}: not a preset ({', '.join(PRESETS)})")
+    if args.worker or args.compute_worker:
+        return args
+    if args.steps < 2 or args.lora < 1 or args.layers < 0:
+        ap.error(f"--steps={args.steps} --lora={args.lora} --layers={args.layers}: need >= 2 (the first step "
+                 f"records the trace), >= 1, >= 0")
+    if not args.dir or not os.path.isdir(args.dir):
+        ap.error(f"--dir={args.dir}: not a directory; create it or pass an existing one")
+    return args
+
+
+def main() -> None:
+    args = _parse_args()
+    if args.worker:
+        return worker(args)
+    if args.compute_worker:
+        return compute_worker(args)
+    work = tempfile.mkdtemp(prefix="lora-", dir=args.dir)
+    try:
+        report = _run(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _print_summary(report)
+    if args.json:
+        print(json.dumps(report))
+    if report.get("error"):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
