@@ -35,13 +35,12 @@ import resource
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 import iobound  # bench/, this script's directory, is first on sys.path
 import limits
 from e2e import worker_env
-from scale import bracketed, run_sampled, steady
+from scale import bench_main, bracketed, run_sampled, steady
 
 GOAL_RATIO = 1.2
 GOAL_RSS_BYTES = 6e9
@@ -269,21 +268,7 @@ def _parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    args = _parse_args()
-    if args.worker:
-        return worker(args)
-    if args.compute_worker:
-        return compute_worker(args)
-    work = tempfile.mkdtemp(prefix="lora-", dir=args.dir)
-    try:
-        report = _run(args, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    _print_summary(report)
-    if args.json:
-        print(json.dumps(report))
-    if report.get("error"):
-        sys.exit(1)
+    bench_main(_parse_args(), "lora-", _run, _print_summary, worker, compute_worker)
 
 
 if __name__ == "__main__":

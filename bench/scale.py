@@ -311,20 +311,26 @@ def _parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    args = _parse_args()
+    bench_main(_parse_args(), "scale-", _run, _print_summary, worker, compute_worker)
+
+
+def bench_main(args, prefix: str, run, print_summary, worker, compute_worker) -> None:
+    """A bench's main (scale.py, lora.py): --worker / --compute-worker run that worker (in the subprocess);
+    else run(args, work) in a new directory under --dir, removed at the end (ours alone: created here,
+    gigabytes of swap), its summary, the JSON with --json, exit 1 when ours failed."""
     if args.worker:
         return worker(args)
     if args.compute_worker:
         return compute_worker(args)
-    work = tempfile.mkdtemp(prefix="scale-", dir=args.dir)
+    work = tempfile.mkdtemp(prefix=prefix, dir=args.dir)
     try:
-        report = _run(args, work)
+        report = run(args, work)
     finally:
-        shutil.rmtree(work, ignore_errors=True)  # ours alone: created above, gigabytes of swap
-    _print_summary(report)
+        shutil.rmtree(work, ignore_errors=True)
+    print_summary(report)
     if args.json:
         print(json.dumps(report))
-    if report["error"]:
+    if report.get("error"):
         sys.exit(1)
 
 
