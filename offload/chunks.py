@@ -15,10 +15,17 @@ from __future__ import annotations
 
 import torch
 
+from offload.config import CHUNK_ALIGN_BYTES
 from offload.tiers import Tiers
 from swap import BufferPool, PoolExhaustedError
 
 POOL_TIMEOUT_S = 300.0  # a wait this long means a leaked chunk, not a slow drive: fail with the numbers
+
+
+def planned_chunk_bytes(chunk_bytes: int, largest_numel: int) -> int:
+    """The chunk the placement uses: chunk_bytes, or less when the largest unit's fp32 buffer is smaller (a
+    larger chunk would only hold empty pool bytes), a multiple of CHUNK_ALIGN_BYTES."""
+    return min(chunk_bytes, max(CHUNK_ALIGN_BYTES, -(-largest_numel * 4 // CHUNK_ALIGN_BYTES) * CHUNK_ALIGN_BYTES))
 
 
 def windows(numel: int, chunk_numel: int) -> list[tuple[int, int]]:

@@ -71,9 +71,6 @@ class Engine(nn.Module):
         self.placement: Placement = plan_placement(self.units, cfg, self.device, order=forward_order(model, self.units),
                                                    world=self.world, rank=self.rank, precision=self.precision)
         self.rt = rt = Runtime.open(cfg, self.device, self.placement, self.rank, self.world)
-        # shorthands for scripts and tests; the modules around the engine use rt (PUBLIC_FIELDS)
-        self.tiers, self.telemetry, self.staging, self.store = rt.tiers, rt.telemetry, rt.staging, rt.store
-        self.chunk_numel = rt.chunk_numel
         agree = (lambda values, op: rt.ranks.agree(values, op, "all_reduce: the trace to replay")
                  ) if self.placement.weight_owners else None  # [Note: collective order] in offload.ranks
         self.trace = ExecutionTrace(self.placement.knobs.prefetch_units, agree=agree)
@@ -162,6 +159,12 @@ class Engine(nn.Module):
             raise ValueError(f"lr={value!r}: must be a finite number >= 0; pass the learning rate to use")
         self.pipeline.lr_value = float(value)
 
+    # the runtime's parts, for scripts and tests (the modules around the engine use rt: PUBLIC_FIELDS)
+    tiers = property(lambda self: self.rt.tiers, doc="the tiers' accountants and allocators")
+    telemetry = property(lambda self: self.rt.telemetry, doc="links, stalls, the timeline")
+    staging = property(lambda self: self.rt.staging, doc="the dram chunk pool")
+    store = property(lambda self: self.rt.store, doc="the swap store (None without nvme)")
+    chunk_numel = property(lambda self: self.rt.chunk_numel, doc="elements per chunk (offload.chunks)")
     step_count = property(lambda self: self.pipeline.step_count, doc="optimizer steps taken")
     micro_step = property(lambda self: self.pipeline.micro_step, doc="backwards since the last step")
     loss_scale = property(lambda self: self.pipeline.scale.value, doc="fp16's dynamic loss scale (1 otherwise)")

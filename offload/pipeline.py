@@ -103,7 +103,7 @@ class StepPipeline:
         self.grads = GradientPath(rt, units, states)
         self.deferred = DeferredSteps(rt, units, weights, states, self._deferred_failed)
         self.prefetch = Prefetcher(weights, policy, rt.tiers.acct["hbm"], self.grads.make_room, self.deferred.start,
-                                   lambda: self.phase is P.BACKWARD)
+                                   lambda: self.in_backward)
         self.scale = LossScale(rt.cfg)
         self.stats = StepStats(rt.telemetry)
         self.phase = P.IDLE

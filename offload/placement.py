@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, replace
 import psutil
 import torch
 
-from offload.chunks import weight_chunks, window_owners, windows
-from offload.config import CHUNK_ALIGN_BYTES, load_config
+from offload.chunks import planned_chunk_bytes, weight_chunks, window_owners, windows
+from offload.config import load_config
 from offload.memory import (MINIMUM, OFFLOAD_TIER, STATE_KINDS, TIERS, Knobs, free_holds, grad_reserve,
                             pool_chunks, runtime_parts, totals, working_set_peak)
 from offload.modes import every_step_overlapped
@@ -112,9 +112,7 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     precision = precision or resolve_precision(cfg.precision, device)
     cfg = replace(cfg, precision=precision.name)  # the plan follows the precision that runs
     itemsize = cfg.compute_dtype.itemsize
-    # A chunk larger than every unit's largest fp32 buffer would only hold empty pool bytes.
-    largest = max((u.numel for u in units), default=0) * 4
-    chunk_bytes = min(cfg.chunk_bytes, max(CHUNK_ALIGN_BYTES, -(-largest // CHUNK_ALIGN_BYTES) * CHUNK_ALIGN_BYTES))
+    chunk_bytes = planned_chunk_bytes(cfg.chunk_bytes, max((u.numel for u in units), default=0))
     sharded = world > 1 and cfg.zero_stage in (1, 2, 3)
     owners, weight_owners = {}, {}
     if sharded and cfg.zero_stage == 3:  # every chunk of every unit; a state window is its unit's chunk

@@ -353,10 +353,10 @@ def test_a_load_that_fails_after_verification_fails_the_engine(saved, tmp_path):
     model, cfg, path = saved
     eng = offload.initialize(copy.deepcopy(model), {**cfg, "nvme_path": str(tmp_path / "swap2")})
     try:
-        eng.store = eng.rt.store = failing = _FailingStoreWrites(eng.store, after=3)  # checkpoints write through both
+        eng.rt.store = failing = _FailingStoreWrites(eng.store, after=3)  # checkpoints write through the runtime
         with pytest.raises(OSError, match="injected"):
             eng.load_checkpoint(path)
-        eng.store = eng.rt.store = failing.store
+        eng.rt.store = failing.store
         assert eng.phase is Phase.FAILED
         x, y = mlp_batches(1)[0]
         for call in (lambda: eng(x, y), eng.step, eng.full_state_dict, lambda: eng.save_checkpoint(str(tmp_path))):

@@ -10,7 +10,8 @@ import os
 import torch
 
 from offload import estimate as est
-from offload.config import CHUNK_ALIGN_BYTES, Config
+from offload.chunks import planned_chunk_bytes
+from offload.config import Config
 from offload.models import PRESETS
 from offload.precision import resolve_precision
 
@@ -84,7 +85,7 @@ def run(args) -> int:
                           offload_optimizer=args.offload_optimizer, precision=args.precision,
                           hbm_units=args.resident_units, activation_bytes=args.activation_bytes,
                           device_type=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
-                          chunk_bytes=_chunk_bytes(shape.largest_unit_numel))
+                          chunk_bytes=planned_chunk_bytes(Config().chunk_bytes, shape.largest_unit_numel))
     result["precision_reason"] = choice.line()
     if args.model is not None and args.dp == 1 and (args.model in PRESETS or os.path.isdir(args.model)):
         result["engine_plan"] = _engine_plan(args)
@@ -95,12 +96,6 @@ def run(args) -> int:
                   "set, weights kept for their backward (reuse_bytes) on this machine): " + ", ".join(f"{t} {est.format_bytes(plan[f'{t}_bytes'])}" for t in est.TIERS))
     print(json.dumps(result) if args.json else table)
     return 0
-
-
-def _chunk_bytes(unit_numel: int) -> int:
-    """The chunk the placement uses: chunk_bytes, or less when the largest unit's fp32 buffer is smaller."""
-    default = Config().chunk_bytes
-    return min(default, max(CHUNK_ALIGN_BYTES, -(-unit_numel * 4 // CHUNK_ALIGN_BYTES) * CHUNK_ALIGN_BYTES))
 
 
 def _engine_plan(args) -> dict:
