@@ -31,6 +31,7 @@ from offload.runtime import Runtime
 from offload.units import Unit, forward_order, partition
 from scheduler.policy import ResidencyPolicy
 from scheduler.trace import ExecutionTrace
+from swap.buffers import map_large_allocations
 
 log = logging.getLogger("offload")
 _WRAPPED: weakref.WeakSet = weakref.WeakSet()  # models an Engine has taken over: their parameters are placeholders
@@ -60,6 +61,8 @@ class Engine(nn.Module):
                              "state_dict(), taken before its close(), into the new engine: load_state_dict(sd)")
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.precision = resolve_precision(cfg.precision, self.device, warn=True)  # "auto" chosen for this device
+        if self.device.type == "cpu":  # activations live in host memory: freed ones must leave RSS (swap.buffers)
+            map_large_allocations()
         cfg = replace(cfg, precision=self.precision.name)  # everything below sees the precision that runs
         self.cfg, self.module = cfg, model
         self.rank, self.world = _check_unsupported(cfg)

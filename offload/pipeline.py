@@ -54,7 +54,6 @@ from offload.prefetch import Prefetcher
 from offload.units import Unit
 from offload.windows import WindowPipeline
 from scheduler.telemetry import overlap_fraction
-from swap.buffers import keep_heap_small
 
 log = logging.getLogger("offload")
 
@@ -199,8 +198,6 @@ class StepPipeline:
         finally:
             self.rt.telemetry.span("compute", "backward", t_start, time.perf_counter())
         self.trace.end_step()
-        if self.rt.device.type == "cpu":  # the activations just freed lived in host memory
-            keep_heap_small()
         self._mode = mode
         if mode is StepMode.DELAYED:
             self._pending = None

@@ -88,45 +88,18 @@ POPULATE_PIECE_BYTES = 32 << 20  # one madvise call's share (populate)
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-HEAP_FREE_LIMIT = 256 << 20
-_heap_mapped = False  # keep_heap_small switched the process over (mallopt is process-wide)
 
 
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def heap_free_bytes() -> int | None:
-    """Bytes in the main C heap's free chunks (glibc's mallinfo2().fordblks); None without mallinfo2."""
-    fn = getattr(_libc, "mallinfo2", None)
-    if fn is None:
-        return None
-    fn.restype = _Mallinfo2
-    return int(fn().fordblks)
-
-
-def keep_heap_small(limit_bytes: int = HEAP_FREE_LIMIT) -> bool:
-    """Called after each backward on the CPU backend, where activations live in host memory. A step
-    allocates and frees them in tensors of a few MB; glibc raises its mmap threshold (up to 32 MB) after the
-    first large free and serves such tensors from its heap, whose free chunks keep their pages, so RSS grew
-    step after step past what was live (bench/RESULTS.md, LoRA on the 7b preset: 7.5-7.9 GB after each
-    forward, 4.9 once mapped). Once a backward leaves more than `limit_bytes` free in the heap, allocations
-    of 1 MiB or more get their own mapping from then on (mallopt M_MMAP_THRESHOLD, which also stops the
-    raising) and the heap's free pages go back (malloc_trim). Small models never get there and keep the
-    heap's reuse: mapping every MB-sized tensor cost a 9.5M-parameter model 7-30% of its step in page faults.
-    Returns whether the process is switched (now or earlier); False without glibc's calls."""
-    global _heap_mapped
-    if not _heap_mapped:
-        free = heap_free_bytes()
-        if free is None or free <= limit_bytes:
-            return False
-        mallopt, trim = getattr(_libc, "mallopt", None), getattr(_libc, "malloc_trim", None)
-        if mallopt is None or trim is None or mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(1 << 20)) != 1:
-            return False
-        trim(ctypes.c_size_t(0))
-        _heap_mapped = True
-    return True
+def map_large_allocations(threshold_bytes: int = 1 << 20) -> bool:
+    """Makes the C library give every allocation of at least `threshold_bytes` its own mapping, unmapped
+    when freed (glibc's mallopt M_MMAP_THRESHOLD); False where the C library has no mallopt. A training step
+    allocates and frees gigabytes of activations in tensors of a few MB. By default glibc raises its mmap
+    threshold to up to 32 MB after the first large free and serves such tensors from its heap, whose free
+    chunks keep their pages: on the CPU backend, where activations live in host memory, the process's RSS
+    then grew step after step past what was live (bench/RESULTS.md, LoRA on the 7b preset). Setting the
+    threshold also stops that adjustment. Process-wide; the engine sets it on the CPU backend only."""
+    mallopt = getattr(_libc, "mallopt", None)
+    return bool(mallopt is not None and mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(threshold_bytes)) == 1)
 
 
 def populate(t: torch.Tensor) -> bool:

@@ -229,43 +229,32 @@ def test_unpopulated_buffer_is_faulted_in_by_populate():
 
 _HEAP_SCRIPT = """
 import ctypes, sys, psutil, torch
-from swap.buffers import keep_heap_small
+from swap.buffers import map_large_allocations
 # what glibc does after the first large free of a training step: the mmap threshold raised (to up to
 # 32 MB) and the trim threshold with it (twice that)
 assert ctypes.CDLL(None).mallopt(-3, 32 << 20) == 1 and ctypes.CDLL(None).mallopt(-1, 64 << 20) == 1
-
-
-def step():  # 100 tensors of 4 MiB, as activations, each followed by a 100 KB heap allocation that stays
-    held = []
-    for _ in range(100):
-        held.append(torch.empty(1 << 20).fill_(1.0))
-        pins.append(torch.empty(25000).fill_(1.0))
-    del held
-
-
-pins = []
+if sys.argv[1] == "mapped":
+    assert map_large_allocations()
 base = psutil.Process().memory_info().rss
-step()  # 400 MiB freed
-small = keep_heap_small(1 << 40) if sys.argv[1] == "kept" else False  # under the limit: nothing changes
-big = keep_heap_small(256 << 20) if sys.argv[1] == "kept" else False
-step()  # and again: mapped from now on when kept, nothing left behind
-print(int(small), int(big), (psutil.Process().memory_info().rss - base) >> 20)
+held, pins = [], []
+for _ in range(100):  # 4 MiB each, as activations, each followed by a 100 KB heap allocation that stays
+    held.append(torch.empty(1 << 20).fill_(1.0))
+    pins.append(torch.empty(25000).fill_(1.0))
+del held
+print((psutil.Process().memory_info().rss - base) >> 20)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt, mallinfo2, malloc_trim")
-def test_heap_kept_small_once_a_backward_leaves_much_of_it_free():
-    """swap.buffers.keep_heap_small (after each backward on the CPU backend): below the limit it changes
-    nothing; past it the heap's free pages go back and later MB-sized tensors are mapped, so freed ones leave
-    RSS; with the threshold glibc raises after a large free they stay (heap chunks keep their pages)."""
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_large_allocations_leave_rss_when_freed_once_mapped():
+    """swap.buffers.map_large_allocations (set by the engine on the CPU backend): 400 MiB of 4 MiB tensors
+    freed leave RSS; with the threshold glibc raises after a large free they stay (heap chunks keep pages)."""
     import subprocess
 
-    def run(mode: str) -> list[int]:
+    def retained(mode: str) -> int:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
         out = subprocess.run([sys.executable, "-c", _HEAP_SCRIPT, mode], capture_output=True, text=True, check=True,
                              env=env)
-        return [int(x) for x in out.stdout.split()]
+        return int(out.stdout.strip())
 
-    small, big, kept = run("kept")
-    assert (small, big) == (0, 1)
-    assert kept < 300 < run("default")[2]  # MiB retained of 800 freed: about 215 against 415
+    assert retained("mapped") < 50 and retained("default") > 300
