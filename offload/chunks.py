@@ -44,12 +44,29 @@ def window_owners(counts: list[int], world: int) -> list[list[int]]:
     """ZeRO stages 1-3 over `world` ranks: per unit (`counts`: how many state windows of stages 1-2, or
     weight chunks of stage 3, whose first ones are its state windows), the rank that owns each of its
     windows, round robin over the model's windows in unit order, so every rank holds about 1/world of them
-    (within one window) and steps only those. Every rank computes the same map."""
+    (within one window) and steps only those. Every rank computes the same map. A unit's windows are dealt
+    in turn, so any `world` consecutive ones have distinct owners: its rounds (below) are full but the last."""
     owners, g = [], 0
     for count in counts:
         owners.append([(g + i) % world for i in range(count)])
         g += count
     return owners
+
+
+def rounds(owners: list[int], world: int) -> list[list[int]]:
+    """A unit's windows (`owners`: the rank that owns each) grouped for reduce-scatters: runs of consecutive
+    windows with distinct owners, at most `world` of them, so each rank owns at most one window of a round
+    ([Note: gradient reduce-scatter] in offload.optim). With window_owners' map these are windows
+    [k x world, (k+1) x world), the last round holding the rest (count % world). Every rank computes the same."""
+    out: list[list[int]] = []
+    seen: set[int] = set()
+    for i, r in enumerate(owners):
+        if not out or r in seen or len(out[-1]) == world:
+            out.append([])
+            seen = set()
+        out[-1].append(i)
+        seen.add(r)
+    return out
 
 
 def packed(spans: list[tuple[int, int]], held: list[int]) -> tuple[dict[int, int], int]:

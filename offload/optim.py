@@ -10,17 +10,22 @@ updates window j and window j-1 is written back, so the optimizer's dram is a fe
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
-from offload.chunks import chunk_key, gather, packed, windows
+from offload.chunks import chunk_key, gather, packed, rounds, windows
 from offload.cpu_adam import grad_sq_sum
+from offload.ranks import reduced
 from offload.residency import HOME_STATE, R, _Handle
 from offload.units import Unit
 from swap.store import tensor_digests
 
 KINDS = ("master", "exp_avg", "exp_avg_sq", "grad")
 STATES = KINDS[:3]  # what a read-ahead loads: the gradient may not be final yet
+# False: gradients go by the per-window reduce even where the backend has a reduce-scatter (a backend
+# without one; tests cover both paths with it). Set it alike on every rank (the ranks agree on it anyway).
+USE_REDUCE_SCATTER = True
 
 
 class StagedWindow(_Handle):
@@ -300,28 +305,74 @@ class OptimState(_Handle):
         return sq if last else None
 
     def _accumulate_sharded(self, grads, first: bool, last: bool) -> float | None:
-        """[Note: windows over ranks] Window by window: this rank's gradient in fp32 (zeros where it has
-        none) is summed into the window's owner (a reduce: gloo's AVG and bf16 sums are missing or slow in
-        some torch versions, so fp32, SUM, then divided), which adds the mean into its accumulator. Every
-        rank runs this for every unit in the same order on its d2h thread, which keeps the collectives
-        matched. Returns the sum of squares of this rank's windows (the step adds the ranks' sums)."""
+        """[Note: windows over ranks] This rank's gradient (fp32, zeros where it has none) summed over the
+        ranks into each window's owner, which adds the mean into its accumulator: round by round with a
+        reduce-scatter where the ranks agreed on one, else window by window with a reduce ([Note: gradient
+        reduce-scatter]). Every rank runs this for every unit in the same order on its d2h thread, which
+        keeps the collectives matched. Returns the sum of squares of this rank's windows (the step adds
+        the ranks' sums)."""
+        rt, sq = self.rt, 0.0
+        scatter = reduce_scatter_agreed(rt.ranks) and rt.chunk_numel >= rt.world
+        for round_ in rounds(self.owner, rt.world):
+            if scatter and len(round_) >= rt.world - 1:
+                sq += self._reduce_scatter_round(grads, round_, first, last)
+            else:
+                for i in round_:
+                    sq += self._reduce_window(grads, i, first, last)
+        return sq if last else None
+
+    def _reduce_window(self, grads, i: int, first: bool, last: bool) -> float:
+        """Window i's gradient summed into its owner (a reduce: gloo's AVG and bf16 sums are missing or slow
+        in some torch versions, so fp32, SUM, then divided); the owner's sum of squares if last, else 0."""
         import torch.distributed as dist
 
-        rt, sq = self.rt, 0.0
-        for i, (b, e) in enumerate(self.windows):
-            buf = rt.staging.acquire(e - b, torch.float32, f"{self.unit.name} grad reduce")
+        rt, (b, e) = self.rt, self.windows[i]
+        buf = rt.staging.acquire(e - b, torch.float32, f"{self.unit.name} grad reduce")
+        try:
+            gather(grads, b, e, buf)
+            t0 = time.perf_counter()
+            rt.ranks.run("reduce", f"{self.unit.name} window {i}",
+                         lambda: dist.reduce(buf, dst=self.owner[i], group=rt.ranks.grad))
+            rt.telemetry.collective("reduce", buf.numel() * 4, time.perf_counter() - t0)
+            return self._add_owned(i, buf.div_(rt.world), first, last) if self.owner[i] == rt.rank else 0.0
+        finally:
+            rt.staging.release(buf)
+
+    def _reduce_scatter_round(self, grads, round_: list[int], first: bool, last: bool) -> float:
+        """[Note: gradient reduce-scatter] The windows of one round (distinct owners) summed over the ranks,
+        each into its owner: rank r's piece of every collective is its slice of the window r owns (zeros
+        past that window's end, or where r owns none). The owner's sum of squares if last, else 0."""
+        rt, world = self.rt, self.rt.world
+        owned = {self.owner[i]: self.windows[i] for i in round_}  # rank -> (begin, end) of its window here
+        longest = max(e - b for b, e in owned.values())
+        step = min(rt.chunk_numel // world, longest)  # elements per piece: `world` pieces fill one pool chunk
+        what = f"{self.unit.name} windows {round_[0]}-{round_[-1]}"
+        total = rt.staging.acquire(longest, torch.float32, f"{what} reduce-scatter output")
+        try:
+            flat = rt.staging.acquire(world * step, torch.float32, f"{what} reduce-scatter input")
             try:
-                gather(grads, b, e, buf)
-                t0 = time.perf_counter()
-                rt.ranks.run("reduce", f"{self.unit.name} window {i}",
-                             lambda: dist.reduce(buf, dst=self.owner[i], group=rt.ranks.grad))
-                rt.telemetry.collective("reduce", buf.numel() * 4, time.perf_counter() - t0)
-                if self.owner[i] == rt.rank:
-                    buf.div_(rt.world)
-                    sq += self._add_owned(i, buf, first, last)
+                for at in range(0, longest, step):
+                    n = min(step, longest - at)
+                    pieces, real = flat[:world * n], 0
+                    for r in range(world):  # piece r: elements [at, at + n) of the window rank r owns
+                        b, e = owned.get(r, (0, 0))
+                        lo, hi = min(b + at, e), min(b + at + n, e)
+                        gather(grads, lo, hi, pieces[r * n:r * n + hi - lo])
+                        pieces[r * n + hi - lo:(r + 1) * n].zero_()
+                        real += hi - lo
+                    t0 = time.perf_counter()
+                    rt.ranks.run("reduce_scatter", what,
+                                 lambda: reduce_scatter(total[at:at + n], pieces, world, rt.ranks.grad))
+                    rt.telemetry.collective("reduce_scatter", 4 * real, time.perf_counter() - t0)  # no padding
             finally:
-                rt.staging.release(buf)
-        return sq if last else None
+                rt.staging.release(flat)
+            mine = [i for i in round_ if self.owner[i] == rt.rank]
+            if not mine:
+                return 0.0
+            b, e = self.windows[mine[0]]
+            return self._add_owned(mine[0], total[:e - b].div_(world), first, last)
+        finally:
+            rt.staging.release(total)
 
     def _add_owned(self, i: int, mean: torch.Tensor, first: bool, last: bool) -> float:
         """Owned window i's accumulator = mean (first micro-step) or += mean; its sum of squares if last."""
@@ -350,6 +401,63 @@ class OptimState(_Handle):
             for kind in list(self.t):
                 self.rt.tiers.free(self.home, self.t.pop(kind))
         self.state = HOME_STATE[self.home]
+
+
+# [Note: gradient reduce-scatter]
+# Stages 1-3 sum each state window's gradient over the ranks into the window's owner. Where the d2h
+# thread's group (ranks.grad) has a reduce-scatter, a unit's windows go in rounds (offload.chunks.rounds:
+# consecutive windows, at most one per rank): each rank lays out its gradient of the round as `world`
+# equal pieces in rank order, piece r from the window rank r owns, and the reduce-scatter leaves each rank
+# the sum of its own piece. Pieces are as long as the round's longest window, zeros past a shorter one's
+# end and where a rank owns none; the input is one pool chunk, `world` pieces of chunk_numel // world
+# elements, so a round of full windows takes `world` reduce-scatters, as many collectives as its reduces,
+# each sending (world-1)/world of its input per rank (ring). Pool chunks: the input, then the owner's sum
+# (the two the placement plans for the gradient reduce; the input is returned before the sum is added).
+# A round of k < world - 1 windows (a unit's last, count % world) would send world - 1 pieces per rank
+# against k reduces' k windows: it keeps the reduces. The counters count gradient bytes only (4 B x the
+# windows' elements, never the padding), so "reduce_scatter" plus "reduce" make 4 B per trainable
+# parameter per micro-step; with 2 ranks every round is reduce-scattered.
+# Whether the group has one is probed (reduce_scatter_agreed), not inferred from a backend name and a torch
+# version: gloo has it in torch 2.13 and lacked it in older versions, and the probe also checks the sum.
+# A backend without it raises before sending anything, the same on every rank (same backend, same torch);
+# the ranks then agree on the outcome (the minimum), so even a rank that differs leaves all on one path.
+# It runs on the d2h thread at its first gradient reduce, the same point in every rank's order of
+# collectives on that group, once per group and process.
+_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # grad group -> the ranks' agreed answer
+
+
+def reduce_scatter_agreed(ranks) -> bool:
+    """Whether every rank reduce-scatters gradients on `ranks.grad` ([Note: gradient reduce-scatter]):
+    USE_REDUCE_SCATTER on every rank and a probe that succeeded on every rank. A collective: call it on
+    the thread that owns the group, at the same point on every rank; the answer is cached per group."""
+    group = ranks.grad
+    if group not in _AGREED:
+        what = "the ranks' reduce-scatter probe"
+        wanted = ranks.run("all_reduce", what, lambda: reduced([float(USE_REDUCE_SCATTER)], "min", group))[0]
+        agreed = wanted and ranks.run("all_reduce", what,
+                                      lambda: reduced([float(_probe(group, ranks.world))], "min", group))[0]
+        _AGREED[group] = bool(agreed)
+    return _AGREED[group]
+
+
+def _probe(group, world: int) -> bool:
+    """One reduce-scatter of `world` ones on every rank: whether the group's backend has it and sums right."""
+    out = torch.zeros(1)
+    try:
+        reduce_scatter(out, torch.ones(world), world, group)
+    except (RuntimeError, ValueError):  # not supported (NotImplementedError is a RuntimeError)
+        return False
+    return out.item() == world
+
+
+def reduce_scatter(out: torch.Tensor, pieces: torch.Tensor, world: int, group) -> None:
+    """out = the sum over the ranks of piece `rank` of `pieces` (world equal pieces, back to back), fp32 SUM."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "gloo":  # its list form: the tensor form took 1.35-1.5x as long (docs/zero.md)
+        dist.reduce_scatter(out, list(pieces.chunk(world)), group=group)
+    else:  # reduce_scatter_single where torch has it (2.13 deprecates reduce_scatter_tensor for it)
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, pieces, group=group)
 
 
 def _add_window(acc: torch.Tensor, grads, begin: int, end: int, first: bool) -> None:

@@ -261,7 +261,11 @@ def test_stages_1_2_3_train_like_one_process_with_states_partitioned(tmp_path, s
             assert abs(h - itemsize * partitioned / world) <= itemsize * window
     for r in ranks:
         c = r["collectives"]
-        assert c["reduce"]["bytes"] == 4 * trainable * steps * gas  # every gradient once per micro-step, fp32
+        # every gradient once per micro-step, fp32: reduce-scattered by rounds where the backend has it, reduced
+        # where it has not or a round is short (4 ranks: [Note: gradient reduce-scatter] in offload.optim)
+        grads = {k: c.get(k, {"bytes": 0})["bytes"] for k in ("reduce", "reduce_scatter")}
+        assert sum(grads.values()) == 4 * trainable * steps * gas
+        assert world > 2 or 0 in grads.values()  # 2 ranks: one path for every round
         # every new weight once per step from its owner, except stage 3's partitioned units (kept where owned)
         shared = trainable - (r["partitioned_trainable"] if stage == 3 else 0)
         assert c.get("broadcast", {"bytes": 0})["bytes"] == itemsize * shared * (steps - r["skipped_steps"])
