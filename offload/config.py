@@ -150,6 +150,7 @@ class Config:
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 0.0
     zero_stage: int = 0
+    zero_gather_ahead: bool = True  # zero_stage 3: a fetched unit's gather runs on its own thread as the fetch is issued, ahead of use (false: on the compute thread when the unit runs)
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     nvme_path: list[str] | str | None = None

@@ -25,7 +25,7 @@ from offload.optim import OptimState
 from offload.pipeline import Phase, StepPipeline
 from offload.placement import Placement, plan_placement
 from offload.precision import resolve_precision
-from offload.prefetch import agreed_keeping
+from offload.prefetch import agreed_policy
 from offload.residency import WeightHandle
 from offload.runtime import Runtime
 from offload.units import Unit, forward_order, partition
@@ -84,9 +84,12 @@ class Engine(nn.Module):
         except BaseException:
             self.close()
             raise
-        policy = ResidencyPolicy(self.trace, [w.nbytes for w in self.weights], *agreed_keeping(self.placement),
-                                 self.placement.grad_reserve, self.placement.knobs.held)
-        self.pipeline = StepPipeline(rt, self.units, self.weights, self.states, self.trace, policy)
+        lookahead, distance, reuse, reserve, room = agreed_policy(self.placement, rt.tiers.acct["hbm"],
+                                                                  ahead=rt.gather is not None)
+        self.trace.lookahead = lookahead
+        policy = ResidencyPolicy(self.trace, [w.nbytes for w in self.weights], distance, reuse, reserve,
+                                 self.placement.knobs.held)
+        self.pipeline = StepPipeline(rt, self.units, self.weights, self.states, self.trace, policy, room)
         self.prefetcher = self.pipeline.prefetch
         self._handles = [h for u in self.units if not u.persistent for m in [u.module, *u.users]
                          for h in hooks.register(self.prefetcher, self.weights[u.index], rt, u, m)]

@@ -98,12 +98,12 @@ class StepPipeline:
     jobs waited for; step() at the accumulation boundary, unless the backward took it, runs every unit's
     windows (run_step)."""
 
-    def __init__(self, rt, units: list[Unit], weights, states, trace, policy):
+    def __init__(self, rt, units: list[Unit], weights, states, trace, policy, room: int | None = None):
         self.rt, self.units, self.weights, self.states, self.trace = rt, units, weights, states, trace
         self.grads = GradientPath(rt, units, states)
         self.deferred = DeferredSteps(rt, units, weights, states, self._deferred_failed)
         self.prefetch = Prefetcher(weights, policy, rt.tiers.acct["hbm"], self.grads.make_room, self.deferred.start,
-                                   lambda: self.in_backward)
+                                   lambda: self.in_backward, room)
         self.scale = LossScale(rt.cfg)
         self.stats = StepStats(rt.telemetry)
         self.phase = P.IDLE
@@ -509,7 +509,8 @@ def _delta(now: dict, before: dict) -> dict:
              for k, v in now["links"].items()}
     stall = now["stall_seconds"] - before["stall_seconds"]
     zero = {"bytes": 0, "seconds": 0.0, "calls": 0}
-    coll = {k: {f: v[f] - before["collectives"].get(k, zero)[f] for f in zero} for k, v in now["collectives"].items()}
+    coll = {k: {f: v[f] - before["collectives"].get(k, {}).get(f, zero.get(f, 0.0)) for f in v}
+            for k, v in now["collectives"].items()}
     return {"links": links, "collectives": coll, "stall_seconds": stall, "overlap_fraction": overlap_fraction(links, stall)}
 
 

@@ -4,8 +4,12 @@ The module hooks (offload.hooks) call it around every use of a unit: `fetch_for_
 the unit's own fetch, then the fetches the policy wants ahead of it, and waits for the unit;
 `release_after_use` drops the hbm copy when the policy says it is not kept; `release_all` drops every
 fetched copy (before homes are updated outside a backward, and after a failure). With partitioned weights
-(zero_stage 3) a fetch ends in a gather, so every rank must keep and release alike: the keeping knobs are
-agreed over the ranks once (`agreed_keeping`, [Note: collective order] in offload.ranks).
+(zero_stage 3) a fetch ends in a gather, so every rank must fetch, keep and release alike ([Note:
+collective order] in offload.ranks): the keeping knobs are agreed over the ranks once (`agreed_policy`),
+and with the gathers run ahead (zero_gather_ahead) so is the room the policy is asked with (`agreed_policy`):
+the hbm bytes every rank has free once the engine is built, less the bytes of the units the policy holds.
+That room leaves the gradients' reserve free, as the free bytes do; a prefetch that finds gradients still
+in it waits for their jobs (`make_room`) rather than fetching less than the other ranks.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ class Prefetcher:
     jobs until nbytes fit hbm (offload.gradients); before_fetch(): work owed before any fetch (a split
     step's deferred units, [Note: split step] in offload.pipeline); in_backward(): whether a backward runs."""
 
-    def __init__(self, weights: list, policy: ResidencyPolicy, hbm, make_room, before_fetch, in_backward):
+    def __init__(self, weights: list, policy: ResidencyPolicy, hbm, make_room, before_fetch, in_backward,
+                 room: int | None = None):
         self.weights, self.policy, self.hbm = weights, policy, hbm
         self.make_room, self.before_fetch, self.in_backward = make_room, before_fetch, in_backward
+        self.room = room  # agreed_policy's: the policy's room is this less what it holds; None: the bytes free now
 
     def fetch_for_use(self, unit: Unit, backward: bool = False) -> None:
         """Before `unit` runs: its own fetch first, the prefetches after it, then waits for it."""
@@ -39,11 +45,19 @@ class Prefetcher:
             # its prefetches would wait for their reads.
             if w.update is None:  # a deferred step's unit waits for its step on the reader thread: not before others
                 w.fetch()
-            for nxt in self.policy.before_use(unit.index, self.hbm.budget_bytes - self.hbm.used_bytes, backward):
+            for nxt in self.policy.before_use(unit.index, self._room(unit), backward):
+                if self.room is not None:
+                    self.make_room(self.weights[nxt].nbytes)
                 self.weights[nxt].fetch()
             for other in self.weights:
                 other.advance()
             w.wait_for_fetch()
+
+    def _room(self, unit: Unit) -> int:
+        if self.room is None:
+            return self.hbm.budget_bytes - self.hbm.used_bytes
+        held = self.policy.resident | {unit.index}
+        return self.room - sum(self.policy.nbytes[u] for u in held)
 
     def release_after_use(self, unit: Unit, backward: bool) -> None:
         # a forward recomputed inside backward (activation checkpointing): its backward comes right after
@@ -60,12 +74,17 @@ class Prefetcher:
         self.policy.release_all()  # the buffers they give back stay cached for the next step's fetches
 
 
-def agreed_keeping(placement) -> tuple[int, int]:
-    """(reuse_distance, reuse_bytes), with zero_stage 3 the same on every rank (the smallest of each): both
-    may be shrunk to each rank's own budgets, and a unit kept on one rank and released on another would be
-    gathered by one and not the other ([Note: partitioned weights] in offload.residency)."""
-    ours = (placement.knobs.reuse_distance, placement.reuse_bytes)
+def agreed_policy(placement, hbm, ahead: bool) -> tuple[int, int, int, int, int | None]:
+    """(lookahead, reuse_distance, reuse_bytes, grad_reserve, room) of the residency policy. With
+    partitioned weights (zero_stage 3) the same on every rank: the placement may shrink each knob to each
+    rank's own budgets, and a unit fetched or kept on one rank and not on another would be gathered by one
+    and not the other ([Note: partitioned weights] in offload.residency); so the smallest of each over the
+    ranks, the largest reserve, and with the gathers run ahead the room (module note: the hbm bytes free now,
+    the engine built and nothing fetched). Otherwise each rank's own, and room None (its free bytes)."""
+    k = placement.knobs
+    ours = [k.prefetch_units, k.reuse_distance, placement.reuse_bytes, -placement.grad_reserve,
+            hbm.budget_bytes - hbm.used_bytes]
     if not placement.weight_owners:
-        return ours
-    distance, nbytes = reduced(list(ours), "min")
-    return int(distance), int(nbytes)
+        return (*ours[:3], -ours[3], None)
+    agreed = [int(v) for v in reduced([float(v) for v in ours], "min")]
+    return (*agreed[:3], -agreed[3], agreed[4] if ahead else None)

@@ -13,11 +13,13 @@ re-recorded. Where such a local fact must steer a collective, the ranks agree on
     weights (offload.hooks, [Note: backward without weights]);
   - at the end of each backward the ranks agree on the trace to replay next: all keep the new recording
     if every rank recorded the same one, else all record again (scheduler.trace).
-Prefetches may still differ (they depend on the room each rank has), which is why a prefetch of
-partitioned weights only reads this rank's shard; its gather runs when the unit is used.
-Each thread that enters collectives has its own group (the compute thread: gathers, agreements, the
-new weights' broadcasts; the d2h thread: gradient reduces), so the two threads never interleave on one
-group. Both groups carry `collective_timeout_s`: a rank whose peer never comes raises CollectiveError
+Fetches of partitioned weights (zero_stage 3) end in a gather, so their order is decided from shared
+facts too: the prefetcher asks the policy with a room every rank computes alike (the agreed hbm room
+less the bytes of the units the policy holds, offload.prefetch), never the bytes free at that moment,
+and the gathers run on the gather thread in the order the fetches were issued.
+Each thread that enters collectives has its own group (the compute thread: agreements, the new
+weights' broadcasts, and gathers when zero_gather_ahead is off; the gather thread: the gathers of
+fetched units; the d2h thread: gradient reduces), so no two threads interleave on one group. Both groups carry `collective_timeout_s`: a rank whose peer never comes raises CollectiveError
 naming the collective, the unit and the step, and a failed rank's exit breaks the connection its peers
 wait on, so they raise too instead of waiting out the timeout. After a failure no further collective is
 entered (the other thread's jobs fail at once); one already waiting ends at its own timeout, and the
@@ -57,13 +59,14 @@ class Ranks:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self.step = 0
         self.failed: str | None = None  # the first collective that failed: no later one is entered
-        self.compute = self.grad = None
+        self.compute = self.grad = self.gather = None
         if world > 1:  # every rank creates them here, in the same order (new_group is a collective)
             import torch.distributed as dist
 
             timeout = datetime.timedelta(seconds=timeout_s)
             self.compute = dist.new_group(backend=dist.get_backend(), timeout=timeout)
             self.grad = dist.new_group(backend=dist.get_backend(), timeout=timeout)
+            self.gather = dist.new_group(backend=dist.get_backend(), timeout=timeout)
 
     def run(self, what: str, unit: str, fn: Callable[[], object]):
         """fn() (a collective); its failure raised as CollectiveError naming `what`, `unit` and the step."""

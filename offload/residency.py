@@ -83,8 +83,12 @@ class WeightHandle(_Handle):
         self.chunks = weight_chunks(unit.numel, unit.trainable_numel, rt.chunk_numel)
         # [Note: partitioned weights] zero_stage 3 over several ranks: a fetched unit's home holds only the
         # chunks this rank owns (placement.weight_owners; dram: back to back, nvme: their keys), and a fetch
-        # copies those into hbm, then each chunk is broadcast from its owner (wait_for_fetch, called when the
-        # unit runs: in the model's order on every rank, unlike prefetches, which the room decides). With
+        # copies those into hbm, then each chunk is broadcast from its owner. With zero_gather_ahead (the
+        # default) the fetch queues that gather on the gather thread (rt.gather) behind its own reads, so it
+        # runs ahead of the unit's use, beside the compute of the units before it; every rank issues the same
+        # fetches in the same order, since the prefetcher's room is one all ranks share (offload.prefetch).
+        # Without it the gather runs on the compute thread when the unit is used. The time the compute thread
+        # waits on a gather (after the unit's own shard arrived) is the collective's `exposed_s`. With
         # offload_param none the shard stays in the hbm tier (shard_tier) and is handled as a dram home.
         self.partitioned = owner is not None
         self.owner = owner or [rt.rank] * len(self.chunks)
@@ -94,8 +98,9 @@ class WeightHandle(_Handle):
         self.nbytes = unit.numel * dtype.itemsize
         self.hbm = tiers.empty("hbm", unit.numel, dtype, f"{unit.name} weights")
         self.dram = tiers.empty(self.shard_tier, local_numel, dtype, f"{unit.name} weights") if home == "dram" else None
-        self._pending = None       # completion of the transfer in flight
+        self._pending = None       # completion of the transfer in flight (partitioned, ahead: the gather's)
         self._t0 = 0.0
+        self._ready_at = None      # partitioned, gathered ahead: when this rank's shard was in hbm
         self._placeholder = torch.empty(0, dtype=dtype, device=self.hbm.device)
         self.shaped = False        # released parameters hold their shapes for a backward (shape_only)
         self._write_lock = threading.Lock()
@@ -182,11 +187,22 @@ class WeightHandle(_Handle):
             elif self.partitioned:
                 pairs = [(self.hbm[b:e], self.dram[self.span(i)]) for i, (b, e) in
                          ((i, self.chunks[i]) for i in self.held)]
-                self._pending = self.rt.h2d.submit(lambda: [dst.copy_(src) for dst, src in pairs])
+                self._pending = self.rt.h2d.submit(lambda: [dst.copy_(src, non_blocking=True) for dst, src in pairs],
+                                                   device_work=True)
             else:
                 self._pending = self.rt.h2d.copy(self.hbm, self.dram)
             self._t0 = time.perf_counter()
             self._set(R.DRAM_TO_HBM, R.DRAM)
+        if self.partitioned and self.rt.gather is not None:  # [Note: partitioned weights]: queued behind the reads
+            self._ready_at = None
+            self._pending = self.rt.gather.submit(self._gather_ahead, self._pending, tensors=(self.hbm,),
+                                                  device_work=True)
+
+    def _gather_ahead(self, shard) -> None:
+        """On the gather thread: once this rank's shard is in hbm, the gather."""
+        shard.wait_on_compute()  # CUDA: the gather stream waits for the shard's copy, not the host
+        self._ready_at = time.perf_counter()
+        self._gather(self.rt.ranks.gather)
 
     def _read_chunks(self, update=None) -> None:
         """On the reader thread: nvme -> pool chunk -> hbm, chunk by chunk, the next chunk's read in flight
@@ -237,9 +253,10 @@ class WeightHandle(_Handle):
                     pool.release(buf)
 
     def advance(self) -> None:
-        """Moves an in-flight fetch one step on if its transfer finished (never blocks; partitioned
-        weights wait for their gather, which runs when the unit is used)."""
-        if self.state in (R.NVME_TO_HBM, R.DRAM_TO_HBM) and self._pending.done() and not self.partitioned:
+        """Moves an in-flight fetch one step on if its transfer (and gather) finished; never blocks. A gather
+        that runs when the unit is used (zero_gather_ahead off) waits for that use."""
+        if (self.state in (R.NVME_TO_HBM, R.DRAM_TO_HBM) and self._pending.done()
+                and (not self.partitioned or self.rt.gather is not None)):
             self._finish_fetch()
 
     def wait_for_fetch(self) -> None:
@@ -252,25 +269,33 @@ class WeightHandle(_Handle):
         self.rt.telemetry.stall(time.perf_counter() - t0, self.unit.name)
 
     def _finish_fetch(self) -> None:
+        t0 = time.perf_counter()
         self._pending.wait_on_compute()  # on CUDA a copy's event: the compute stream waits, not the host
         self._pending = None
+        ahead = self.partitioned and self.rt.gather is not None
         if self.state is R.DRAM_TO_HBM:
             held = sum(self.chunks[i][1] - self.chunks[i][0] for i in self.held)
-            self.rt.telemetry.link("dram_to_hbm", held * self.dtype.itemsize, time.perf_counter() - self._t0)
-        if self.partitioned:
-            self._gather()
+            end = self._ready_at if ahead else time.perf_counter()
+            self.rt.telemetry.link("dram_to_hbm", held * self.dtype.itemsize, end - self._t0)
+        if ahead:  # the compute thread's wait from when the shard was in hbm: [Note: partitioned weights]
+            self.rt.telemetry.exposed("all_gather", max(0.0, time.perf_counter() - max(t0, self._ready_at)))
+        elif self.partitioned:  # on use: the compute thread runs the whole gather
+            self.rt.telemetry.exposed("all_gather", self._gather(self.rt.ranks.compute))
         self._attach()
         self._set(R.HBM, self.state)
 
-    def _gather(self) -> None:
-        """[Note: partitioned weights] Each chunk from its owner into every rank's hbm copy (as bytes)."""
+    def _gather(self, group) -> float:
+        """[Note: partitioned weights] Each chunk from its owner into every rank's hbm copy (as bytes); returns
+        the seconds it took."""
         import torch.distributed as dist
 
         t0, ranks = time.perf_counter(), self.rt.ranks
         for (b, e), owner in zip(self.chunks, self.owner):
             ranks.run("all_gather (a broadcast per chunk)", self.unit.name,
-                      lambda: dist.broadcast(self.hbm[b:e].view(torch.uint8), src=owner, group=ranks.compute))
-        self.rt.telemetry.collective("all_gather", self.nbytes, time.perf_counter() - t0)
+                      lambda: dist.broadcast(self.hbm[b:e].view(torch.uint8), src=owner, group=group))
+        seconds = time.perf_counter() - t0
+        self.rt.telemetry.collective("all_gather", self.nbytes, seconds)
+        return seconds
 
     # -- release: hbm -> home -------------------------------------------------------------------------
     def release(self) -> None:

@@ -42,6 +42,7 @@ class Runtime:
     d2h: CopyStream             # gradients: hbm -> dram accumulators, and the step that follows them
     reader: Worker              # fetches from nvme, chunk by chunk
     ranks: Ranks                # the process groups (one per thread that enters collectives), with a timeout
+    gather: CopyStream | None = None  # zero_stage 3, zero_gather_ahead: the gathers of fetched units, in issue order
 
     @property
     def grad_group(self):
@@ -73,9 +74,11 @@ class Runtime:
             if store is not None:
                 store.close()
             raise
+        ahead = placement.weight_owners and cfg.zero_gather_ahead
         return cls(cfg, device, cfg.compute_dtype, rank, world, placement, tiers, Telemetry(),
                    placement.chunk_bytes // 4, staging, store, CopyStream("h2d", device, delay),
-                   CopyStream("d2h", device, delay), Worker("nvme-read", delay), ranks)
+                   CopyStream("d2h", device, delay), Worker("nvme-read", delay), ranks,
+                   CopyStream("gather", device, delay) if ahead else None)
 
     @staticmethod
     def open_store(cfg: Config, rank: int = 0) -> SwapStore:
@@ -88,7 +91,7 @@ class Runtime:
         chunks and budget charges returned), then the pool, and removes the swap files. Each part is
         closed even when another fails; such a failure is logged, not raised (the error that mattered was
         raised when it happened). An interrupt while closing (Ctrl-C, offload.Stopped) is not held back."""
-        parts = [self.h2d, self.d2h, self.reader, *(h for h in handles if h is not None), self.staging, self.store,
+        parts = [self.h2d, self.d2h, self.reader, self.gather, *(h for h in handles if h is not None), self.staging, self.store,
                  self.tiers]
         for part in parts:  # a None handle: initialization stopped before that unit
             if part is None:

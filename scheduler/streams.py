@@ -60,8 +60,9 @@ class Completion:
     """A transfer in flight. `wait()` blocks the host until it finished; `wait_on_compute()` only makes the
     compute stream wait (CUDA), which is all a consumer on the accelerator needs."""
 
-    def __init__(self, job: Pending | None = None, event=None):
+    def __init__(self, job: Pending | None = None, event=None, ended: list | None = None):
         self._job, self._event = job, event
+        self._ended = ended  # a job's device work: [the event the job recorded on its stream as it ended]
 
     def done(self) -> bool:
         if self._job is not None:
@@ -71,12 +72,17 @@ class Completion:
     def wait(self) -> None:
         if self._job is not None:
             self._job.wait()
+            if self._ended:
+                self._ended[0].synchronize()
         elif self._event is not None:
             self._event.synchronize()
 
     def wait_on_compute(self) -> None:
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
+        elif self._ended is not None:
+            self._job.wait()  # the job ran (it enqueued its device work): the compute stream waits for that work
+            torch.cuda.current_stream().wait_event(self._ended[0])
         else:
             self.wait()
 
@@ -200,22 +206,29 @@ class CopyStream:
         if issued is not None:
             self._stream.wait_event(issued)
 
-    def submit(self, fn: Callable, *args, tensors=()) -> Completion:
+    def submit(self, fn: Callable, *args, tensors=(), device_work: bool = False) -> Completion:
         """Host work on this stream's thread, in order with its other jobs. On CUDA the job runs with this
         stream current, after the work the calling stream has enqueued so far; `tensors` (accelerator
-        memory the job reads) are not reused by the allocator before this stream is done with them."""
+        memory the job reads or writes) are not reused by the allocator before this stream is done with
+        them. device_work: the job enqueues device work its consumer needs (a collective into hbm), so the
+        completion's `wait_on_compute` makes the compute stream wait for that work, not the host."""
         if self._stream is None:
             return Completion(job=self._pool.submit(fn, *args))
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream())
         for t in tensors:
             t.record_stream(self._stream)
-        return Completion(job=self._pool.submit(self._on_stream, ready, fn, args))
+        ended = [] if device_work else None
+        return Completion(job=self._pool.submit(self._on_stream, ready, fn, args, ended), ended=ended)
 
-    def _on_stream(self, ready, fn: Callable, args) -> None:
+    def _on_stream(self, ready, fn: Callable, args, ended: list | None = None) -> None:
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
             fn(*args)
+            if ended is not None:
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                ended.append(event)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -45,6 +45,12 @@ class Telemetry:
             end = time.perf_counter()
             self.span("d2h", f"{name} {nbytes / 2**20:.1f} MiB", end - seconds, end)
 
+    def exposed(self, name: str, seconds: float) -> None:
+        """Of collective `name`'s time, `seconds` the compute thread waited for (`exposed_s`)."""
+        with self._lock:
+            c = self.collectives.setdefault(name, {"bytes": 0, "seconds": 0.0, "calls": 0})
+            c["exposed_s"] = c.get("exposed_s", 0.0) + seconds
+
     def stall(self, seconds: float, what: str = "wait") -> None:
         with self._lock:
             self.stall_seconds += seconds

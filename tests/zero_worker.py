@@ -24,12 +24,18 @@ def main() -> None:
     load = cfg.pop("_load", None)          # resume from this checkpoint (its step count says where)
     dcp_save = cfg.pop("_dcp_save", None)  # at the end, torch.distributed.checkpoint.save of the sharded state dict
     dcp_load = cfg.pop("_dcp_load", None)  # at the start, the sharded state dict loaded from there (weights only)
+    per_rank = cfg.pop("_rank_cfg", {})    # rank -> config keys that differ on that rank
+    events = [] if cfg.pop("_trace_gathers", False) else None  # the gathers' threads and the fetch order
+    evaluate = cfg.pop("_eval", False)     # after each step, a forward under no_grad on the same batch
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = {**cfg, **per_rank.get(str(rank), {})}
+    if events is not None:
+        trace_gathers(events)
     if isinstance(cfg["nvme_path"], str):  # a list: one directory per rank already (Config.swap_dir)
         cfg["nvme_path"] = os.path.join(cfg["nvme_path"], f"rank{rank}")
     torch.manual_seed(0)
-    losses = []
+    losses, evals = [], []
     try:
         with offload.initialize(MLP(**model_kwargs), cfg) as eng:
             if load is not None:
@@ -47,6 +53,9 @@ def main() -> None:
                 eng.backward(loss)
                 eng.step()
                 losses.append(loss.item())
+                if evaluate and eng.micro_step == 0:
+                    with torch.no_grad():
+                        evals.append(eng(x, y[rank * n:(rank + 1) * n]).item())
                 if save_at is not None and eng.step_count == save_at and eng.micro_step == 0:
                     eng.save_checkpoint(out + ".ckpt")
             stats = eng.stats()
@@ -69,9 +78,35 @@ def main() -> None:
                        "chunk_numel": eng.chunk_numel, "shard_numel": shard_numel, "sharded_equal": sharded_equal,
                        "skipped_steps": eng.skipped_steps, "loss_scale": eng.loss_scale,
                        "trainable": sum(u.trainable_numel for u in eng.units),
-                       "params": sum(p.numel() for p in MLP().parameters())}, f)
+                       "params": sum(p.numel() for p in MLP().parameters()), "events": events, "evals": evals}, f)
     finally:
         dist.destroy_process_group()
+
+
+def trace_gathers(events: list) -> None:
+    """Records, in order: ["use", unit] when a unit is fetched for use, ["issue", unit] when a partitioned
+    unit's fetch starts (its gather is decided then), ["gather", unit, thread name] as its gather runs."""
+    import threading
+
+    from offload.prefetch import Prefetcher
+    from offload.residency import R, WeightHandle
+
+    use, fetch, gather = Prefetcher.fetch_for_use, WeightHandle.fetch, WeightHandle._gather
+
+    def traced_use(self, unit, backward=False):
+        events.append(["use", unit.name])
+        return use(self, unit, backward)
+
+    def traced_fetch(self):
+        if self.partitioned and self.state in (R.NVME, R.DRAM):
+            events.append(["issue", self.unit.name])
+        return fetch(self)
+
+    def traced_gather(self, group):
+        events.append(["gather", self.unit.name, threading.current_thread().name])
+        return gather(self, group)
+
+    Prefetcher.fetch_for_use, WeightHandle.fetch, WeightHandle._gather = traced_use, traced_fetch, traced_gather
 
 
 def state_bytes_of(eng) -> int:
