@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from torch.profiler import record_function
 
-from offload.ranks import reduced
 from offload.residency import R
 from offload.units import Unit
 from scheduler.policy import ResidencyPolicy
@@ -74,17 +73,18 @@ class Prefetcher:
         self.policy.release_all()  # the buffers they give back stay cached for the next step's fetches
 
 
-def agreed_policy(placement, hbm, ahead: bool) -> tuple[int, int, int, int, int | None]:
+def agreed_policy(placement, hbm, ahead: bool, agree) -> tuple[int, int, int, int, int | None]:
     """(lookahead, reuse_distance, reuse_bytes, grad_reserve, room) of the residency policy. With
     partitioned weights (zero_stage 3) the same on every rank: the placement may shrink each knob to each
     rank's own budgets, and a unit fetched or kept on one rank and not on another would be gathered by one
     and not the other ([Note: partitioned weights] in offload.residency); so the smallest of each over the
     ranks, the largest reserve, and with the gathers run ahead the room (module note: the hbm bytes free now,
-    the engine built and nothing fetched). Otherwise each rank's own, and room None (its free bytes)."""
+    the engine built and nothing fetched). Otherwise each rank's own, and room None (its free bytes).
+    agree: Ranks.agree."""
     k = placement.knobs
     ours = [k.prefetch_units, k.reuse_distance, placement.reuse_bytes, -placement.grad_reserve,
             hbm.budget_bytes - hbm.used_bytes]
     if not placement.weight_owners:
         return (*ours[:3], -ours[3], None)
-    agreed = [int(v) for v in reduced([float(v) for v in ours], "min")]
+    agreed = [int(v) for v in agree([float(v) for v in ours], "min", "all_reduce: the residency policy's knobs")]
     return (*agreed[:3], -agreed[3], agreed[4] if ahead else None)

@@ -50,6 +50,16 @@ def reduced(values: list[float], op: str = "sum", group=None) -> list[float]:
     return t.tolist()
 
 
+def groups_backend() -> str:
+    """The backend of the engine's groups: the default group's, with gloo beside a bare NCCL for the
+    collectives of host tensors (agreements, the gradients' host buffers, dram homes), which NCCL cannot
+    send; torch picks the backend by each tensor's device."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend())
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
 class Ranks:
     """The engine's process groups over the default group's ranks ([Note: collective order]); `step` (set by
     the step pipeline) names the step in errors. One rank (world 1): no groups, and `agree` returns its
@@ -63,10 +73,10 @@ class Ranks:
         if world > 1:  # every rank creates them here, in the same order (new_group is a collective)
             import torch.distributed as dist
 
-            timeout = datetime.timedelta(seconds=timeout_s)
-            self.compute = dist.new_group(backend=dist.get_backend(), timeout=timeout)
-            self.grad = dist.new_group(backend=dist.get_backend(), timeout=timeout)
-            self.gather = dist.new_group(backend=dist.get_backend(), timeout=timeout)
+            timeout, backend = datetime.timedelta(seconds=timeout_s), groups_backend()
+            self.compute = dist.new_group(backend=backend, timeout=timeout)
+            self.grad = dist.new_group(backend=backend, timeout=timeout)
+            self.gather = dist.new_group(backend=backend, timeout=timeout)
 
     def run(self, what: str, unit: str, fn: Callable[[], object]):
         """fn() (a collective); its failure raised as CollectiveError naming `what`, `unit` and the step."""
