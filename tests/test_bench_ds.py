@@ -1,7 +1,8 @@
 """bench/ds_e2e.py and e2e.py's deepspeed_nvme mode (DeepSpeed lives in its own venv, never ours).
 
 The fast tests need no DeepSpeed; the slow ones run it through e2e.py and scale.py where a DeepSpeed
-python is found ($OFFLOAD_DS_PYTHON, else /work/dsvenv/bin/python) and are skipped otherwise.
+python is found ($OFFLOAD_DS_PYTHON, else /work/dsvenv/bin/python, which bench/ds_venv.sh creates) and are
+skipped otherwise.
 """
 
 import importlib.util
@@ -35,6 +36,24 @@ def test_ds_config_offloads_both_to_nvme_under_zero3_bf16(tmp_path):
     assert cfg["optimizer"]["params"]["lr"] == 1e-4
     # The swap buffers must hold the largest parameter whole (the 3b preset's embedding is 394M).
     assert ds.ds_config(1, "d", 394_002_432)["zero_optimization"]["offload_param"]["buffer_size"] >= 394_002_432
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_ds_config_offloads_the_optimizer_to_cpu_at_stages_1_and_2(tmp_path, stage):
+    # DeepSpeed offloads weights at stage 3 only and takes nvme as cpu at 1 and 2 (ds_e2e.PLACEMENT).
+    ds = _load("ds_e2e")
+    cfg = ds.ds_config(batch=4, nvme_dir=str(tmp_path), largest_numel=10, precision="fp32", stage=stage)
+    assert cfg["zero_optimization"] == {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": False}}
+    assert cfg["bf16"] == cfg["fp16"] == {"enabled": False} and "aio" not in cfg
+    assert ds.PLACEMENT[stage] == ("none", "cpu") and ds.PLACEMENT[3] == ("nvme", "nvme")
+    with pytest.raises(ValueError, match="stage=0"):
+        ds.ds_config(1, str(tmp_path), 10, stage=0)
+
+
+def test_ds_e2e_refuses_zero_init_below_stage_3(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "ds_e2e.py"), "--dir", str(tmp_path), "--stage", "2",
+                           "--zero-init"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "stage 3" in proc.stderr
 
 
 def test_e2e_asks_for_a_deepspeed_python_when_told_to_run_it_without_one():
