@@ -4,12 +4,22 @@ share, the H2D / D2H rates the engine achieved against a plain pinned copy measu
 the hbm peak. Modes: bf16 with weights in hbm / dram / nvme, without overlap_step, with delayed_update
 and clipping, with activation checkpointing, fp16 with loss scaling; the presets tie their embedding.
 
-    python bench/gpu_check.py [--preset bench-200m] [--batch 4] [--seq 512] [--steps 3] [--dir DIR] [--json]
+    python bench/gpu_check.py [--device cuda:0] [--preset bench-200m] [--batch 4] [--seq 512] [--steps 3]
+                              [--dir DIR] [--ranks-steps 4] [--no-ranks] [--json]
     python bench/gpu_check.py --device cpu --preset tiny --steps 1 --no-tests   # smoke run of this script
 
 Parity: each placement (PARITY) trains --parity-steps steps of --parity-preset in fp32 on the device and
 on the CPU from the same seed and batches; the largest relative loss difference is recorded per placement
 and the run fails where it exceeds PARITY_RTOL (the CUDA path must train to the CPU build's numbers).
+
+Ranks (skip with --no-ranks): ZeRO stages 1, 2 and 3 with offload nvme/nvme, and stage 3 with offload_param
+none, each as 2 processes on the SAME device (gloo, over CUDA tensors on a GPU) training tests.engine_util.MLP
+in fp32 for --ranks-steps steps on their slices of each global batch, against one process on that device
+trained on the same slices in rank order (bench/zero_ranks_check.py). Recorded per case under "ranks": the
+largest relative loss difference and weight difference, each rank's step seconds, the collectives' bytes
+and all_gather's exposed_s; the run fails where a case exceeds its tolerance (losses rel 1e-5, weights
+rtol/atol 1e-5: tests/test_zero.py's fp32 bound) or could not run (an engine that refuses stages 1-3 on
+CUDA: the refusal is that case's error). This section has never run on a GPU (only --device cpu here).
 
 Also records the precision "auto" picks on the device and its matmul GFLOP/s per dtype (offload.doctor).
 Writes the result to --out (default gpu-check.json) and prints one JSON line last with --json. Without a
@@ -22,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -174,6 +185,53 @@ def parity(args, device: torch.device) -> dict:
     return result
 
 
+def ranks(args, device: torch.device) -> dict:
+    """bench/zero_ranks_check.py's cases on `device`: 2 gloo ranks against one process; a case that raises
+    here is recorded as its error too."""
+    import zero_ranks_check  # bench/, this script's directory, is first on sys.path
+
+    dev = "cpu" if device.type == "cpu" else f"cuda:{device.index}"
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # this process's cached blocks: the ranks share the device
+    result = {}
+    for case in zero_ranks_check.CASES:
+        root = os.path.join(args.dir, "ranks", case.replace(" ", "-").replace("/", "-"))
+        try:
+            result[case] = zero_ranks_check.run_case(case, dev, args.ranks_steps, root)
+        except Exception as e:
+            result[case] = {"error": f"{type(e).__name__}: {e}", "ok": False}
+    return result
+
+
+def print_ranks(res: dict, device: torch.device, steps: int) -> None:
+    """One row per case: the differences, both ranks' step seconds, rank 0's bytes per collective (every rank
+    moves the same), the larger exposed_s of all_gather."""
+    from zero_ranks_check import GAS, LOSS_RTOL, WEIGHT_ATOL, WEIGHT_RTOL, WORLD
+
+    print(f"{WORLD} gloo ranks on {device} against one process in rank order (MLP, fp32, {steps} steps "
+          f"x {GAS} micro-steps; losses rel {LOSS_RTOL:g}, weights rtol {WEIGHT_RTOL:g} atol {WEIGHT_ATOL:g}):")
+    print(f"{'case':18s} {'loss rel':>8s} {'weight |d|':>10s} {'step s r0/r1':>13s} {'grad B':>10s} "
+          f"{'bcast B':>10s} {'gather B':>10s} {'exposed s':>9s}")
+    for case, r in res.items():
+        if "error" in r:
+            print(f"{case:18s} ERROR {r['error'].splitlines()[0][:200]}")
+            continue
+        c = r["collectives"][0]
+        nbytes = lambda *ks: sum(c.get(k, {}).get("bytes", 0) for k in ks)  # noqa: E731
+        exposed = [x for x in r["all_gather_exposed_s"] if x is not None]  # stage 3 only
+        exposed_s = f"{max(exposed):9.3f}" if exposed else f"{'-':>9s}"
+        print(f"{case:18s} {r['max_rel_loss_diff']:8.1e} {r['max_weight_diff']:10.1e} "
+              f"{r['step_s'][0]:6.3f}/{r['step_s'][1]:<6.3f} {nbytes('reduce', 'reduce_scatter'):10,d} "
+              f"{nbytes('broadcast'):10,d} {nbytes('all_gather'):10,d} "
+              f"{exposed_s}{'' if r['ok'] else '  FAILED'}")
+
+
+def _device_arg(value: str) -> str:
+    if value in ("cpu", "cuda") or re.fullmatch(r"cuda:\d+", value):
+        return value
+    raise argparse.ArgumentTypeError(f"--device={value}: not a device here; pass cuda, cuda:N or cpu")
+
+
 class _cpu_only:
     """torch.cuda.is_available() is False inside: the engine picks the CPU backend."""
 
@@ -192,19 +250,25 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per mode, after one warm-up step")
     ap.add_argument("--dir", default=None, help="swap directory (default: a temporary one)")
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                    help="cpu: a smoke run of this script on a machine without a GPU")
+    ap.add_argument("--device", default="cuda:0", type=_device_arg,
+                    help="cuda, cuda:N, or cpu: a smoke run of this script on a machine without a GPU")
     ap.add_argument("--no-tests", action="store_true", help="skip the pytest run of the `gpu` tests")
     ap.add_argument("--parity-preset", default="tiny", help="the model of the fp32 parity runs (default %(default)s)")
     ap.add_argument("--parity-steps", type=int, default=3, help="steps of each parity run (default %(default)s)")
+    ap.add_argument("--no-ranks", action="store_true", help="skip the 2-rank ZeRO stages 1-3 check")
+    ap.add_argument("--ranks-steps", type=int, default=4,
+                    help="optimizer steps of each ranks case (default %(default)s)")
     ap.add_argument("--out", default="gpu-check.json", help="the JSON result is written here (default %(default)s)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible; run it on a machine with a GPU, or pass --device cpu for a "
               "smoke run of its CPU-side parts", file=sys.stderr)
         sys.exit(2)
     device = torch.device(args.device)
+    if device.type == "cuda":  # the engine runs on the current device
+        device = torch.device("cuda", device.index or 0)
+        torch.cuda.set_device(device)
     args.dir = args.dir or tempfile.mkdtemp(prefix="gpu-check-")
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               **device_limits(device)}
@@ -230,16 +294,25 @@ def main() -> None:
     result["parity"] = par = parity(args, device)
     print(f"fp32 parity against the CPU build ({args.parity_preset}, {args.parity_steps} steps, rtol {PARITY_RTOL:g}): "
           + ", ".join(f"{k} {v['max_rel_diff']:.1e}{'' if v['ok'] else ' FAILED'}" for k, v in par.items()))
+    if not args.no_ranks:
+        result["ranks"] = ranks(args, device)
+        print_ranks(result["ranks"], device, args.ranks_steps)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"result written to {args.out}")
     if args.json:
         print(json.dumps(result))
+    failures = []
     if result.get("gpu_tests_rc"):
-        sys.exit(f"gpu_check: the gpu tests failed (pytest exit {result['gpu_tests_rc']})")
+        failures.append(f"the gpu tests failed (pytest exit {result['gpu_tests_rc']})")
     failed = [k for k, v in par.items() if not v["ok"]]
     if failed:
-        sys.exit(f"gpu_check: fp32 losses differ from the CPU build's beyond {PARITY_RTOL:g} in {', '.join(failed)}")
+        failures.append(f"fp32 losses differ from the CPU build's beyond {PARITY_RTOL:g} in {', '.join(failed)}")
+    failed = [k for k, v in result.get("ranks", {}).items() if not v["ok"]]
+    if failed:
+        failures.append(f"2 ranks differ from one process beyond the tolerance, or failed, in {', '.join(failed)}")
+    if failures:
+        sys.exit("gpu_check: " + "; ".join(failures))
 
 
 if __name__ == "__main__":

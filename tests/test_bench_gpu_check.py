@@ -1,5 +1,6 @@
 """bench/gpu_check.py only runs for real on a lent GPU: its --device cpu smoke run keeps the script from
-rotting between loans (every mode trains, the table and the JSON come out)."""
+rotting between loans (every mode trains, the 2-rank cases run on gloo CPU ranks, the tables and the JSON
+come out)."""
 
 import json
 import os
@@ -10,12 +11,15 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "bench"))
+
+import zero_ranks_check  # noqa: E402  (bench/zero_ranks_check.py)
 
 
 def test_gpu_check_smoke_run_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_check.py"), "--device", "cpu",
                            "--preset", "tiny", "--batch", "1", "--seq", "32", "--steps", "1", "--no-tests",
-                           "--parity-steps", "2",
+                           "--parity-steps", "2", "--ranks-steps", "2",
                            "--dir", str(tmp_path / "swap"), "--out", str(tmp_path / "out.json"), "--json"],
                           capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": REPO}, timeout=300)
@@ -32,6 +36,16 @@ def test_gpu_check_smoke_run_on_cpu(tmp_path):
     assert "fp32 parity against the CPU build" in proc.stdout
     picked = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
     assert result["precision_auto"] == picked and set(result["matmul_gflops"]) == {"bf16", "fp16", "fp32"}
+    assert set(result["ranks"]) == set(zero_ranks_check.CASES)
+    for case, r in result["ranks"].items():  # 2 gloo CPU ranks against one process in rank order
+        assert r["ok"] and r["weights_close"] and r["max_rel_loss_diff"] <= 1e-5, (case, r)
+        assert len(r["losses"]) == 2 * zero_ranks_check.GAS and len(r["step_s"]) == 2 and r["device"] == "cpu"
+        grads = [sum(c.get(k, {}).get("bytes", 0) for k in ("reduce", "reduce_scatter")) for c in r["collectives"]]
+        assert grads[0] == grads[1] > 0  # every rank reduces every gradient
+        gathered = r["zero_stage"] == 3  # stage 3 gathers the weights; only then is there an exposed_s
+        assert all((x is not None) == gathered for x in r["all_gather_exposed_s"]), (case, r)
+    assert "2 gloo ranks on cpu against one process in rank order" in proc.stdout
+    assert "stage3 none/nvme" in proc.stdout and "FAILED" not in proc.stdout
     with open(tmp_path / "out.json") as f:
         assert json.load(f) == result  # the JSON file holds what --json printed
 
@@ -44,3 +58,30 @@ def test_gpu_check_refuses_in_one_line_without_a_gpu(tmp_path):
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith("gpu_check: no CUDA device visible") and "--device cpu" in line
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_ranks_compare_catches_a_wrong_weight_or_loss():
+    """The comparison's bounds: 1e-6 of drift passes; a weight 1e-4 off, a loss 1e-4 off, or a NaN fails."""
+    ref_sd = {"w": torch.ones(4, 4), "b": torch.zeros(4)}
+    ref = {"losses": [1.0, 0.5], "step_s": [0.1, 0.1]}
+    rank = {"losses": [1.0, 0.5], "step_s": [0.2, 0.2], "collectives": {}, "device": "cpu"}
+
+    def check(sd, losses=(1.0, 0.5)):
+        return zero_ranks_check.compare([rank, {**rank, "losses": list(losses)}], ref, sd, ref_sd)
+
+    close = check({"w": torch.ones(4, 4) + 1e-6, "b": torch.zeros(4)})
+    assert close["ok"] and close["max_weight_diff"] == pytest.approx(1e-6, rel=0.1)
+    wrong = {"w": torch.ones(4, 4), "b": torch.zeros(4)}
+    wrong["b"][2] = 1e-4
+    assert not check(wrong)["ok"] and check(wrong)["worst_weight"] == "b"
+    assert not check(ref_sd, losses=(1.0, 0.5 + 2e-4))["ok"]  # the ranks' mean 1e-4 off (rel 2e-4)
+    assert not check(ref_sd, losses=(1.0, float("nan")))["ok"]
+    assert not check({"w": torch.full((4, 4), float("nan")), "b": torch.zeros(4)})["ok"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where cuda:0 is not there")
+def test_a_case_that_cannot_run_is_recorded_as_its_error(tmp_path):
+    """As a refusal of the engine on CUDA would be: the ranks' error in the result, nothing raised."""
+    r = zero_ranks_check.run_case("stage1 nvme/nvme", "cuda:0", 1, str(tmp_path))
+    assert not r["ok"] and r["zero_stage"] == 1, r
+    assert r["error"].split(":")[0].endswith("Error") and "losses" not in r, r  # this torch: no CUDA to set
