@@ -140,7 +140,9 @@ class Engine(nn.Module):
     def step(self) -> bool:
         """The optimizer step at the accumulation boundary (a no-op between boundaries); clears grads.
         Returns True when parameters were updated (False: between boundaries, or an fp16 overflow)."""
-        return self.pipeline.step()
+        stepped = self.pipeline.step()
+        self.prefetcher.ahead_of_step()
+        return stepped
 
     def flush(self) -> None:
         """delayed_update: applies the accepted update that would land during the next backward, now

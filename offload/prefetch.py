@@ -52,6 +52,16 @@ class Prefetcher:
                 other.advance()
             w.wait_for_fetch()
 
+    def ahead_of_step(self) -> None:
+        """After a step (the homes updated): with partitioned weights gathered ahead, the next forward's first
+        units are fetched and gathered now, so that forward does not begin by waiting for them. Only with the
+        agreed room: every rank issues the same fetches here, as the next forward does."""
+        if self.room is None:
+            return
+        for nxt in self.policy.before_step(self.room - sum(self.policy.nbytes[u] for u in self.policy.resident)):
+            self.make_room(self.weights[nxt].nbytes)
+            self.weights[nxt].fetch()
+
     def _room(self, unit: Unit) -> int:
         if self.room is None:
             return self.hbm.budget_bytes - self.hbm.used_bytes

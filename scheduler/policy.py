@@ -48,6 +48,20 @@ class ResidencyPolicy:
         self.kept.pop(unit, None)
         return ahead
 
+    def before_step(self, room: int) -> list[int]:
+        """Between steps, with `room` hbm bytes free: the recorded trace's first units that fit, in order, to
+        fetch ahead of the next step's first use (held from now, as a prefetch)."""
+        ahead = []
+        for nxt in (self.trace.recorded or [])[:self.trace.lookahead]:
+            if nxt in self.resident or nxt in ahead:
+                continue
+            if self.nbytes[nxt] + self.grad_reserve > room:
+                break
+            ahead.append(nxt)
+            room -= self.nbytes[nxt]
+        self.resident.update(ahead)
+        return ahead
+
     def after_use(self, unit: int, recompute: bool = False) -> bool:
         """`unit` ran: True to release its weights now, False to keep them."""
         if recompute:

@@ -98,3 +98,16 @@ def test_free_holds_keeps_a_tied_unit_only_where_holding_it_raises_no_peak():
     # it (220 -> 250 B), so unit 0 is released after its lookup and fetched again for the head
     big, frozen = [40, 10, 200, 10], [40, 10, 0, 10]
     assert free_holds(order, big, frozen, 1, knobs, 0) == frozenset()
+
+
+def test_before_a_step_the_recorded_first_units_that_fit_are_fetched_ahead_and_held():
+    p, trace = policy(nbytes=(10, 10, 30, 10), grad_reserve=5)
+    assert p.before_step(room=100) == []  # nothing recorded yet: the first step fetches on demand
+    run(p, trace, STEP)
+    p.release_all()
+    assert p.before_step(room=40) == [0, 1]  # the trace's first 2 (lookahead); each with the reserve free
+    assert p.resident == {0, 1}
+    trace.begin_step()
+    assert p.before_use(0, room=20) == []  # 1 is on its way already; 2 (30 B) does not fit the room left
+    p.release_all()
+    assert p.before_step(room=20) == [0]  # unit 1 (10 B) + reserve 5 > the 10 left after unit 0

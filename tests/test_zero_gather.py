@@ -36,7 +36,8 @@ def test_stage3_gathers_run_ahead_on_the_gather_thread_in_one_order_on_every_ran
     keep knobs, so on its own it would fetch (and gather) other units than rank 0 and the ranks would
     wait on each other's gathers (it did, before the knobs and the room were agreed). Every gather runs on
     the gather thread, in the order its fetches were issued, the same on both ranks; some were issued by
-    prefetches; the losses and weights equal gathers run on use, bit for bit, and one process's."""
+    prefetches, and each step() fetched the next forward's first unit; the losses and weights equal
+    gathers run on use, bit for bit, and one process's."""
     base = {"zero_stage": 3, "precision": "fp32", "offload_param": {"device": "nvme"},
             "offload_optimizer": {"device": "nvme"}, "units": {"min_numel": 512}, "optimizer": {"lr": 1e-2},
             "chunk_bytes": CHUNK_BYTES, "_trace_gathers": True, "_eval": True,
@@ -52,6 +53,12 @@ def test_stage3_gathers_run_ahead_on_the_gather_thread_in_one_order_on_every_ran
         assert gathers and {e[2] for e in gathers} == {"offload-gather"}
         assert _gathered(r["events"]) == [e[1] for e in r["events"] if e[0] == "issue"]
         assert _issued_ahead(r["events"]) > 0
+        # each step() (the first recorded the trace) fetched the next forward's first unit before it began
+        stepped = [i for i, e in enumerate(r["events"]) if e == ["stepped"]]
+        assert len(stepped) == steps * gas
+        for i in stepped[1:]:
+            since_use = max(j for j in range(i) if r["events"][j][0] == "use")
+            assert ["issue", "inp"] in r["events"][since_use:i], r["events"][since_use:i + 2]
         assert r["collectives"]["all_gather"]["exposed_s"] >= 0  # timing: measured by bench/zero.py, not here
     assert _gathered(ahead[0]["events"]) == _gathered(ahead[1]["events"])
     for r in on_use:

@@ -53,6 +53,8 @@ def main() -> None:
                 eng.backward(loss)
                 eng.step()
                 losses.append(loss.item())
+                if events is not None:
+                    events.append(["stepped"])
                 if evaluate and eng.micro_step == 0:
                     with torch.no_grad():
                         evals.append(eng(x, y[rank * n:(rank + 1) * n]).item())
@@ -85,7 +87,8 @@ def main() -> None:
 
 def trace_gathers(events: list) -> None:
     """Records, in order: ["use", unit] when a unit is fetched for use, ["issue", unit] when a partitioned
-    unit's fetch starts (its gather is decided then), ["gather", unit, thread name] as its gather runs."""
+    unit's fetch starts (its gather is decided then), ["gather", unit, thread name] as its gather runs;
+    the training loop adds ["stepped"] after each engine.step()."""
     import threading
 
     from offload.prefetch import Prefetcher
