@@ -192,7 +192,8 @@ def _take(out: dict, line: str, label: str) -> None:
         print(f"{label} step {event['step'] + 1}: {event['step_s']:.2f} s, loss {event['loss']:.4f}",
               file=sys.stderr, flush=True)
     else:
-        out.update({k: v for k, v in event.items() if k != "peak_rss_bytes"})  # once per run
+        # once per run; a summary's own step_s / losses (DeepSpeed's: one number) never replace the steps'
+        out.update({k: v for k, v in event.items() if k not in ("peak_rss_bytes", "step_s", "losses")})
         if "init_s" in event:
             print(f"{label} initialized in {event['init_s']:.1f} s", file=sys.stderr, flush=True)
         if "peak_rss_bytes" in event:  # the worker's own, exact peak (ru_maxrss): beside the sampled one

@@ -1,7 +1,8 @@
 """ZeRO over ranks (gloo, several processes on this machine): stage 0, data parallel with every offload
 placement (gradients averaged over the ranks before they enter the accumulators, every rank holding all
-states); stages 1 and 2, each rank holding and stepping the state windows it owns (gradients reduced to
-the owner, new weights broadcast from it); stage 3 over several ranks is refused. The harness cannot
+states); stages 1 and 2, each rank holding and stepping the state windows it owns (gradients
+reduce-scattered to the owner, new weights broadcast from it); stage 3, the weights partitioned too and
+gathered per unit (tests/test_zero_gather.py: gathered ahead of use). The harness cannot
 hang: every rank runs in its own process under a deadline and gloo's own 60 s timeout, and a failing rank
 fails the test with its output."""
 
