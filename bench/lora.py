@@ -15,7 +15,8 @@ The limits a step is stated against, measured in the same run:
   compute_bound_s  the step's compute in plain torch, in memory, at the same precision: the LoRA model with
                    one decoder layer (embedding, one layer, norm, head, loss: forward + backward), plus
                    (layers - 1) x one more decoder layer's forward + backward on its input, each the
-                   median of 3 after a warm-up; with no optimizer (the adapters' Adam is microseconds)
+                   median of 3 after a warm-up; with no optimizer (the adapters' Adam is microseconds);
+                   measured before and after ours (as the bandwidth): the mean, both recorded
   compute_floor_s  (4 x frozen + 6 x trainable parameters) x tokens / the matmul GFLOP/s measured in this run:
                    a frozen weight needs no weight gradient, so 2 FLOPs forward + 2 for the input gradient
 The goal (issue 31): step <= 1.2 x max(compute_bound_s, io_bound_s).
@@ -165,11 +166,19 @@ def _sub(args, flag: str, extra: list[str]) -> list[str]:
             "--precision", args.precision, *extra]
 
 
-def _run(args, work: str) -> dict:
+def _compute(args) -> dict:
     import subprocess
 
+    proc = subprocess.run(_sub(args, "--compute-worker", []), capture_output=True, text=True, env=worker_env())
+    if proc.returncode:
+        raise RuntimeError(f"compute bound not measured: {proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _run(args, work: str) -> dict:
     aio = {}
     bw = iobound.measure_swap(work, args.io_size, aio) if args.io_size else None
+    before = _compute(args)  # the compute bound, like the bandwidth, before and after ours: the mean
     ours_dir = os.path.join(work, "ours")
     os.makedirs(ours_dir)
     ours = run_sampled(_sub(args, "--worker", ["--hbm", str(args.hbm), "--steps", str(args.steps), "--dir", ours_dir]),
@@ -177,10 +186,9 @@ def _run(args, work: str) -> dict:
     shutil.rmtree(ours_dir, ignore_errors=True)
     if bw:
         bw = bracketed(bw, iobound.measure_swap(work, args.io_size, aio))
-    proc = subprocess.run(_sub(args, "--compute-worker", []), capture_output=True, text=True, env=worker_env())
-    if proc.returncode:
-        raise RuntimeError(f"compute bound not measured: {proc.stderr.strip()[-2000:]}")
-    compute = json.loads(proc.stdout.strip().splitlines()[-1])
+    after = _compute(args)
+    compute = {k: (before[k] + after[k]) / 2 for k in before}
+    compute.update({"compute_bound_s_before": before["compute_bound_s"], "compute_bound_s_after": after["compute_bound_s"]})
     gflops = limits.matmul_gflops(args.precision)
     report = {"model": args.model, "layers": args.layers or _preset(args).n_layers, "lora_r": args.lora,
               "targets": args.targets, "batch": args.batch, "seq": args.seq, "precision": args.precision,
@@ -220,7 +228,8 @@ def _print_summary(r: dict) -> None:
           f"{r['swap_read_gbps'] or float('nan'):.2f} GB/s, wrote {r['nvme_write_bytes'][-1] / gb:.2f} GB at "
           f"{r['swap_write_gbps'] or float('nan'):.2f} GB/s (offload bench nvme in --dir, mean of before and after)")
     print(f"compute bound {r['compute_bound_s']:.1f} s = model with one layer {r['model_one_layer_s']:.2f} s + "
-          f"{r['layers'] - 1} x layer {r['layer_s']:.2f} s (plain torch, in memory); compute floor "
+          f"{r['layers'] - 1} x layer {r['layer_s']:.2f} s (plain torch, in memory; the mean of "
+          f"{r['compute_bound_s_before']:.1f} s before ours and {r['compute_bound_s_after']:.1f} s after); compute floor "
           f"{r.get('compute_floor_s') or float('nan'):.1f} s at {r['matmul_gflops']:.0f} GFLOP/s")
     print(f"step (median after the first) {r['step_s_steady'] or float('nan'):.1f} s = "
           f"{r['step_vs_bound'] or float('nan'):.2f} x max(compute bound, io bound) (goal <= {GOAL_RATIO})")

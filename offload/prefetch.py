@@ -5,9 +5,9 @@ the unit's own fetch, then the fetches the policy wants ahead of it, and waits f
 `release_after_use` drops the hbm copy when the policy says it is not kept; `release_all` drops every
 fetched copy (before homes are updated outside a backward, and after a failure). With partitioned weights
 (zero_stage 3) a fetch ends in a gather, so every rank must fetch, keep and release alike ([Note:
-collective order] in offload.ranks): the keeping knobs are agreed over the ranks once (`agreed_policy`),
-and with the gathers run ahead (zero_gather_ahead) so is the room the policy is asked with (`agreed_policy`):
-the hbm bytes every rank has free once the engine is built, less the bytes of the units the policy holds.
+collective order] in offload.ranks): the policy's knobs are agreed over the ranks once (`agreed_policy`),
+and with the gathers run ahead (zero_gather_ahead) so is the room the policy is asked with: the hbm
+bytes every rank has free once the engine is built, less the bytes of the units the policy holds.
 That room leaves the gradients' reserve free, as the free bytes do; a prefetch that finds gradients still
 in it waits for their jobs (`make_room`) rather than fetching less than the other ranks.
 """

@@ -23,7 +23,8 @@ def test_lora_bench_reports_bounds_rss_and_writes_the_adapters_alone(tmp_path):
     # fp32 adapters, each layer's written in 4 KiB blocks, no frozen chunk rewritten
     assert r["trainable_params"] * 4 <= r["nvme_write_bytes"][-1] <= r["trainable_params"] * 4 + 4 * 4096
     assert r["nvme_read_bytes"][-1] > 0
-    assert r["compute_bound_s"] == r["model_one_layer_s"] + 3 * r["layer_s"] > 0
+    assert r["compute_bound_s"] == pytest.approx(r["model_one_layer_s"] + 3 * r["layer_s"]) and r["compute_bound_s"] > 0
+    assert r["compute_bound_s"] == pytest.approx((r["compute_bound_s_before"] + r["compute_bound_s_after"]) / 2)
     assert r["step_s_steady"] == r["step_s"][1]
     assert r["step_vs_bound"] == r["step_s"][1] / max(r["compute_bound_s"], r["io_bound_s"])
     frozen = r["params"] - r["trainable_params"]
