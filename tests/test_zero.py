@@ -31,12 +31,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, cfg: dict, out: str, steps: int, gas: int = 1) -> list[dict]:
+def run_ranks(world: int, cfg: dict, out: str, steps: int, gas: int = 1, script: str | None = None,
+              extra: tuple = ()) -> list[dict]:
+    """`world` ranks of `script` (default tests/zero_worker.py) with cfg, out, steps, gas and `extra` as
+    arguments, each under a deadline; their reports (<out>.rank<r>.json)."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
            "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "zero_worker.py"), json.dumps(cfg), out,
-                               str(steps), str(gas)], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    args = [sys.executable, script or os.path.join(REPO, "tests", "zero_worker.py"), json.dumps(cfg), out, str(steps),
+            str(gas), *extra]
+    procs = [subprocess.Popen(args, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for r in range(world)]
     outputs = []
     try:
         for p in procs:

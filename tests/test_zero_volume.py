@@ -4,8 +4,6 @@ as a script this file is one rank of those runs (RANK / WORLD_SIZE / MASTER_* se
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -15,8 +13,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from offload.chunks import rounds, window_owners  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEADLINE_S = 240
 CHUNK_BYTES = 8192  # 2048 elements a window: the MLP's units have 1 to 17 windows, so rounds of 1 and 2
 
 
@@ -36,31 +32,11 @@ def test_rounds_deal_every_window_once_with_distinct_owners():
     assert rounds([0, 1, 1, 0, 1], 2) == [[0, 1], [2, 3], [4]]  # any map: a round ends where an owner repeats
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(world: int, cfg: dict, out: str, steps: int, gas: int, scatter: bool) -> list[dict]:
     """`world` ranks of this file's main(), each training its slice of the MLP's batches; their reports."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
-           "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, os.path.abspath(__file__), json.dumps(cfg), out, str(steps), str(gas), str(int(scatter))]
-    procs = [subprocess.Popen(args, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(world)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=DEADLINE_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, (p, text) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {r} failed (exit {p.returncode}):\n{text[-4000:]}"
-    return [json.load(open(f"{out}.rank{r}.json")) for r in range(world)]
+    from tests.test_zero import run_ranks as launch
+
+    return launch(world, cfg, out, steps, gas, script=os.path.abspath(__file__), extra=(str(int(scatter)),))
 
 
 def _cfg(tmp_path, stage: int, place: str, precision: str) -> dict:
