@@ -278,7 +278,8 @@ def test_stages_1_2_3_train_like_one_process_with_states_partitioned(tmp_path, s
         if stage == 3:  # each fetch gathers its unit whole: once per micro-step when kept for backward (the
             # first step records the trace, so a unit may be gathered again), else twice (less the last unit of
             # forward, kept by reuse_distance for the backward that starts with it: here 1.72)
-            gathers = c["all_gather"]["bytes"] / (itemsize * partitioned) / (steps * gas)
+            # (less the next forward's first units, gathered after the last step: tests/zero_worker.py)
+            gathers = (c["all_gather"]["bytes"] - r["ahead_bytes"]) / (itemsize * partitioned) / (steps * gas)
             assert (1.5 < gathers < 2) if extra.get("reuse_bytes") == 0 else (1 <= gathers <= 1.25), gathers
     # the theory: stages 1-2 a reduce-scatter plus an all-gather (the volume of one all-reduce); stage 3 one
     # more all-gather of the weights for backward where they are not kept (1.5x)

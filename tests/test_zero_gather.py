@@ -67,7 +67,8 @@ def test_stage3_gathers_run_ahead_on_the_gather_thread_in_one_order_on_every_ran
         assert c["exposed_s"] == c["seconds"] > 0  # on use, the compute thread runs the whole gather
     for a, u in zip(ahead, on_use):
         assert a["losses"] == u["losses"] and a["evals"] == u["evals"] and len(a["evals"]) == steps
-        assert a["collectives"]["all_gather"]["bytes"] == u["collectives"]["all_gather"]["bytes"]
+        # gathered ahead, the next forward's first units are fetched after each step (bytes: test_zero_volume.py)
+        assert a["collectives"]["all_gather"]["bytes"] >= u["collectives"]["all_gather"]["bytes"]
     sd_ahead, sd_on_use = torch.load(str(tmp_path / "ahead.pt")), torch.load(str(tmp_path / "on_use.pt"))
     assert all(torch.equal(sd_ahead[k], sd_on_use[k]) for k in sd_ahead)
     cfg = {k: v for k, v in base.items() if not k.startswith("_") or k == "_model"}

@@ -60,7 +60,7 @@ def main() -> None:
                         evals.append(eng(x, y[rank * n:(rank + 1) * n]).item())
                 if save_at is not None and eng.step_count == save_at and eng.micro_step == 0:
                     eng.save_checkpoint(out + ".ckpt")
-            stats = eng.stats()
+            ahead_bytes, stats = settled_stats(eng)
             sd = eng.full_state_dict()  # every rank: with zero_stage 1-3 it gathers each window from its owner
             if rank == 0:
                 torch.save(sd, out + ".pt")
@@ -80,9 +80,19 @@ def main() -> None:
                        "chunk_numel": eng.chunk_numel, "shard_numel": shard_numel, "sharded_equal": sharded_equal,
                        "skipped_steps": eng.skipped_steps, "loss_scale": eng.loss_scale,
                        "trainable": sum(u.trainable_numel for u in eng.units),
-                       "params": sum(p.numel() for p in MLP().parameters()), "events": events, "evals": evals}, f)
+                       "params": sum(p.numel() for p in MLP().parameters()), "events": events, "evals": evals, "ahead_bytes": ahead_bytes}, f)
     finally:
         dist.destroy_process_group()
+
+
+def settled_stats(eng) -> tuple[int, dict]:
+    """After training: (the bytes of the units the policy holds: those the last step() fetched ahead of a next
+    forward when training ended with a step, the engine's stats once those fetches settled). zero_stage 3
+    gathers them after each step (offload.prefetch ahead_of_step), so whether the last ones are counted would
+    depend on timing: they settle first."""
+    ahead = sum(eng.weights[u].nbytes for u in eng.prefetcher.policy.resident)
+    eng.prefetcher.release_all()
+    return ahead, eng.stats()
 
 
 def trace_gathers(events: list) -> None:
