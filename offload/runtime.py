@@ -91,8 +91,8 @@ class Runtime:
         chunks and budget charges returned), then the pool, and removes the swap files. Each part is
         closed even when another fails; such a failure is logged, not raised (the error that mattered was
         raised when it happened). An interrupt while closing (Ctrl-C, offload.Stopped) is not held back."""
-        parts = [self.h2d, self.d2h, self.reader, self.gather, *(h for h in handles if h is not None), self.staging, self.store,
-                 self.tiers]
+        parts = [self.h2d, self.d2h, self.reader, self.gather, *(h for h in handles if h is not None), self.staging,
+                 self.store, self.tiers]
         for part in parts:  # a None handle: initialization stopped before that unit
             if part is None:
                 continue
