@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from offload import cpu_adam
 from offload.chunks import ChunkPool
 from offload.config import Config
 from offload.placement import Placement
@@ -83,6 +84,8 @@ class Runtime:
     @staticmethod
     def open_store(cfg: Config, rank: int = 0) -> SwapStore:
         a = cfg.aio
+        if cfg.swap_checksum:
+            cpu_adam.use_for_swap_digests()
         return SwapStore(cfg.swap_dir(rank), engine=a.engine, block_bytes=a.block_bytes, queue_depth=a.queue_depth,
                          threads=a.threads, checksum=cfg.swap_checksum, background_bytes=a.background_bytes or None)
 

@@ -160,13 +160,20 @@ class PoolExhaustedError(MemoryError):
         self.used_bytes = used_bytes
 
 
+SLACK_RATIO = 2  # BufferPool: a request takes a cached buffer at most this many times its size
+
+
 class BufferPool:
     """Aligned host buffers under a fixed byte capacity, with back-pressure.
 
     acquire() waits while the pool is full and fails after `timeout_s` naming capacity, requested
     and in-use bytes. Released buffers are cached by padded size and reused, up to `max_cached_bytes`
     (default: the capacity); cached-but-free memory is dropped when a request of another size needs the
-    room, so used + cached <= capacity always.
+    room, so used + cached <= capacity always. A request with no cached buffer of its size takes the
+    smallest cached one up to twice its size (SLACK_RATIO) before it maps a new one: a new buffer is
+    faulted in, page by page, at the speed of the kernel zeroing it (swap/buffers.py, [Note: why
+    pre-fault]), so models whose fetched units come in two sizes (an embedding beside its decoder
+    layers) would otherwise map one afresh every few fetches. used_bytes counts what is lent whole.
     """
 
     def __init__(self, capacity_bytes: int, *, pin: bool = False, timeout_s: float = 30.0,
@@ -205,16 +212,20 @@ class BufferPool:
                     f"buffers sooner or raise the capacity",
                     capacity_bytes=self.capacity_bytes, requested_bytes=nbytes, used_bytes=self.used_bytes)
             raw = self._take_locked(padded)
-            self.used_bytes += padded
+            held = raw.numel()
+            self.used_bytes += held
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
-            self._lent[_storage_id(raw)] = (raw, padded)
+            self._lent[_storage_id(raw)] = (raw, held)
         return raw[:nbytes]
 
     def _take_locked(self, padded: int) -> torch.Tensor:
-        cached = self._free.get(padded)
-        if cached:
-            self._cached_bytes -= padded
-            return cached.pop()
+        """A cached buffer of `padded` bytes or of the fewest bytes up to SLACK_RATIO x that, else a new one.
+        A cached one keeps used + cached as it was; a new one has room (the caller waited for it)."""
+        fits = [size for size, cached in self._free.items() if cached and padded <= size <= SLACK_RATIO * padded]
+        if fits:
+            size = min(fits)
+            self._cached_bytes -= size
+            return self._free[size].pop()
         # Drop cached buffers of other sizes until the new one fits under the capacity.
         for size in sorted(self._free, reverse=True):
             while self._free[size] and self.used_bytes + self._cached_bytes + padded > self.capacity_bytes:

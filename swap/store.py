@@ -71,12 +71,28 @@ def block_digest(addr: int, nbytes: int) -> int:
     n8 = nbytes - nbytes % 8
     s = x = 0
     if n8:
-        words = np.frombuffer(host_buffer(addr, n8), dtype=np.uint64)
-        s, x = int(np.add.reduce(words, dtype=np.uint64)), int(np.bitwise_xor.reduce(words))
+        s, x = _word_digest(addr, n8)
     if nbytes > n8:
         rest = int.from_bytes(bytes(host_buffer(addr + n8, nbytes - n8)), "little")
         s, x = s + rest, x ^ (rest << 1)
     return (x << 64) | (s & _MASK64)
+
+
+def _numpy_word_digest(addr: int, n8: int) -> tuple[int, int]:
+    """(sum mod 2**64, xor) of the 64-bit words of the n8 bytes at addr, in two numpy passes."""
+    words = np.frombuffer(host_buffer(addr, n8), dtype=np.uint64)
+    return int(np.add.reduce(words, dtype=np.uint64)), int(np.bitwise_xor.reduce(words))
+
+
+_word_digest = _numpy_word_digest
+
+
+def use_word_digest(fn) -> None:
+    """Makes block_digest take its (sum, xor) of 64-bit words from fn(addr, n8) -> (sum, xor), where n8
+    is a multiple of 8; None: numpy's two passes again. offload hands in its compiled kernel's single
+    pass (offload.cpu_adam.use_for_swap_digests), which swap cannot import."""
+    global _word_digest
+    _word_digest = _numpy_word_digest if fn is None else fn
 
 
 def tensor_digests(t: torch.Tensor, bounds) -> tuple[int, ...]:

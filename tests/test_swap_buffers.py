@@ -59,9 +59,11 @@ def test_pool_random_alloc_free_keeps_invariants(ops):
                 continue
             t = pool.acquire(nbytes)
             assert t.dtype == torch.uint8 and t.numel() == nbytes and t.data_ptr() % ALIGN_BYTES == 0
+            held = pool._lent[t.untyped_storage().data_ptr()][1]  # a cached buffer up to twice the size
+            assert padded <= held <= 2 * padded
             mark = len(lent) % 251
             t.fill_(mark)
-            lent.append((t, padded, mark))
+            lent.append((t, held, mark))
         else:
             t, _, _ = lent.pop(pick % len(lent))
             pool.release(t)
@@ -98,7 +100,7 @@ def test_pool_back_pressure_waits_for_a_release():
     assert waiter.is_alive() and not got, "acquire must block while the pool is full"
     pool.release(first)
     waiter.join(10)
-    assert len(got) == 1 and pool.used_bytes == 4 * ALIGN_BYTES
+    assert len(got) == 1 and pool.used_bytes == 6 * ALIGN_BYTES  # the released buffer, taken whole
     assert pool.peak_bytes == 6 * ALIGN_BYTES
 
 
@@ -188,6 +190,23 @@ def test_a_failed_registration_names_the_size(monkeypatch):
     monkeypatch.setattr(buffers, "_cudart", lambda: Refusing())
     with pytest.raises(RuntimeError, match=r"cudaHostRegister of 8192 bytes .*cudaError 2"):
         aligned_empty(8192, pin=True)
+
+
+def test_pool_serves_a_request_from_a_cached_buffer_up_to_twice_its_size():
+    """A request with no cached buffer of its size takes the smallest cached one of at most twice its
+    size (an embedding's fetch served by a decoder layer's buffer) instead of mapping memory afresh;
+    used_bytes counts the buffer whole, and it is cached again by its own size when released."""
+    pool = BufferPool(1 << 20)
+    big, bigger = pool.acquire(64 << 10), pool.acquire(96 << 10)
+    pool.release(big)
+    pool.release(bigger)
+    t = pool.acquire(40 << 10)
+    assert t.data_ptr() == big.data_ptr() and t.numel() == 40 << 10  # the smallest that fits
+    assert pool.used_bytes == 64 << 10 and pool._cached_bytes == 96 << 10
+    pool.release(t)
+    assert pool.used_bytes == 0 and pool._cached_bytes == 160 << 10
+    small = pool.acquire(20 << 10)  # both cached ones are over twice its size: a new buffer
+    assert small.data_ptr() not in (big.data_ptr(), bigger.data_ptr()) and pool.used_bytes == 20 << 10
 
 
 def test_pool_caches_at_most_max_cached_bytes():

@@ -103,7 +103,7 @@ def test_full_file_system_at_allocation(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_corrupted_entry_raises_instead_of_returning_garbage(tmp_path, engine):
+def test_corrupted_entry_raises_instead_of_returning_garbage(tmp_path, engine, word_digest):
     with SwapStore(tmp_path, engine=engine, block_bytes=64 << 10, checksum=True) as store:
         x = torch.arange(100_000, dtype=torch.int32)
         store.write("x", x).wait()
@@ -232,8 +232,40 @@ def test_interpreter_exit_removes_files_and_crashed_runs_are_cleanable(tmp_path)
         assert live.run_dir.exists() and not os.path.exists(left)
 
 
+@pytest.fixture(params=["numpy", pytest.param("compiled", marks=pytest.mark.compiled_kernel)])
+def word_digest(request):
+    """swap.store's block digests from numpy's two passes, or from offload's compiled single pass."""
+    import swap.store
+    from offload import cpu_adam
+
+    if request.param == "compiled" and not cpu_adam.use_for_swap_digests():
+        pytest.skip("the CPU Adam kernel is unavailable here")
+    yield request.param
+    swap.store.use_word_digest(None)
+
+
+@pytest.mark.compiled_kernel
+@pytest.mark.parametrize("nbytes", [8, 4096, 1 << 20])
+def test_compiled_word_digest_equals_numpys(nbytes):
+    """offload's single pass gives the (sum, xor) numpy's two passes give, wrap-around included, so
+    digests recorded by either verify under the other."""
+    from offload import cpu_adam
+    from swap.store import _numpy_word_digest
+
+    kernel = cpu_adam._get_kernel()
+    if kernel is None:
+        pytest.skip("the CPU Adam kernel is unavailable here")
+    for fill in ("random", "ones"):
+        buf = swap.aligned_empty(nbytes + 8)
+        buf.view(torch.int64).random_() if fill == "random" else buf.fill_(0xFF)
+        for at in (0, 8):
+            assert kernel.word_digest(buf.data_ptr() + at, nbytes, -1) == _numpy_word_digest(buf.data_ptr() + at, nbytes)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        kernel.word_digest(buf.data_ptr(), 12, -1)
+
+
 @pytest.mark.parametrize("nbytes", [1, 7, 8, 4095, 4096, 65536 + 5])
-def test_block_digest_sees_any_single_byte_change_and_zeroing(nbytes):
+def test_block_digest_sees_any_single_byte_change_and_zeroing(nbytes, word_digest):
     from swap.store import block_digest
 
     buf = swap.aligned_empty(nbytes).random_(1, 256)

@@ -706,6 +706,15 @@ int64_t threads_used(int64_t numel, int64_t num_threads) {
   return static_cast<int64_t>(ids.size());
 }
 
+// The swap digest (sum, xor) of the 64-bit words in the `nbytes` (a multiple of 8) at `addr`: one pass
+// where swap.store's numpy fallback makes two (swap.store.use_word_digest).
+std::pair<uint64_t, uint64_t> word_digest(int64_t addr, int64_t nbytes, int64_t isa) {
+  TORCH_CHECK(nbytes >= 0 && nbytes % 8 == 0, "offload word_digest: nbytes must be a multiple of 8, got ", nbytes);
+  uint64_t s = 0, x = 0;
+  pick_digest(resolve_isa(isa))(reinterpret_cast<const float*>(addr), 0, nbytes / 4, s, x);
+  return {s, x};
+}
+
 std::string isa_name(int isa) {
   return isa == AVX512BF16 ? "avx512bf16" : isa == AVX512 ? "avx512" : isa == AVX2 ? "avx2" : "scalar";
 }
@@ -717,6 +726,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adam_step", &adam_step, py::call_guard<py::gil_scoped_release>());
   m.def("grad_sq_sum", &grad_sq_sum, py::call_guard<py::gil_scoped_release>());
   m.def("threads_used", &threads_used, py::call_guard<py::gil_scoped_release>());
+  m.def("word_digest", &word_digest, py::call_guard<py::gil_scoped_release>());
   m.def("best_isa", &best_isa);
   m.def("isa_name", &isa_name);
 }
