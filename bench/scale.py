@@ -144,11 +144,14 @@ class PeakRss(Periodic):
         self.peak = max(self.peak, total)
 
 
-def run_sampled(cmd: list[str], label: str) -> dict:
+def run_sampled(cmd: list[str], label: str, on_pause=None) -> dict:
     """Runs a worker, echoing its stderr and a line per step, sampling its RSS. Returns what it reported
     (its once-per-run keys: params, init_s, deepspeed_version, ...; per-step lists), steps_completed, peak_rss_bytes (sampled), ru_maxrss_bytes (the worker's own
-    peak, if it got to say it) and error: its last stderr line, or null when it succeeded."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env())
+    peak, if it got to say it) and error: its last stderr line, or null when it succeeded.
+    on_pause: a worker that prints {"pause": i} waits for a line on its stdin; on_pause() runs first (while
+    the worker holds still: a reference measured between its steps), and its results are out["pauses"]."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env(),
+                            stdin=subprocess.PIPE if on_pause else None)
     tail: collections.deque = collections.deque(maxlen=20)
     tee = threading.Thread(target=_tee, args=(proc.stderr, tail), daemon=True)
     tee.start()
@@ -156,6 +159,11 @@ def run_sampled(cmd: list[str], label: str) -> dict:
     try:
         with PeakRss(proc.pid) as rss:
             for line in proc.stdout:
+                if on_pause and line.startswith('{"pause"'):
+                    out.setdefault("pauses", []).append(on_pause())
+                    proc.stdin.write("go\n")
+                    proc.stdin.flush()
+                    continue
                 _take(out, line, label)
             proc.wait()
     finally:

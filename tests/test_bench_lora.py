@@ -24,13 +24,19 @@ def test_lora_bench_reports_bounds_rss_and_writes_the_adapters_alone(tmp_path):
     assert r["trainable_params"] * 4 <= r["nvme_write_bytes"][-1] <= r["trainable_params"] * 4 + 4 * 4096
     assert r["nvme_read_bytes"][-1] > 0
     assert r["compute_bound_s"] == pytest.approx(r["model_one_layer_s"] + 3 * r["layer_s"]) and r["compute_bound_s"] > 0
-    assert r["compute_bound_s"] == pytest.approx((r["compute_bound_s_before"] + r["compute_bound_s_after"]) / 2)
+    # measured before ours, after each of its 2 steps' backward, and after it; each step against its two
+    bounds = r["compute_bound_measured_s"]
+    assert len(bounds) == 4 and bounds[0] == r["compute_bound_s_before"] and bounds[-1] == r["compute_bound_s_after"]
+    assert r["compute_bound_s"] == pytest.approx(sum(bounds) / 4)
+    assert r["compute_bound_per_step_s"] == [(bounds[0] + bounds[1]) / 2, (bounds[1] + bounds[2]) / 2]
     assert r["step_s_steady"] == r["step_s"][1]
-    assert r["step_vs_bound"] == r["step_s"][1] / max(r["compute_bound_s"], r["io_bound_s"])
+    assert r["step_vs_bound"] == r["step_s"][1] / max(r["compute_bound_per_step_s"][1], r["io_bound_s"])
+    assert len(r["stall_s"]) == 2 and all(s >= 0 for s in r["stall_s"])
     frozen = r["params"] - r["trainable_params"]
     assert r["compute_floor_s"] == (4 * frozen + 6 * r["trainable_params"]) * 32 / (r["matmul_gflops"] * 1e9)
     assert r["stated_host_bytes"] == (r["baseline_rss_bytes"] + r["hbm_budget_bytes"] + r["plan_dram_bytes"]
                                       + 4 * r["activation_bytes_per_layer"])
     assert r["peak_rss_bytes"] > r["baseline_rss_bytes"] > 100e6
-    assert "x max(compute bound, io bound)" in proc.stdout and "peak RSS" in proc.stdout
+    assert "each step over max(the compute bound measured beside it, io bound)" in proc.stdout
+    assert "peak RSS" in proc.stdout
     assert not any(tmp_path.iterdir()), "lora.py left its swap directory behind"

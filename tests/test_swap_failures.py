@@ -258,8 +258,8 @@ def test_compiled_word_digest_equals_numpys(nbytes):
     for fill in ("random", "ones"):
         buf = swap.aligned_empty(nbytes + 8)
         buf.view(torch.int64).random_() if fill == "random" else buf.fill_(0xFF)
-        for at in (0, 8):
-            assert kernel.word_digest(buf.data_ptr() + at, nbytes, -1) == _numpy_word_digest(buf.data_ptr() + at, nbytes)
+        for addr in (buf.data_ptr(), buf.data_ptr() + 8):
+            assert kernel.word_digest(addr, nbytes, -1) == _numpy_word_digest(addr, nbytes)
     with pytest.raises(RuntimeError, match="multiple of 8"):
         kernel.word_digest(buf.data_ptr(), 12, -1)
 
