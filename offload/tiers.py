@@ -14,11 +14,13 @@ A cached buffer is held while the step's other memory peaks, so the pool keeps l
 several fetched units share (a model's repeated blocks; a size one unit has alone would sit cached
 between its uses), cached buffers up to the larger of two of the largest such size (a fetch mostly
 takes one just given back) and reuse_bytes (the room the plan leaves for weights kept beyond their
-use), kept across steps since the next forward takes them again. Used and cached together stay under
-the planned peak of fetched weights (placement.fetched_peak), as CUDA's caching allocator keeps freed
-blocks. Any other request gets fresh memory, aligned too and marked for huge pages, faulted in on a
-thread of its own from the moment the fetch is issued (swap.buffers.populate, off the GIL), beside the
-reads queued before it; the fetch's reads wait for it (fault_in). On CUDA, and with a torch that lacks
+use), kept across steps since the next forward takes them again. A fetch whose size has no cached
+buffer takes one of up to twice its size (a 7b model's embedding and head take a decoder layer's).
+Used and cached together stay under the planned peak of fetched weights (placement.fetched_peak), as
+CUDA's caching allocator keeps freed blocks. Any other request gets fresh memory, aligned too and
+marked for huge pages, faulted in on a thread of its own from the moment the fetch is issued
+(swap.buffers.populate, off the GIL), beside the reads queued before it; the fetch's reads wait for it
+(fault_in). On CUDA, and with a torch that lacks
 _swap_data_ptr_, storages are resized instead. Figures: bench/RESULTS.md (3b preset and bench-200m,
 2026-12-02), and docs/design.md "Chunks and budgets".
 """
