@@ -79,6 +79,7 @@ def worker(args) -> None:
 
     import offload
     from offload.config import load_config
+    from offload.cpu_adam import host_cache_stats
     from offload.data import BatchSampler, load_tokens
     from offload.models import loss_of
 
@@ -99,6 +100,7 @@ def worker(args) -> None:
                "plan_hbm_bytes": need["hbm"], "plan_dram_bytes": need["dram"]})
         for i in range(args.steps):
             ids, labels = (t.to(engine.device) for t in sampler.batch(i))
+            fresh = host_cache_stats().get("mapped_fresh_bytes", 0)
             t0 = time.perf_counter()
             loss = loss_of(engine(ids, labels=labels))
             t1 = time.perf_counter()
@@ -115,6 +117,7 @@ def worker(args) -> None:
             _emit({"step": i, "step_s": t2 - t0 + t4 - t3, "forward_s": t1 - t0, "backward_s": t2 - t1 + t4 - t3,
                    "loss": loss.item(), "links": last["links"], "stall_s": last["stall_seconds"],
                    "rss_after_forward_bytes": rss_forward,
+                   "host_fresh_bytes": host_cache_stats().get("mapped_fresh_bytes", 0) - fresh,
                    "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
     _emit({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
 
@@ -259,6 +262,8 @@ def _print_summary(r: dict) -> None:
           + ", ".join(f"{x / gb:.2f}" for x in r.get("rss_after_forward_bytes", [])) + "); stated: before initialize "
           f"{r.get('baseline_rss_bytes', 0) / gb:.2f} + hbm budget {r['hbm_budget_bytes'] / gb:.2f} + dram plan {(r.get('plan_dram_bytes') or 0) / gb:.2f} + activations "
           f"{r['layers']} x {r['activation_bytes_per_layer'] / 1e6:.0f} MB = {r['stated_host_bytes'] / gb:.2f} GB"
+          + (f"; activations' host blocks mapped afresh a step (MB): "
+             + ", ".join(f"{x / 1e6:.0f}" for x in r["host_fresh_bytes"]) if r.get("host_fresh_bytes") else "")
           + (f"  FAILED: {r['error']}" if r.get("error") else ""))
 
 

@@ -37,11 +37,12 @@ from offload import kernel_cache
 from swap.store import tensor_digests
 
 __all__ = ["CPUAdam", "StepDigests", "adam_step", "grad_sq_sum", "kernel_backend", "kernel_isa", "set_isa",
-           "set_num_threads", "get_num_threads"]
+           "set_num_threads", "get_num_threads", "open_host_cache", "close_host_cache", "host_cache_stats"]
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_adam.cpp"
+# the kernels (cpu_adam.cpp, with the module's bindings) and torch's CPU allocator on the CPU backend
+_SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_adam.cpp", "host_alloc.cpp"))
 _NAME = "offload_cpu_adam"  # the extension module (TORCH_EXTENSION_NAME) and its library, <_NAME>.so
 _CFLAGS = ("-O3",)
 _BACKENDS = ("auto", "compiled", "torch")
@@ -75,6 +76,10 @@ def _build_key(source: bytes, compiler: str, flags: tuple[str, ...] = _CFLAGS) -
     return h.hexdigest()[:16]
 
 
+def _source_bytes() -> bytes:
+    return b"".join(path.name.encode() + b"\0" + path.read_bytes() for path in _SOURCES)
+
+
 def _compiler_version() -> str:
     cxx = os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension compiles with
     if shutil.which(cxx) is None:
@@ -89,7 +94,7 @@ def _cache_dir() -> Path:
     root = os.environ.get("OFFLOAD_CACHE_DIR")
     if root is None:
         root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "offload"
-    key = _build_key(_SOURCE.read_bytes(), _compiler_version())
+    key = _build_key(_source_bytes(), _compiler_version())
     tag = f"torch{torch.__version__.replace('+', '_')}-{sys.implementation.cache_tag}"
     return Path(root) / "cpu_adam" / f"{tag}-{key}"
 
@@ -149,15 +154,16 @@ def _compile(build_dir: Path) -> object:
         cpp_extension.verify_ninja_availability()
     except RuntimeError as e:
         raise RuntimeError("ninja is not installed (pip install ninja)") from e
-    # Compile a copy inside the cache directory: ninja records the source path, so building the package's
-    # own file from two checkouts (worktrees, venvs) with the same contents would rebuild on every load.
-    source = build_dir / _SOURCE.name
-    shutil.copyfile(_SOURCE, source)
+    # Compile copies inside the cache directory: ninja records the source paths, so building the package's
+    # own files from two checkouts (worktrees, venvs) with the same contents would rebuild on every load.
+    sources = [build_dir / path.name for path in _SOURCES]
+    for path, copy in zip(_SOURCES, sources):
+        shutil.copyfile(path, copy)
     try:
-        return cpp_extension.load(name=_NAME, sources=[str(source)], extra_cflags=list(_CFLAGS),
+        return cpp_extension.load(name=_NAME, sources=[str(c) for c in sources], extra_cflags=list(_CFLAGS),
                                   build_directory=str(build_dir), verbose=False)
     except Exception as e:  # compiler errors surface as RuntimeError/CalledProcessError/ImportError
-        raise RuntimeError(f"building/loading {_SOURCE} in {build_dir} failed: {e}") from e
+        raise RuntimeError(f"building/loading {', '.join(map(str, _SOURCES))} in {build_dir} failed: {e}") from e
 
 
 def _get_kernel():
@@ -205,6 +211,33 @@ def use_for_swap_digests() -> bool:
     kernel = _get_kernel()
     swap.store.use_word_digest(lambda addr, n8: kernel.word_digest(addr, n8, -1))
     return True
+
+
+HOST_CACHE_THRESHOLD = 1 << 20  # bytes: smaller blocks stay with torch's own CPU allocator
+
+
+def open_host_cache() -> bool:
+    """Makes the compiled library torch's CPU allocator while an engine runs on the CPU backend (installed
+    once, counted per engine; close_host_cache() ends one): blocks of HOST_CACHE_THRESHOLD bytes or more are
+    mapped by it and, once freed, kept for a later request of the same size, never more mapped than an
+    eighth (at least 16 MiB) above what was live at once ([Note: reusing activations' host memory] in
+    offload/csrc/host_alloc.cpp). True if it
+    did; False where the backend is not the compiled one or another allocator holds torch's CPU slot
+    (then the C library's heap, as swap.buffers.map_large_allocations sets it, serves them)."""
+    if kernel_backend() != "compiled":
+        return False
+    return bool(_get_kernel().host_cache_open(HOST_CACHE_THRESHOLD))
+
+
+def close_host_cache() -> None:
+    """Ends one open_host_cache(): when none is left open, the kept blocks are unmapped, and later frees
+    unmap at once."""
+    _get_kernel().host_cache_close()
+
+
+def host_cache_stats() -> dict[str, int]:
+    """The allocator's byte counts (live, kept, peak_live, mapped_fresh, reused, ...); {} if not installed."""
+    return dict(_kernel.host_cache_stats()) if _kernel is not None else {}
 
 
 def _resolve(backend: str):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from offload import checkpoint, hooks
+from offload import checkpoint, cpu_adam, hooks
 from offload.config import Config, LossScaleConfig, load_config
 from offload.materialize import materialize, unit_values
 from offload.optim import OptimState
@@ -79,7 +79,10 @@ class Engine(nn.Module):
         self.weights: list[WeightHandle | None] = [None] * len(self.units)  # filled by materialize
         self.states: list[OptimState | None] = [None] * len(self.units)
         _WRAPPED.add(model)  # from here on its parameters become the engine's placeholders
+        self._host_cache = False
         try:
+            # activations in host memory: freed ones kept for the next step's, within what was live at once
+            self._host_cache = self.device.type == "cpu" and cpu_adam.open_host_cache()
             materialize(self)
         except BaseException:
             self.close()
@@ -276,6 +279,8 @@ class Engine(nn.Module):
             self.pipeline.close()
         if getattr(self, "rt", None) is not None:
             self.rt.close(self.weights + self.states)
+        if getattr(self, "_host_cache", False):
+            cpu_adam.close_host_cache()
 
     def __enter__(self) -> "Engine":
         return self

@@ -97,7 +97,9 @@ def map_large_allocations(threshold_bytes: int = 1 << 20) -> bool:
     threshold to up to 32 MB after the first large free and serves such tensors from its heap, whose free
     chunks keep their pages: on the CPU backend, where activations live in host memory, the process's RSS
     then grew step after step past what was live (bench/RESULTS.md, LoRA on the 7b preset). Setting the
-    threshold also stops that adjustment. Process-wide; the engine sets it on the CPU backend only."""
+    threshold also stops that adjustment. Process-wide; the engine sets it on the CPU backend only, where
+    torch's own tensors of that size go to the compiled library's allocator instead when it loads
+    (offload.cpu_adam.open_host_cache): this keeps what other libraries allocate honest."""
     mallopt = getattr(_libc, "mallopt", None)
     return bool(mallopt is not None and mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(threshold_bytes)) == 1)
 

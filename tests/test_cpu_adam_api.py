@@ -154,7 +154,7 @@ def _assert_falls_back(caplog, reason: str):
 def test_build_failure_says_what_failed(fresh_kernel_state, monkeypatch, caplog):
     broken = fresh_kernel_state / "cpu_adam.cpp"
     broken.write_text("#error deliberately broken source\n")
-    monkeypatch.setattr(cpu_adam, "_SOURCE", broken)
+    monkeypatch.setattr(cpu_adam, "_SOURCES", (broken, *cpu_adam._SOURCES[1:]))
     _assert_falls_back(caplog, "deliberately broken source")
 
 
@@ -187,7 +187,7 @@ def test_the_build_directory_is_named_by_sources_compiler_torch_and_flags_not_by
     here = cpu_adam._cache_dir()
     monkeypatch.setenv("PATH", _failing_ninja_first_on_path(tmp_path))
     assert cpu_adam._cache_dir() == here
-    source, compiler = cpu_adam._SOURCE.read_bytes(), cpu_adam._compiler_version()
+    source, compiler = cpu_adam._source_bytes(), cpu_adam._compiler_version()
     key = cpu_adam._build_key(source, compiler)
     assert here.name.endswith(key) and here.parent == tmp_path / "cache" / "cpu_adam"
     assert cpu_adam._build_key(source + b"\n", compiler) != key

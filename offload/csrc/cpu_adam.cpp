@@ -721,6 +721,8 @@ std::string isa_name(int isa) {
 
 }  // namespace
 
+void bind_host_alloc(pybind11::module_& m);  // host_alloc.cpp: torch's CPU allocator on the CPU backend
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("adam_step", &adam_step, py::call_guard<py::gil_scoped_release>());
@@ -729,4 +731,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("word_digest", &word_digest, py::call_guard<py::gil_scoped_release>());
   m.def("best_isa", &best_isa);
   m.def("isa_name", &isa_name);
+  bind_host_alloc(m);
 }
