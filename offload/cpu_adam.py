@@ -1,7 +1,8 @@
 """CPU Adam: the optimizer step over offloaded fp32 states, at memory-bandwidth speed.
 
 Two backends compute the same update:
-- "compiled": offload/csrc/cpu_adam.cpp, built on first use with torch.utils.cpp_extension into a cache
+- "compiled": offload/csrc/cpu_adam.cpp (one library with host_alloc.cpp, the CPU backend's allocator:
+  open_host_cache), built on first use with torch.utils.cpp_extension into a cache
   directory ($OFFLOAD_CACHE_DIR, else $XDG_CACHE_HOME/offload, else ~/.cache/offload) named by a hash of
   what the binary depends on (_build_key), and loaded from there directly afterwards when it passes the
   checks of [Note: trusting a cached kernel] (offload/kernel_cache.py: owners, permissions, a digest).
@@ -221,9 +222,9 @@ def open_host_cache() -> bool:
     once, counted per engine; close_host_cache() ends one): blocks of HOST_CACHE_THRESHOLD bytes or more are
     mapped by it and, once freed, kept for a later request of the same size, never more mapped than an
     eighth (at least 16 MiB) above what was live at once ([Note: reusing activations' host memory] in
-    offload/csrc/host_alloc.cpp). True if it
-    did; False where the backend is not the compiled one or another allocator holds torch's CPU slot
-    (then the C library's heap, as swap.buffers.map_large_allocations sets it, serves them)."""
+    offload/csrc/host_alloc.cpp). True if it did; False where the backend is not the compiled one or
+    another allocator holds torch's CPU slot (then the C library's heap, as
+    swap.buffers.map_large_allocations sets it, serves them)."""
     if kernel_backend() != "compiled":
         return False
     return bool(_get_kernel().host_cache_open(HOST_CACHE_THRESHOLD))

@@ -81,7 +81,7 @@ class Engine(nn.Module):
         _WRAPPED.add(model)  # from here on its parameters become the engine's placeholders
         self._host_cache = False
         try:
-            # activations in host memory: freed ones kept for the next step's, within what was live at once
+            # activations in host memory: freed ones kept for the next step's, about what was live at once
             self._host_cache = self.device.type == "cpu" and cpu_adam.open_host_cache()
             materialize(self)
         except BaseException:

@@ -1,4 +1,4 @@
-// torch's CPU allocator for the CPU backend: large blocks reused, never more mapped than was ever live.
+// torch's CPU allocator for the CPU backend: large blocks reused, little more mapped than was ever live.
 //
 // [Note: reusing activations' host memory]
 // On the CPU backend a step's activations live in host memory: hundreds of tensors of a few MB, allocated
@@ -14,9 +14,9 @@
 // were live at once since it was opened by more than an eighth (at least 16 MiB); on a miss, kept blocks
 // are unmapped, oldest first, until they fit. With no slack, a step whose sizes come and go in turn
 // (one size freed before another is first needed) evicts a block it needs later in every step: the tiny
-// preset mapped 2.6 MB afresh each step (tests/test_host_cache.py). When the last engine
-// closes, every kept block is unmapped and frees unmap at once (the afresh mapping above). Smaller blocks
-// go to the allocator it replaced. Tensors outlive nothing here: the allocator is never destroyed.
+// preset mapped 2.6 MB afresh each step (tests/test_host_cache.py). When the last engine closes, every
+// kept block is unmapped and frees unmap at once (the afresh mapping above). Smaller blocks go to the
+// allocator it replaced. No tensor outlives it: the allocator is never destroyed.
 
 #include <torch/extension.h>
 #include <c10/core/CPUAllocator.h>
@@ -60,9 +60,9 @@ class HostCache final : public c10::Allocator {
       if (ptr != nullptr) {
         reused_ += bytes;
       } else {
+        fresh_ += bytes;
         while (!lru_.empty() && live_ + kept_ > bound()) victims.push_back(evict_oldest());
       }
-      if (ptr == nullptr) fresh_ += bytes;
     }
     unmap(victims);
     if (ptr == nullptr) {
