@@ -67,7 +67,8 @@ class Engine(nn.Module):
         self.cfg, self.module = cfg, model
         self.rank, self.world = _check_unsupported(cfg)
         self.dtype = cfg.compute_dtype
-        self.units: list[Unit] = partition(model, cfg.units.min_numel, cfg.units.classes)
+        self.units: list[Unit] = partition(model, cfg.units.min_numel, cfg.units.classes,
+                                               itemsize=self.dtype.itemsize)
         self.placement: Placement = plan_placement(self.units, cfg, self.device, order=forward_order(model, self.units),
                                                    world=self.world, rank=self.rank, precision=self.precision)
         self.rt = rt = Runtime.open(cfg, self.device, self.placement, self.rank, self.world)

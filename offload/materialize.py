@@ -542,6 +542,10 @@ def _fill_chunks(engine, key: str, chunks: dict[int, tuple[int, int]], dtype, pi
 
 def _initial_value(engine, s) -> torch.Tensor:
     """A parameter's initial value, flat: from the weights source when given, else the parameter."""
+    if s.record is not None:  # its bytes as flat elements ([Note: quantized weights as records] in offload.quantized)
+        flat = torch.zeros(s.numel, dtype=engine.rt.dtype)
+        flat.view(torch.uint8)[:s.record.nbytes].copy_(s.record.capture())
+        return flat
     if engine.weights_source is None:
         return s.param.detach().reshape(-1)
     t = engine.weights_source(s.name)
@@ -614,7 +618,8 @@ def write_slots(engine, unit, kind: str, slots, fill, keep: bool) -> None:
 
 @torch.no_grad()
 def unit_values(engine, unit: Unit, frozen: bool = True):
-    """Yields (slot, fp32 tensor) for every parameter of `unit`: the master for trainable ones; frozen=False:
+    """Yields (slot, fp32 tensor) for every parameter of `unit`: the master for trainable ones, a quantized
+    weight dequantized; frozen=False:
     the trainable ones only, and their frozen weights are not read (a LoRA adapter beside a base on nvme)."""
     st = engine.states[unit.index]
     w = engine.weights[unit.index]
@@ -639,8 +644,7 @@ def unit_values(engine, unit: Unit, frozen: bool = True):
         else:
             weights = w.hbm if w.home == "hbm" else w.dram
     for s in unit.slots if frozen else [s for s in unit.slots if s.trainable]:
-        src = master if s.trainable else weights
-        yield s, src[s.offset:s.offset + s.numel].to("cpu", torch.float32, copy=True).view(s.shape)
+        yield s, s.value(master if s.trainable else weights)
 
 
 def _read_chunks(engine, key: str, chunks, dtype) -> torch.Tensor:

@@ -56,6 +56,7 @@ class Placement:
     precision: PrecisionChoice | None = None  # what runs and why (offload.precision)
     trainable_numel: int = 0         # parameters trained (weights + optimizer states + gradient)
     frozen_numel: int = 0            # parameters frozen (weights only: no master, moments or gradient I/O)
+    quantized: dict = field(default_factory=dict)  # kind (nf4, fp4, int8) -> [parameters, record bytes]
 
     @property
     def uses_nvme(self) -> bool:
@@ -84,6 +85,9 @@ class Placement:
             weights = "/".join(sorted(set(self.weight_home.values()) - {"hbm"})) or "hbm"  # the rest unit: hbm
             lines.append(f"  parameters: {self.trainable_numel:,} trained (weights, fp32 states and gradients: states "
                          f"in {states}), {self.frozen_numel:,} frozen (weights only, in {weights})")
+        for kind, (numel, nbytes) in sorted(self.quantized.items()):
+            lines.append(f"  quantized: {numel:,} of them {kind}, stored and moved as {nbytes / 2**20:.1f} MiB "
+                         f"({8 * nbytes / numel:.2f} bits a parameter with their quantization state)")
         for tier in ("hbm", "dram", "nvme"):
             budget = getattr(self, f"{tier}_budget")
             lines.append(f"  {tier}: needs {self.need[tier] / 2**20:.1f} MiB of a {budget / 2**20:.1f} MiB budget")
@@ -145,7 +149,12 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
                   cfg.budgets.dram_bytes or default_dram, _free_disk(cfg.swap_dir(rank)) if cfg.nvme_path else 0, rows)
     p.swap_dir, p.precision = cfg.swap_dir(rank), precision
     p.trainable_numel = sum(s.numel for u in units for s in u.slots if s.trainable)
-    p.frozen_numel = sum(s.numel for u in units for s in u.slots if not s.trainable)
+    p.frozen_numel = sum(s.numel if s.record is None else s.record.numel for u in units for s in u.slots
+                         if not s.trainable)
+    for s in (s for u in units for s in u.slots if s.record is not None):
+        counts = p.quantized.setdefault(s.record.kind, [0, 0])
+        counts[0] += s.record.numel
+        counts[1] += s.record.nbytes
     p.deferred = deferred_units(units, cfg, weight_home, state_home, sharded, order)
     for i in p.deferred:  # their gradient waits on nvme for the next forward, in the compute dtype
         states["nvme"] += units[i].trainable_numel * itemsize
@@ -198,7 +207,7 @@ def engine_plan(model, config=None) -> dict:
     from this machine's memory unless reuse_bytes is given), computed without allocating anything.
     `model` may live on the meta device. A measured run stays within this plan (tests/test_estimate_engine.py)."""
     cfg = load_config(config)
-    units = partition(model, cfg.units.min_numel, cfg.units.classes)
+    units = partition(model, cfg.units.min_numel, cfg.units.classes, itemsize=cfg.compute_dtype.itemsize)
     need = plan_placement(units, cfg, torch.device("cpu"), check=False, order=forward_order(model, units)).need
     return {f"{t}_bytes": need[t] for t in TIERS}
 

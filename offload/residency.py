@@ -115,12 +115,12 @@ class WeightHandle(_Handle):
     # -- parameters ---------------------------------------------------------------------------------
     def _attach(self) -> None:
         for s in self.unit.slots:
-            s.param.data = self.hbm[s.offset:s.offset + s.numel].view(s.shape)
+            s.attach(self.hbm)
         self.shaped = False
 
     def _detach(self) -> None:
         for s in self.unit.slots:
-            s.param.data = self._placeholder
+            s.detach(self._placeholder)
         self.shaped = False
 
     def shape_only(self) -> None:
@@ -131,7 +131,8 @@ class WeightHandle(_Handle):
         if self.state is not R.HBM and not self.shaped:
             zero = torch.zeros(1, dtype=self.dtype, device=self.hbm.device)
             for s in self.unit.slots:
-                s.param.data = zero.expand(s.shape)
+                if s.record is None:  # a quantized weight is frozen: no accumulator checks it
+                    s.param.data = zero.expand(s.shape)
             self.shaped = True
 
     def _free_hbm(self) -> None:

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from offload import quantized
+
 ALIGN_NUMEL = 2048  # 4 KiB of bf16, 8 KiB of fp32
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 REST = "<rest>"
@@ -44,6 +46,29 @@ class Slot:
     numel: int
     shape: torch.Size
     trainable: bool
+    record: object = None  # a quantized weight's Record (offload.quantized): numel counts its bytes' elements
+
+    def attach(self, flat: torch.Tensor) -> None:
+        """Points the parameter (a quantized one: its record's tensors) at its place in `flat`."""
+        region = flat[self.offset:self.offset + self.numel]
+        if self.record is None:
+            self.param.data = region.view(self.shape)
+        else:
+            self.record.bind(region.view(torch.uint8))
+
+    def detach(self, placeholder: torch.Tensor) -> None:
+        """Points the parameter at an empty placeholder (a quantized one: empty tensors of its own dtypes)."""
+        if self.record is None:
+            self.param.data = placeholder
+        else:
+            self.record.unbind(placeholder.device)
+
+    def value(self, flat: torch.Tensor) -> torch.Tensor:
+        """The parameter's value from its place in `flat`, in fp32 (a quantized one dequantized)."""
+        region = flat[self.offset:self.offset + self.numel]
+        if self.record is None:
+            return region.to("cpu", torch.float32, copy=True).view(self.shape)
+        return self.record.dequantize(region.cpu().view(torch.uint8)).to(torch.float32)
 
 
 @dataclass
@@ -121,7 +146,8 @@ def _unit_roots(model: nn.Module, min_numel: int, classes: tuple[str, ...]) -> l
     return roots
 
 
-def _layout(index: int, name: str, module, params: list[tuple[str, nn.Parameter]], world_size: int) -> Unit:
+def _layout(index: int, name: str, module, params: list[tuple[str, nn.Parameter]], world_size: int,
+            records: dict, itemsize: int) -> Unit:
     pad = ALIGN_NUMEL * world_size
     slots: list[Slot] = []
     offset = 0
@@ -129,8 +155,10 @@ def _layout(index: int, name: str, module, params: list[tuple[str, nn.Parameter]
     def place(group) -> None:
         nonlocal offset
         for pname, p in group:
-            slots.append(Slot(pname, p, offset, p.numel(), p.shape, p.requires_grad))
-            offset = _round_up(offset + p.numel(), 32)
+            rec = records.get(p)
+            numel = p.numel() if rec is None else -(-rec.nbytes // itemsize)  # a record: its bytes as elements
+            slots.append(Slot(pname, p, offset, numel, p.shape, p.requires_grad, rec))
+            offset = _round_up(offset + numel, 32)
 
     place([np for np in params if np[1].requires_grad])
     trainable_numel = offset = _round_up(offset, pad)
@@ -138,8 +166,12 @@ def _layout(index: int, name: str, module, params: list[tuple[str, nn.Parameter]
     return Unit(index, name, module, slots, _round_up(max(offset, 1), pad), trainable_numel)
 
 
-def partition(model: nn.Module, min_numel: int, classes: tuple[str, ...] = (), world_size: int = 1) -> list[Unit]:
-    """Splits `model` into units (see the notes above); the rest unit, if any, comes last."""
+def partition(model: nn.Module, min_numel: int, classes: tuple[str, ...] = (), world_size: int = 1,
+              itemsize: int = 4) -> list[Unit]:
+    """Splits `model` into units (see the notes above); the rest unit, if any, comes last. `itemsize`: the
+    bytes of an element of the flat buffers (the compute dtype's), which a quantized weight's record fills
+    ([Note: quantized weights as records] in offload.quantized)."""
+    records = quantized.records(model)
     owner: dict = {}  # parameter -> unit index (first holder wins: tied weights)
     units: list[Unit] = []
     for path, module in _unit_roots(model, min_numel, classes):
@@ -148,12 +180,12 @@ def partition(model: nn.Module, min_numel: int, classes: tuple[str, ...] = (), w
             continue
         for _, p in params:
             owner[p] = len(units)
-        units.append(_layout(len(units), path, module, params, world_size))
+        units.append(_layout(len(units), path, module, params, world_size, records, itemsize))
     rest = [(n, p) for n, p in model.named_parameters() if p not in owner]
     if rest:
         for _, p in rest:
             owner[p] = len(units)
-        units.append(_layout(len(units), REST, None, rest, world_size))
+        units.append(_layout(len(units), REST, None, rest, world_size, records, itemsize))
     _attach_users(model, units, owner)
     return units
 

@@ -1,0 +1,212 @@
+"""Quantized frozen weights: a bitsandbytes layer's weight kept as it is stored, its packed bytes and its
+quantization state in one byte record, which lives in a unit's flat buffer like any weight (docs/design.md
+"Quantized weights"). Supported: SUPPORTED below; any other quantized layer or tensor type is refused by name.
+
+[Note: quantized weights as records]
+A record is the tensors bitsandbytes reads in the layer's forward and backward, back to back, each 16-byte
+aligned: Linear4bit (nf4, fp4): the packed weight, absmax, the quant map (code), and with double
+quantization the offset, the nested absmax and the nested code; Linear8bitLt: the int8 weight and its row
+scales (SCB). A fetch binds views of the unit's fetched bytes to those attributes (the parameter's data,
+the QuantState's tensors, the layer's MatmulLtState), a release binds empty tensors; nothing is expanded,
+copied or cast, so the layer dequantizes exactly what it would without offload, and the bytes moved are
+the quantized bytes. bitsandbytes' own objects keep their identity (autograd's context holds them between
+forward and backward). The CPU repacking for AVX512-BF16 inference (Linear4bit's eval path) would swap the
+stored bytes for others: it is turned off on the layers an engine holds.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+SUPPORTED = ("bitsandbytes Linear4bit (nf4 or fp4, with or without double quantization) and Linear8bitLt "
+             "(int8, frozen)")
+ALIGN_BYTES = 16
+# module classes of quantization libraries whose layers we do not move as records (yet): refused by name
+FOREIGN = ("QuantLinear", "WQLinear", "MarlinQuantLinear", "HQQLinear", "QuantizedLinear", "FP8Linear",
+           "Embedding4bit", "Embedding8bit", "EmbeddingNF4", "EmbeddingFP4", "StableEmbedding", "Linear8bitLtFp16")
+
+
+@dataclass
+class Piece:
+    """One tensor of a record: `owner.attr` (the parameter's data when attr is "data"), at byte `at`."""
+
+    owner: object
+    attr: str
+    dtype: torch.dtype
+    shape: tuple
+    at: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+class Record:
+    """A quantized weight's tensors in one byte record ([Note: quantized weights as records]). `kind`: nf4,
+    fp4 or int8; `aliases`: (owner, attr, piece index) also bound to a piece (8-bit's state.CB)."""
+
+    def __init__(self, kind: str, numel: int, pieces: list[Piece], aliases=(), dequantize=None):
+        self.kind, self.numel, self.pieces = kind, numel, pieces  # numel: the parameters it stands for
+        self.aliases, self._dequantize = list(aliases), dequantize
+        at = 0
+        for p in pieces:
+            p.at = at
+            at += -(-p.nbytes // ALIGN_BYTES) * ALIGN_BYTES
+        self.nbytes = at
+
+    @property
+    def param(self) -> nn.Parameter:
+        return self.pieces[0].owner
+
+    def views(self, region: torch.Tensor) -> list[torch.Tensor]:
+        """Each piece's tensor as a view of `region` (this record's bytes, uint8, at least nbytes)."""
+        return [region[p.at:p.at + p.nbytes].view(p.dtype).view(p.shape) for p in self.pieces]
+
+    def bind(self, region: torch.Tensor) -> None:
+        views = self.views(region)
+        for p, v in zip(self.pieces, views):
+            _set(p.owner, p.attr, v)
+        for owner, attr, i in self.aliases:
+            setattr(owner, attr, self.param.data if i == 0 else views[i])
+
+    def unbind(self, device) -> None:
+        for p in self.pieces:
+            _set(p.owner, p.attr, torch.empty(0, dtype=p.dtype, device=device))
+        for owner, attr, _ in self.aliases:
+            setattr(owner, attr, None)
+
+    def capture(self) -> torch.Tensor:
+        """The current values of the pieces (as the layer holds them now), in a new byte record."""
+        out = torch.zeros(self.nbytes, dtype=torch.uint8)
+        for p, v in zip(self.pieces, self.views(out)):
+            v.copy_(_get(p.owner, p.attr).reshape(v.shape))
+        return out
+
+    def dequantize(self, region: torch.Tensor) -> torch.Tensor:
+        """The weight the record stands for, in full precision, from the record's bytes in `region`."""
+        return self._dequantize(self.views(region))
+
+
+def _set(owner, attr: str, t: torch.Tensor) -> None:
+    if attr == "data":
+        owner.data = t
+    else:
+        setattr(owner, attr, t)
+
+
+def _get(owner, attr: str) -> torch.Tensor:
+    return (owner.data if attr == "data" else getattr(owner, attr)).detach().cpu()
+
+
+def _bnb():
+    """bitsandbytes, if the model could hold its layers (it is imported); None otherwise."""
+    return sys.modules.get("bitsandbytes")
+
+
+def records(model: nn.Module) -> dict:
+    """{parameter: Record} for every quantized weight of `model`; refuses what cannot move as a record."""
+    bnb = _bnb()
+    out = {}
+    for path, module in model.named_modules():
+        name = type(module).__name__
+        if name in FOREIGN or _is_foreign(module):
+            raise ValueError(f"{path or '<root>'}: {type(module).__module__}.{name} is a quantized layer offload "
+                             f"does not move yet; supported: {SUPPORTED} (docs/python.md)")
+        for pname, p in module._parameters.items():
+            if p is None:
+                continue
+            where = f"{path}.{pname}" if path else pname
+            rec = _record(bnb, module, p, where)
+            if rec is not None:
+                out[p] = rec
+            elif type(p.data) is not torch.Tensor and not p.is_meta:
+                raise ValueError(f"{where}: a {type(p.data).__module__}.{type(p.data).__name__} tensor; offload moves "
+                                 f"plain tensors and {SUPPORTED} (docs/python.md)")
+            elif not (p.is_floating_point() or p.is_complex()):
+                raise ValueError(f"{where}: a {p.dtype} parameter of {name} that is not a quantization offload knows; "
+                                 f"supported: {SUPPORTED} (docs/python.md)")
+    return out
+
+
+def _is_foreign(module: nn.Module) -> bool:
+    """GPTQ / AWQ / torchao layers keep their packed weights in buffers or tensor subclasses."""
+    return any(n in module._buffers for n in ("qweight", "qzeros")) and module._parameters.get("weight") is None
+
+
+def _record(bnb, module: nn.Module, p: nn.Parameter, where: str) -> Record | None:
+    if bnb is None:
+        return None
+    if isinstance(p, bnb.nn.Params4bit):
+        return _record_4bit(bnb, module, p, where)
+    if isinstance(p, bnb.nn.Int8Params):
+        return _record_8bit(bnb, module, p, where)
+    return None
+
+
+def _frozen(p: nn.Parameter, where: str) -> None:
+    if p.requires_grad:
+        raise ValueError(f"{where}: a quantized weight that requires grad; a quantized base is frozen and trained "
+                         "through adapters: freeze it (peft's get_peft_model does), or train a full-precision model")
+
+
+def _record_4bit(bnb, module: nn.Module, p, where: str) -> Record:
+    _frozen(p, where)
+    if not isinstance(module, bnb.nn.Linear4bit):
+        raise ValueError(f"{where}: a 4-bit weight of {type(module).__name__}; offload moves 4-bit weights of "
+                         f"Linear4bit layers only (supported: {SUPPORTED})")
+    qs = p.quant_state
+    if qs is None or p.dtype != torch.uint8:
+        raise ValueError(f"{where}: a Linear4bit weight that is not quantized yet (bitsandbytes quantizes it when the "
+                         "layer moves to a device); load with from_pretrained(..., quantization_config=...) or call "
+                         "model.to(device) first")
+    if getattr(qs, "packing_format_for_cpu", False):
+        raise ValueError(f"{where}: a Linear4bit weight repacked for CPU inference (AVX512-BF16); use the model "
+                         "before any no-grad CPU forward, or reload it")
+    module.support_avx512bf16_for_cpu = False  # [Note: quantized weights as records]
+    pieces = [Piece(p, "data", p.dtype, tuple(p.shape)), Piece(qs, "absmax", qs.absmax.dtype, tuple(qs.absmax.shape)),
+              Piece(qs, "code", qs.code.dtype, tuple(qs.code.shape))]
+    if qs.nested:
+        s2 = qs.state2
+        pieces += [Piece(qs, "offset", qs.offset.dtype, tuple(qs.offset.shape)),
+                   Piece(s2, "absmax", s2.absmax.dtype, tuple(s2.absmax.shape)),
+                   Piece(s2, "code", s2.code.dtype, tuple(s2.code.shape))]
+
+    def dequantize(views):
+        state = copy.copy(qs)
+        state.absmax, state.code = views[1], views[2]
+        if qs.nested:
+            state.offset = views[3]
+            state.state2 = copy.copy(qs.state2)
+            state.state2.absmax, state.state2.code = views[4], views[5]
+        return bnb.functional.dequantize_4bit(views[0], state)
+
+    return Record(qs.quant_type, qs.shape.numel(), pieces, dequantize=dequantize)
+
+
+def _record_8bit(bnb, module: nn.Module, p, where: str) -> Record:
+    _frozen(p, where)
+    if not isinstance(module, bnb.nn.Linear8bitLt) or module.state.has_fp16_weights:
+        raise ValueError(f"{where}: an 8-bit weight of {type(module).__name__} (has_fp16_weights="
+                         f"{getattr(getattr(module, 'state', None), 'has_fp16_weights', None)}); offload moves the int8 "
+                         f"weights of Linear8bitLt layers with has_fp16_weights=False (supported: {SUPPORTED})")
+    if p.CB is not None:  # what the layer's first forward does: the state holds CB and SCB from here on
+        module.init_8bit_state()
+    state = module.state
+    if p.dtype != torch.int8 or state.SCB is None:
+        raise ValueError(f"{where}: a Linear8bitLt weight that is not quantized yet (bitsandbytes quantizes it when "
+                         "the layer moves to a device); load with from_pretrained(..., quantization_config=...) or "
+                         "call model.to(device) first")
+    pieces = [Piece(p, "data", torch.int8, tuple(p.shape)), Piece(state, "SCB", state.SCB.dtype, tuple(state.SCB.shape))]
+
+    def dequantize(views):
+        return bnb.functional.int8_vectorwise_dequant(views[0], views[1])
+
+    return Record("int8", p.numel(), pieces, aliases=[(state, "CB", 0)], dequantize=dequantize)

@@ -1,0 +1,103 @@
+"""QLoRA through the tiers (issue 40): a base quantized by bitsandbytes (nf4 and fp4 with and without double
+quantization, int8) trains through offload.initialize with its frozen weights stored and moved as they are
+(packed bytes plus their quantization state: [Note: quantized weights as records] in offload.quantized), to
+the losses of the plain peft + bitsandbytes loop (torch AdamW on the adapters, fp32), in hbm, dram and nvme;
+the packed bytes come back bit for bit, and nvme reads the quantized bytes, not an expansion of them."""
+
+import copy
+
+import pytest
+import torch
+
+import offload
+from offload import quantized
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+bnb = pytest.importorskip("bitsandbytes")
+
+VOCAB, SEQ, STEPS, LR = 128, 16, 5, 1e-2
+QUANT = {
+    "nf4-dq": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True),
+    "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
+    "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4"),
+    "int8": dict(load_in_8bit=True),
+}
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("base")
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    return str(d)
+
+
+def qlora(base_dir: str, quant: str):
+    q = transformers.BitsAndBytesConfig(**QUANT[quant])
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=q, dtype=torch.float32)
+    torch.manual_seed(1)
+    return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                     lora_dropout=0.0))
+
+
+def batches(n: int):
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, VOCAB, (2, SEQ), generator=g) for _ in range(n)]
+
+
+def config(tmp_path, where: str) -> dict:
+    param = {"hbm": "none", "dram": "cpu", "nvme": "nvme"}[where]
+    return {"precision": "fp32", "offload_param": {"device": param}, "offload_optimizer": {"device": "cpu"},
+            "nvme_path": str(tmp_path / "nvme"), "units": {"classes": ["LlamaDecoderLayer"]},
+            "optimizer": {"type": "adamw", "lr": LR, "weight_decay": 0.0}}
+
+
+def plain_losses(model, data) -> list[float]:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0,
+                            foreach=False)
+    out = []
+    for ids in data:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(loss.item())
+    return out
+
+
+def packed_bytes(model) -> dict:
+    """Every quantized weight's record, as the layer holds it now."""
+    return {n: rec.capture() for n, rec in ((n, quantized.records(model).get(p)) for n, p in model.named_parameters())
+            if rec is not None}
+
+
+@pytest.mark.parametrize("quant,where", [("nf4-dq", "hbm"), ("nf4-dq", "dram"), ("nf4-dq", "nvme"),
+                                         ("nf4", "nvme"), ("fp4", "dram"), ("int8", "nvme"), ("int8", "hbm")])
+def test_a_quantized_base_trains_to_the_plain_loops_losses(tmp_path, base_dir, quant, where):
+    data = batches(STEPS)
+    reference = plain_losses(qlora(base_dir, quant), data)
+    model = qlora(base_dir, quant)
+    before = packed_bytes(model)
+    assert before, "the base has quantized weights"
+    with offload.initialize(model, config=config(tmp_path, where)) as engine:
+        losses = []
+        for ids in data:
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert losses == pytest.approx(reference, rel=1e-6)
+        assert reference[-1] < reference[0]  # it trained
+        seen = 0
+        for u in engine.units:  # the bytes at home after training, fetched: each record bit for bit as loaded
+            w = engine.weights[u.index]
+            w.wait_for_fetch()
+            for s in u.slots:
+                if s.record is not None:
+                    assert torch.equal(s.record.capture(), before[s.name]), s.name
+                    seen += 1
+            w.release()
+        assert seen == len(before)
