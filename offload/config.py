@@ -168,6 +168,7 @@ class Config:
     chunk_bytes: int = 32 << 20    # the grain of nvme <-> dram movement and of the CPU Adam pipeline (docs/design.md "Chunks and budgets")
     swap_checksum: bool = True     # per-block checksums of swap files, verified on read (nvme optimizer states: in the CPU Adam pass)
     seed: int = 0                  # seeds meta-device materialization
+    quantize_base: str | None = None  # "nf4" | "fp4" | "int8": a model built on meta has its base's linears quantized by bitsandbytes as they are materialized (a LoRA run; docs/training.md "QLoRA")
     collective_timeout_s: float = 600.0  # over ranks: a collective not matched by every rank within this raises an error naming it ([Note: collective order] in offload/ranks.py)
 
     def __post_init__(self) -> None:
@@ -194,6 +195,9 @@ class Config:
         if isinstance(self.split_step, (str, bool)) or not 0 <= self.split_step <= 1:
             _fail("split_step", self.split_step, "must be a number from 0 to 1 (a fraction of the units)",
                   "use 0 to step every unit in backward, 0.5 for every other unit (what true meant before)")
+        if self.quantize_base not in (None, "nf4", "fp4", "int8"):
+            _fail("quantize_base", self.quantize_base, "unknown quantization",
+                  'use "nf4" (QLoRA: nf4 with double quantization), "fp4", "int8", or null for none')
         if isinstance(self.collective_timeout_s, bool) or not (isinstance(self.collective_timeout_s, (int, float))
                                                                 and self.collective_timeout_s > 0):
             _fail("collective_timeout_s", self.collective_timeout_s, "must be a number of seconds > 0",

@@ -215,6 +215,8 @@ def save_adapter(engine, model: torch.nn.Module, info: dict, lora: dict, directo
     if engine.rt.rank != 0:
         return directory
     if info["kind"] == "hf":
+        for config in model.peft_config.values():  # where its base is, so peft finds it without a hub
+            config.base_model_name_or_path = info["source"]
         model.save_pretrained(directory, state_dict=state)
         copy_companions(info["source"], directory)  # the tokenizer files (and a generation config it has)
         return directory

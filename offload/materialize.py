@@ -543,6 +543,9 @@ def _fill_chunks(engine, key: str, chunks: dict[int, tuple[int, int]], dtype, pi
 def _initial_value(engine, s) -> torch.Tensor:
     """A parameter's initial value, flat: from the weights source when given, else the parameter."""
     if s.record is not None:  # its bytes as flat elements ([Note: quantized weights as records] in offload.quantized)
+        if s.record.pending:  # built on meta: quantized from its value now, as from_pretrained quantizes
+            value = s.param.detach() if engine.weights_source is None else engine.weights_source(s.name)
+            s.param = s.record.quantize(value)
         flat = torch.zeros(s.numel, dtype=engine.rt.dtype)
         flat.view(torch.uint8)[:s.record.nbytes].copy_(s.record.capture())
         return flat

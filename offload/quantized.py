@@ -53,9 +53,10 @@ class Record:
     """A quantized weight's tensors in one byte record ([Note: quantized weights as records]). `kind`: nf4,
     fp4 or int8; `aliases`: (owner, attr, piece index) also bound to a piece (8-bit's state.CB)."""
 
-    def __init__(self, kind: str, numel: int, pieces: list[Piece], aliases=(), dequantize=None):
+    def __init__(self, kind: str, numel: int, pieces: list[Piece], aliases=(), dequantize=None, quantize=None):
         self.kind, self.numel, self.pieces = kind, numel, pieces  # numel: the parameters it stands for
         self.aliases, self._dequantize = list(aliases), dequantize
+        self._quantize = quantize  # a weight still to quantize (built on the meta device): value -> its parameter
         at = 0
         for p in pieces:
             p.at = at
@@ -65,6 +66,18 @@ class Record:
     @property
     def param(self) -> nn.Parameter:
         return self.pieces[0].owner
+
+    @property
+    def pending(self) -> bool:
+        """A layer built on the meta device whose weight is quantized when its value comes (materialization)."""
+        return self._quantize is not None
+
+    def quantize(self, value: torch.Tensor) -> nn.Parameter:
+        """A pending record: quantizes `value` (the full-precision weight) as bitsandbytes does when
+        from_pretrained loads it, puts the quantized parameter into the layer and returns it."""
+        param = self._quantize(value)
+        self._quantize = None
+        return param
 
     def views(self, region: torch.Tensor) -> list[torch.Tensor]:
         """Each piece's tensor as a view of `region` (this record's bytes, uint8, at least nbytes)."""
@@ -93,6 +106,28 @@ class Record:
     def dequantize(self, region: torch.Tensor) -> torch.Tensor:
         """The weight the record stands for, in full precision, from the record's bytes in `region`."""
         return self._dequantize(self.views(region))
+
+
+def layout(kind: str, shape, blocksize: int = 64, nested: bool = True) -> list[tuple[str, torch.dtype, tuple]]:
+    """(attribute, dtype, shape) of each tensor bitsandbytes keeps for a weight of `shape` quantized as `kind`
+    (nf4, fp4: quantize_4bit with uint8 storage; int8: int8_vectorwise_quant): the record's pieces, in order."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    if kind == "int8":
+        return [("data", torch.int8, tuple(shape)), ("SCB", torch.float32, (shape[0],))]
+    blocks = -(-numel // blocksize)
+    pieces = [("data", torch.uint8, ((numel + 1) // 2, 1)),
+              ("absmax", torch.uint8 if nested else torch.float32, (blocks,)), ("code", torch.float32, (16,))]
+    if nested:
+        pieces += [("offset", torch.float32, ()), ("state2.absmax", torch.float32, (-(-blocks // 256),)),
+                   ("state2.code", torch.float32, (256,))]
+    return pieces
+
+
+def record_bytes(kind: str, shape, blocksize: int = 64, nested: bool = True) -> int:
+    """The bytes of a record for a weight of `shape` quantized as `kind` (what every tier holds for it)."""
+    return Record(kind, 0, [Piece(None, a, d, sh) for a, d, sh in layout(kind, shape, blocksize, nested)]).nbytes
 
 
 def _set(owner, attr: str, t: torch.Tensor) -> None:
@@ -162,6 +197,8 @@ def _record_4bit(bnb, module: nn.Module, p, where: str) -> Record:
     if not isinstance(module, bnb.nn.Linear4bit):
         raise ValueError(f"{where}: a 4-bit weight of {type(module).__name__}; offload moves 4-bit weights of "
                          f"Linear4bit layers only (supported: {SUPPORTED})")
+    if p.is_meta:
+        return _pending(bnb, module, p, where, p.quant_type, p.blocksize, p.compress_statistics)
     qs = p.quant_state
     if qs is None or p.dtype != torch.uint8:
         raise ValueError(f"{where}: a Linear4bit weight that is not quantized yet (bitsandbytes quantizes it when the "
@@ -197,6 +234,8 @@ def _record_8bit(bnb, module: nn.Module, p, where: str) -> Record:
         raise ValueError(f"{where}: an 8-bit weight of {type(module).__name__} (has_fp16_weights="
                          f"{getattr(getattr(module, 'state', None), 'has_fp16_weights', None)}); offload moves the int8 "
                          f"weights of Linear8bitLt layers with has_fp16_weights=False (supported: {SUPPORTED})")
+    if p.is_meta:
+        return _pending(bnb, module, p, where, "int8")
     if p.CB is not None:  # what the layer's first forward does: the state holds CB and SCB from here on
         module.init_8bit_state()
     state = module.state
@@ -210,3 +249,96 @@ def _record_8bit(bnb, module: nn.Module, p, where: str) -> Record:
         return bnb.functional.int8_vectorwise_dequant(views[0], views[1])
 
     return Record("int8", p.numel(), pieces, aliases=[(state, "CB", 0)], dequantize=dequantize)
+
+
+def _pending(bnb, module: nn.Module, p, where: str, kind: str, blocksize: int = 64, nested: bool = False) -> Record:
+    """The record of a layer built on the meta device: its layout from the weight's shape (layout()); its
+    pieces take their owners when quantize() makes the parameter, as transformers' bitsandbytes loading does
+    (Params4bit / Int8Params of the value with the meta parameter's settings, moved to the CPU)."""
+    if kind != "int8" and getattr(p, "quant_storage", torch.uint8) != torch.uint8:
+        raise ValueError(f"{where}: bnb_4bit_quant_storage={p.quant_storage}; offload quantizes with uint8 storage")
+    shape = tuple(p.shape)
+    pieces = [Piece(None, attr, dtype, sh) for attr, dtype, sh in layout(kind, shape, blocksize, nested)]
+    settings = {k: v for k, v in p.__dict__.items() if k not in ("SCB", "CB")}
+
+    def quantize(value: torch.Tensor) -> nn.Parameter:
+        if tuple(value.shape) != shape:
+            raise ValueError(f"{where}: a value of shape {tuple(value.shape)} for a weight of shape {shape}")
+        if kind == "int8":
+            new = bnb.nn.Int8Params(value.to("cpu"), requires_grad=False, **settings).to("cpu")
+            module._parameters["weight"] = new
+            rec = _record_8bit(bnb, module, new, where)
+            owners = {"data": new, "SCB": module.state}
+        else:
+            new = bnb.nn.Params4bit(value, requires_grad=False, **settings).to("cpu")
+            module._parameters["weight"] = new
+            qs = new.quant_state
+            owners = {"data": new, "absmax": qs, "code": qs, "offset": qs, "state2.absmax": qs.state2,
+                      "state2.code": qs.state2}
+            rec = _record_4bit(bnb, module, new, where)
+        for piece in pieces:
+            piece.owner, piece.attr = owners[piece.attr], piece.attr.rsplit(".", 1)[-1]
+            got = _get(piece.owner, piece.attr)
+            if (got.dtype, tuple(got.shape)) != (piece.dtype, piece.shape):
+                raise RuntimeError(f"{where}: bitsandbytes made {piece.attr} {got.dtype} {tuple(got.shape)}, offload "
+                                   f"planned {piece.dtype} {piece.shape} (offload.quantized.layout); a bitsandbytes "
+                                   "version offload does not know: report it with `offload doctor`'s output")
+        record.aliases, record._dequantize = rec.aliases, rec._dequantize
+        return new
+
+    numel = 1
+    for d in shape:
+        numel *= d
+    record = Record(kind, numel, pieces, quantize=quantize)
+    return record
+
+
+def replace_linears(model: nn.Module, kind: str, compute_dtype: torch.dtype) -> list[str]:
+    """Turns the model's nn.Linear layers (on the meta device) into bitsandbytes layers that quantize their
+    weight when it is materialized, as from_pretrained(..., quantization_config=BitsAndBytesConfig(...))
+    builds them: nf4 is QLoRA's (nf4, double quantization, blocksize 64, uint8 storage), int8 LLM.int8()'s
+    (threshold 6.0, no fp16 weights). The output head (and what transformers leaves out: tied weights, the
+    last module) stays in full precision. Returns the paths of the layers replaced."""
+    bnb = bitsandbytes()
+    skip = _not_converted(model)
+    done = []
+    for path, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or any(path == k or path.endswith("." + k) or path.startswith(k + ".")
+                                                for k in skip):
+            continue
+        with torch.device("meta"):
+            if kind == "int8":
+                new = bnb.nn.Linear8bitLt(module.in_features, module.out_features, module.bias is not None,
+                                          has_fp16_weights=False, threshold=6.0)
+            else:
+                new = bnb.nn.Linear4bit(module.in_features, module.out_features, module.bias is not None,
+                                        compute_dtype, compress_statistics=True, quant_type=kind,
+                                        quant_storage=torch.uint8)
+        new.requires_grad_(False)
+        model.set_submodule(path, new)
+        done.append(path)
+    return done
+
+
+def _not_converted(model: nn.Module) -> set[str]:
+    """What transformers' bitsandbytes loading leaves unquantized (its get_keys_to_not_convert) for its
+    models; the output head, lm_head, for ours."""
+    skip = {"lm_head"}
+    pretrained = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    if pretrained is not None and isinstance(model, pretrained):
+        try:
+            from transformers.quantizers.base import get_keys_to_not_convert
+            skip |= set(get_keys_to_not_convert(model))
+        except (ImportError, AttributeError):
+            pass
+    return skip
+
+
+def bitsandbytes():
+    """bitsandbytes, or one line naming the extra that brings it."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise ValueError("quantize_base: needs the bitsandbytes package, which is not installed; "
+                         "pip install 'offload[qlora]' (in a source checkout: pip install -e '.[qlora]')") from e
+    return bnb

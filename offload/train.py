@@ -105,6 +105,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     lo.add_argument("--lora-targets", default=None, metavar="NAMES",
                     help="comma-separated linears to adapt, transformers' Llama names also for presets "
                          "(default q_proj,v_proj)")
+    lo.add_argument("--quantize", default=None, choices=("nf4", "fp4", "int8"),
+                    help="with --lora: the frozen base quantized by bitsandbytes as it is materialized (QLoRA: nf4 with "
+                         "double quantization; config quantize_base; pip install 'offload[qlora]')")
     lo.add_argument("--lora-dropout", type=float, default=None, metavar="P",
                     help="dropout on the adapters' input (default 0)")
     c = parser.add_argument_group("checkpoints")
@@ -182,6 +185,12 @@ def resolve(args: argparse.Namespace) -> tuple[Config, dict]:
     run["data"] = args.data
     run["eval"] = _eval_settings(args)
     run["lora"] = lora_settings(args)
+    if getattr(args, "quantize", None) is not None:
+        data["quantize_base"] = args.quantize
+    if data.get("quantize_base") is not None and run["lora"] is None:
+        raise ValueError(f"--quantize={data['quantize_base']}: a quantized base cannot be trained itself (its weights "
+                         "are integers; there is no gradient for them): it is frozen and trained through adapters; "
+                         "add --lora R (QLoRA), or drop --quantize for a full fine-tune")
     for dest, (path, default) in CONFIG_FLAGS.items():
         value = getattr(args, dest)
         if dest == "warmup_steps" and isinstance(run["steps"], int):
@@ -302,6 +311,12 @@ def build(run: dict, cfg: Config):
         raise ValueError(f"--model={name}: vocab_size={vocab} is smaller than the tokenizer's {need} "
                          f"({'its own' if tok is not None else 'bytes + EOS'}); use a model with at least that "
                          f"many embeddings")
+    if cfg.quantize_base is not None:  # bitsandbytes layers, quantized as the engine materializes them
+        from offload.quantized import bitsandbytes, replace_linears
+
+        bitsandbytes()
+        info["quantized"] = {"kind": cfg.quantize_base, "layers": len(replace_linears(model, cfg.quantize_base,
+                                                                                      cfg.compute_dtype))}
     if run.get("lora") is not None:  # the frozen base and peft's adapters (offload.lora)
         model = apply_lora(model, info, run["lora"])
         weights = LoraWeights(weights, model, cfg.seed) if weights is not None else None

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 bnb = pytest.importorskip("bitsandbytes")
 
-VOCAB, SEQ, STEPS, LR = 128, 16, 5, 1e-2
+VOCAB, SEQ, STEPS, LR = 300, 16, 5, 1e-2  # the byte tokenizer of offload train needs 257
 QUANT = {
     "nf4-dq": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True),
     "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
@@ -77,7 +77,7 @@ def packed_bytes(model) -> dict:
 @pytest.mark.parametrize("quant,where", [("nf4-dq", "hbm"), ("nf4-dq", "dram"), ("nf4-dq", "nvme"),
                                          ("nf4", "nvme"), ("fp4", "dram"), ("int8", "nvme"), ("int8", "hbm")])
 def test_a_quantized_base_trains_to_the_plain_loops_losses(tmp_path, base_dir, quant, where):
-    data = batches(STEPS)
+    data = batches(1) * STEPS  # one batch again and again: the loss must fall
     reference = plain_losses(qlora(base_dir, quant), data)
     model = qlora(base_dir, quant)
     before = packed_bytes(model)
@@ -101,3 +101,71 @@ def test_a_quantized_base_trains_to_the_plain_loops_losses(tmp_path, base_dir, q
                     seen += 1
             w.release()
         assert seen == len(before)
+
+
+# -- offload train --quantize: the base quantized as it is materialized ----------------------------------------
+
+def _train_args(base_dir, tmp_path, *extra):
+    from offload import train as recipe
+
+    return recipe.train_parser().parse_args(["--model", base_dir, "--lora", "4", "--seq-len", str(SEQ),
+                                             "--batch-size", "2", "--steps", "2", "--nvme-path",
+                                             str(tmp_path / "nvme"), "--out", str(tmp_path / "run"),
+                                             "--no-progress", *extra])
+
+
+@pytest.mark.parametrize("quant,flag", [("nf4-dq", "nf4"), ("int8", "int8")])
+def test_quantize_flag_quantizes_as_from_pretrained_bit_for_bit(tmp_path, base_dir, quant, flag):
+    """The engine's records (streamed from the safetensors, quantized unit by unit on the meta-built model)
+    equal the ones from_pretrained(..., quantization_config=...) makes, byte for byte, name for name."""
+    from offload import train as recipe
+
+    cfg, run = recipe.resolve(_train_args(base_dir, tmp_path, "--quantize", flag, "--precision", "fp32"))
+    model, weights, info = recipe.build(run, cfg)
+    assert info["quantized"] == {"kind": flag, "layers": 14}  # 7 linears x 2 layers; lm_head stays
+    expected = packed_bytes(qlora(base_dir, quant))
+    with offload.initialize(model, cfg, weights=weights) as engine:
+        got = {}
+        for u in engine.units:
+            w = engine.weights[u.index]
+            w.wait_for_fetch()
+            got.update({s.name: s.record.capture() for s in u.slots if s.record is not None})
+            w.release()
+        assert engine.placement.quantized[flag][0] == 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64)
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+def test_quantize_needs_lora_and_names_the_reason(tmp_path, base_dir):
+    from offload import train as recipe
+
+    args = recipe.train_parser().parse_args(["--model", base_dir, "--quantize", "nf4"])
+    with pytest.raises(ValueError, match=r"--quantize=nf4: a quantized base cannot be trained itself.*add --lora R"):
+        recipe.resolve(args)
+    with pytest.raises(ValueError, match=r"quantize_base='q3'.*use \"nf4\""):
+        offload.Config(quantize_base="q3")
+
+
+def test_the_saved_adapter_loads_on_the_4bit_base_and_merged_loads_alone(tmp_path, base_dir, capsys):
+    """--save: peft loads the adapter on from_pretrained's 4-bit base (its path in the adapter config) and gives
+    the engine's logits; --save-merged: AutoModelForCausalLM loads the merged model (the base dequantized plus
+    alpha/r B A), with the same logits within the 4-bit's own rounding of the merge."""
+    from offload import train as recipe
+
+    args = _train_args(base_dir, tmp_path, "--quantize", "nf4", "--precision", "fp32", "--save",
+                       str(tmp_path / "adapter"), "--save-merged", str(tmp_path / "merged"), "--lr", "1e-2")
+    recipe.train(args)
+    q = transformers.BitsAndBytesConfig(**QUANT["nf4-dq"])
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=q, dtype=torch.float32)
+    loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    import json
+    assert json.load(open(tmp_path / "adapter" / "adapter_config.json"))["base_model_name_or_path"] == base_dir
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    ids = batches(1)[0]
+    with torch.no_grad():
+        a, m = loaded(input_ids=ids).logits, merged(input_ids=ids).logits
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=q,
+                                                                 dtype=torch.float32)(input_ids=ids).logits
+    assert not torch.allclose(a, plain, atol=1e-4)  # the adapter trained: it moves the logits
+    torch.testing.assert_close(m, a, rtol=1e-4, atol=1e-4)
