@@ -69,6 +69,11 @@ def _model(args, device: str):
         with torch.no_grad():
             for p in model.parameters():  # values do not matter, but garbage may hold denormals or NaNs
                 p.normal_(0.0, 0.02)
+    if args.quantize:  # the frozen base's linears as bitsandbytes layers (in memory: quantized now)
+        from offload.precision import DTYPES
+        from offload.quantized import quantize_linears, replace_linears
+
+        (replace_linears if device == "meta" else quantize_linears)(model, args.quantize, DTYPES[args.precision])
     lora = {"r": args.lora, "alpha": 2.0 * args.lora, "targets": args.targets.split(","), "dropout": 0.0}
     return apply_lora(model, {"kind": "preset"}, lora)
 
@@ -83,9 +88,9 @@ def worker(args) -> None:
     from offload.data import BatchSampler, load_tokens
     from offload.models import loss_of
 
-    cfg = load_config({"precision": args.precision, "offload_param": {"device": "nvme"},
+    cfg = load_config({"precision": args.precision, "offload_param": {"device": args.base},
                        "offload_optimizer": {"device": "none"}, "nvme_path": args.dir, "optimizer": {"lr": 1e-4},
-                       "budgets": {"hbm_bytes": args.hbm}})
+                       "budgets": {"hbm_bytes": args.hbm}, "quantize_base": args.quantize})
     model = _model(args, "meta")
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -180,7 +185,8 @@ def _emit(line: dict) -> None:
 def _sub(args, flag: str, extra: list[str]) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), flag, "--model", args.model, "--layers", str(args.layers),
             "--lora", str(args.lora), "--targets", args.targets, "--batch", str(args.batch), "--seq", str(args.seq),
-            "--precision", args.precision, *extra]
+            "--precision", args.precision, "--base", args.base, *(["--quantize", args.quantize] if args.quantize else []),
+            *extra]
 
 
 def _compute(args) -> dict:
@@ -214,6 +220,7 @@ def _run(args, work: str) -> dict:
     gflops = limits.matmul_gflops(args.precision)
     report = {"model": args.model, "layers": args.layers or _preset(args).n_layers, "lora_r": args.lora,
               "targets": args.targets, "batch": args.batch, "seq": args.seq, "precision": args.precision,
+              "quantize": args.quantize, "base": args.base,
               "hbm_budget_bytes": args.hbm, "matmul_gflops": gflops, **compute, **ours}
     links = [l for l in report.pop("links") if l]
     report["nvme_read_bytes"] = [l["nvme_to_dram"]["bytes"] for l in links]
@@ -276,6 +283,10 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--lora", type=int, default=16, help="LoRA rank r (alpha 2r)")
     ap.add_argument("--targets", default="q_proj,v_proj")
     ap.add_argument("--hbm", type=parse_size, default="2.5G", help="budgets.hbm_bytes (default 2.5G = 2.5 GiB)")
+    ap.add_argument("--quantize", choices=("nf4", "fp4", "int8"), default=None,
+                    help="the frozen base quantized by bitsandbytes (QLoRA; the compute bound then includes the "
+                         "dequantization: the in-memory model is quantized too)")
+    ap.add_argument("--base", choices=("nvme", "cpu"), default="nvme", help="offload_param: the base on nvme or in dram")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=256)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from offload import checkpoint, cpu_adam, hooks
+from offload import checkpoint, cpu_adam, hooks, quantized
 from offload.config import Config, LossScaleConfig, load_config
 from offload.materialize import materialize, unit_values
 from offload.optim import OptimState
@@ -67,6 +67,8 @@ class Engine(nn.Module):
         self.cfg, self.module = cfg, model
         self.rank, self.world = _check_unsupported(cfg)
         self.dtype = cfg.compute_dtype
+        if cfg.quantize_base is not None:
+            quantized.quantize_base(model, cfg.quantize_base, self.dtype)
         self.units: list[Unit] = partition(model, cfg.units.min_numel, cfg.units.classes,
                                                itemsize=self.dtype.itemsize)
         self.placement: Placement = plan_placement(self.units, cfg, self.device, order=forward_order(model, self.units),

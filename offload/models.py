@@ -81,6 +81,9 @@ PRESETS: dict[str, ModelConfig] = {
     # Llama-2-7B's shape (6.74B parameters, untied 32000-row embedding and head): the LoRA scale bench.
     "7b": ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, d_ff=11008,
                       max_seq_len=4096, tie_embeddings=False),
+    # Llama-2-70B's shape (68.98B parameters, grouped-query attention): the QLoRA scale bench (nf4 base on nvme).
+    "70b": ModelConfig(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672,
+                       max_seq_len=4096, tie_embeddings=False),
 }
 
 

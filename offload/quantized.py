@@ -303,8 +303,9 @@ def replace_linears(model: nn.Module, kind: str, compute_dtype: torch.dtype) -> 
     skip = _not_converted(model)
     done = []
     for path, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or any(path == k or path.endswith("." + k) or path.startswith(k + ".")
-                                                for k in skip):
+        if (not isinstance(module, nn.Linear) or isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
+                or ".lora_" in f".{path}" or any(path == k or path.endswith("." + k) or path.startswith(k + ".")
+                                                for k in skip)):
             continue
         with torch.device("meta"):
             if kind == "int8":
@@ -317,6 +318,34 @@ def replace_linears(model: nn.Module, kind: str, compute_dtype: torch.dtype) -> 
         new.requires_grad_(False)
         model.set_submodule(path, new)
         done.append(path)
+    return done
+
+
+def quantize_base(model: nn.Module, kind: str, compute_dtype: torch.dtype) -> None:
+    """Config quantize_base: a model built on the meta device gets its linears replaced (replace_linears; peft's
+    adapters left as they are) unless it holds bitsandbytes layers already; a model in memory is refused."""
+    bnb = bitsandbytes()
+    if any(isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) for m in model.modules()):
+        return
+    if not any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"quantize_base={kind!r}: quantizes a model built on the meta device as the engine "
+                         "materializes it, and this one is in memory; load it quantized with from_pretrained(..., "
+                         "quantization_config=BitsAndBytesConfig(...)), or build it under torch.device('meta')")
+    replace_linears(model, kind, compute_dtype)
+
+
+@torch.no_grad()
+def quantize_linears(model: nn.Module, kind: str, compute_dtype: torch.dtype) -> list[str]:
+    """replace_linears on a model in memory: each linear's weight (and bias) quantized into its bitsandbytes
+    layer now, as from_pretrained would load it (a plain in-memory model to compare the engine with)."""
+    old = {path: m for path, m in model.named_modules() if isinstance(m, nn.Linear)}
+    done = replace_linears(model, kind, compute_dtype)
+    pending = records(model)
+    for path in done:
+        new, linear = model.get_submodule(path), old[path]
+        pending[new.weight].quantize(linear.weight.detach())
+        if linear.bias is not None:
+            new.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
     return done
 
 

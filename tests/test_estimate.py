@@ -160,3 +160,105 @@ def test_runtime_buffers_are_for_the_device_given_and_match_the_engine_plan_on_c
     assert 0 <= cpu["engine_plan"]["dram_bytes"] - cpu["per_rank"]["dram_bytes"] <= 2 * 8192
     assert cpu["per_rank"]["dram_bytes"] > 0
     assert cuda["per_rank"]["dram_bytes"] > cpu["per_rank"]["dram_bytes"]
+
+
+# -- a quantized frozen base (--lora R --quantize nf4|int8) ------------------------------------------
+
+def _llama_linears(d, ff, q, kv):
+    """(out, in) of the 7 linears of a Llama decoder layer: q, k, v, o, gate, up, down."""
+    return [(q, d), (kv, d), (kv, d), (d, q), (ff, d), (ff, d), (d, ff)]
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+@pytest.mark.parametrize("precision,itemsize", [("bf16", 2), ("fp32", 4)])
+def test_quantized_base_weights_are_the_records_bytes_in_their_tier(capsys, kind, precision, itemsize):
+    """7b (Llama-2-7B's shape) with LoRA r 16 on q, v: the nvme weights are exactly the decoder layers' 7 x 32
+    linears at their record bytes, plus embedding, head, norms and adapters at the compute dtype."""
+    from offload.quantized import record_bytes
+    d, ff, layers, vocab, r = 4096, 11008, 32, 32000, 16
+    linears = _llama_linears(d, ff, d, d)
+    records = layers * sum(record_bytes(kind, s) for s in linears)
+    linear_numel = layers * sum(o * i for o, i in linears)
+    rest = 2 * vocab * d + layers * 2 * d + d                    # embedding, untied head, norms
+    adapters = layers * r * ((d + d) + (d + d))                  # q_proj, v_proj: r x (in + out)
+    argv = ["--model", "7b", "--lora", str(r), "--offload-param", "nvme", "--offload-optimizer", "cpu",
+            "--precision", precision]
+    out = run_json(capsys, *argv, "--quantize", kind)
+    full = run_json(capsys, *argv)
+    assert linear_numel + rest == out["frozen_params"] == full["frozen_params"] and out["trainable_params"] == adapters
+    assert out["quantize"] == kind and full["quantize"] is None
+    assert out["frozen_base"]["bytes"] == records + rest * itemsize
+    assert out["frozen_base"]["quantized_bytes"] == records and out["frozen_base"]["quantized_params"] == linear_numel
+    assert out["model_states"]["nvme_bytes"] == records + (rest + adapters) * itemsize
+    assert full["model_states"]["nvme_bytes"] == (linear_numel + rest + adapters) * itemsize
+    assert out["model_states"]["dram_bytes"] == full["model_states"]["dram_bytes"]   # adapters' grads + states
+    bits = {"nf4": (4.12, 4.14), "int8": (8.0, 8.01)}[kind]
+    assert bits[0] < 8 * records / linear_numel < bits[1]
+    ratio = out["model_states"]["nvme_bytes"] / full["model_states"]["nvme_bytes"]
+    # nf4 is 4.13 bits of 16 (bf16) or 32 (fp32), int8 8 bits; the embedding and head stay at the compute dtype
+    # (so against bf16 even nf4 is above a quarter: 4.13 / 16 = 0.258 for the linears alone)
+    assert ratio < {("nf4", 4): 0.17, ("nf4", 2): 0.29, ("int8", 4): 0.29, ("int8", 2): 0.53}[kind, itemsize]
+    assert kind != "nf4" or itemsize != 4 or ratio < 0.25
+    # the working set: 4 units, each as large as the largest as fetched: here the embedding at the compute dtype
+    fetched = {p["name"]: p["bytes"] for p in out["runtime"]["parts"]}["fetched weights"]
+    assert fetched == 4 * vocab * d * itemsize == 4 * out["largest_unit_bytes"]
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_quantized_decoder_layer_is_fetched_at_its_records_bytes(tmp_path, capsys, kind):
+    """A small vocabulary (d 128, ff 384, 4 heads, 2 kv heads of 32, biases): a decoder layer is the largest unit,
+    and the fetched working set is 4 of it at its records' bytes plus its biases, norms and adapters at the
+    compute dtype; with ZeRO 3 over 2 ranks each rank holds half the weights' bytes."""
+    from offload.quantized import record_bytes
+    d, ff, kv, layers, vocab, r = 128, 384, 64, 3, 64, 4
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="llama", vocab_size=vocab, hidden_size=d, intermediate_size=ff, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True, tie_word_embeddings=True)))
+    linears = _llama_linears(d, ff, d, kv)
+    adapters = r * ((d + d) + (d + kv))                          # per layer: q_proj, v_proj
+    rest = sum(o for o, _ in linears) + 2 * d + adapters         # biases (one per output), norms, adapters
+    layer = sum(record_bytes(kind, s) for s in linears) + rest * 4
+    assert layer > vocab * d * 4
+    argv = ["--model", str(tmp_path), "--lora", str(r), "--quantize", kind, "--offload-param", "cpu",
+            "--precision", "fp32"]
+    out = run_json(capsys, *argv)
+    assert out["largest_unit_bytes"] == layer
+    assert {p["name"]: p["bytes"] for p in out["runtime"]["parts"]}["fetched weights"] == 4 * layer
+    weights = layers * layer + (vocab * d + d) * 4               # tied embedding: no head; the final norm
+    assert out["model_states"]["dram_bytes"] == weights
+    zero3 = run_json(capsys, *argv, "--stage", "3", "--dp", "2")
+    assert zero3["model_states"]["dram_bytes"] == -(-weights // 2)
+
+
+def test_quantized_llama_2_70b_shape_is_about_35_gb(tmp_path, capsys):
+    config = dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                  num_attention_heads=64, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    argv = ["--model", str(tmp_path), "--lora", "16", "--quantize", "nf4", "--offload-param", "nvme",
+            "--offload-optimizer", "cpu", "--precision", "bf16"]
+    out = run_json(capsys, *argv)
+    assert 68.9e9 < out["frozen_params"] < 69.0e9
+    assert 34e9 <= out["frozen_base"]["bytes"] <= 37e9
+    assert 34e9 <= out["model_states"]["nvme_bytes"] <= 37e9
+    assert cli.main(["estimate", *argv]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("frozen base:")]
+    assert len(lines) == 1 and " nf4 (4.13 bits a parameter" in lines[0] and "36.4 GB in all" in lines[0], lines
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "7b", "--quantize", "nf4"],
+     "--quantize=nf4: a quantized base is frozen, it is trained through adapters; add --lora R"),
+    (["--params", "7B", "--quantize", "int8"], "--quantize=int8: needs --model"),
+    (["--params", "7B", "--lora", "8", "--quantize", "nf4"], "--quantize=nf4: needs --model"),
+    (["--model", "7b", "--lora", "8", "--quantize", "nf4", "--unit-numel", "1000"], "--unit-numel=1000: with --quantize"),
+])
+def test_quantize_refusals_are_one_line(capsys, argv, message):
+    assert cli.main(["estimate", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_quantize_kind_is_a_choice(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["estimate", "--model", "7b", "--lora", "8", "--quantize", "fp8"])
+    assert e.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err

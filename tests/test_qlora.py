@@ -169,3 +169,69 @@ def test_the_saved_adapter_loads_on_the_4bit_base_and_merged_loads_alone(tmp_pat
                                                                  dtype=torch.float32)(input_ids=ids).logits
     assert not torch.allclose(a, plain, atol=1e-4)  # the adapter trained: it moves the logits
     torch.testing.assert_close(m, a, rtol=1e-4, atol=1e-4)
+
+
+def test_nvme_reads_the_quantized_bytes_once_per_fetch(tmp_path, base_dir, monkeypatch):
+    """A step reads from nvme exactly the fetched units' flat buffers, whose quantized weights are their
+    records (a few bits a parameter), not an expansion of them."""
+    from offload.residency import WeightHandle
+
+    reads = []
+    original = WeightHandle._read_chunks
+    monkeypatch.setattr(WeightHandle, "_read_chunks", lambda self, update=None: (reads.append(self.unit.index),
+                                                                                 original(self, update))[1])
+    model = qlora(base_dir, "nf4-dq")
+    with offload.initialize(model, config=config(tmp_path, "nvme")) as engine:
+        layers = [u for u in engine.units if any(s.record is not None for s in u.slots)]
+        for u in layers:  # a decoder layer: its records' bytes, padded, plus adapters and norms at fp32
+            records = sum(s.record.nbytes for s in u.slots if s.record is not None)
+            dense = sum(s.numel for s in u.slots if s.record is None) * 4
+            pad = 2 * 2048 * 4 + 32 * 4 * len(u.slots)  # the prefix and the buffer padded to 2048, slots to 32
+            assert records <= engine.weights[u.index].nbytes <= records + dense + pad
+            assert engine.weights[u.index].nbytes < sum(s.record.numel for s in u.slots if s.record) * 4 / 3
+        for ids in batches(2):
+            reads.clear()
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+            read = engine.stats()["last_step"]["links"]["nvme_to_dram"]["bytes"]
+            assert reads and read == sum(engine.weights[i].nbytes for i in reads)
+
+
+def test_a_checkpoint_holds_the_quantized_bytes_and_resumes_bit_for_bit(tmp_path, base_dir):
+    data = batches(4)
+
+    def run(engine, batches_):
+        out = []
+        for ids in batches_:
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        return out
+
+    with offload.initialize(qlora(base_dir, "nf4-dq"), config=config(tmp_path, "nvme")) as engine:
+        run(engine, data[:2])
+        path = engine.save_checkpoint(str(tmp_path / "ckpt"))
+        straight = run(engine, data[2:])
+    with offload.initialize(qlora(base_dir, "nf4-dq"), config=config(tmp_path, "dram")) as engine:
+        engine.load_checkpoint(path)
+        assert run(engine, data[2:]) == straight
+
+
+def test_what_cannot_move_as_a_record_is_refused_by_name(base_dir):
+    from torch import nn
+
+    class QuantLinear(nn.Module):  # the shape of a GPTQ layer: packed weights in buffers
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("qweight", torch.zeros(8, 8, dtype=torch.int32))
+            self.bias = nn.Parameter(torch.zeros(8))
+
+    model = nn.Sequential(nn.Linear(8, 8), QuantLinear())
+    with pytest.raises(ValueError, match=r"1: .*QuantLinear is a quantized layer offload does not move yet; "
+                                          r"supported: bitsandbytes Linear4bit"):
+        quantized.records(model)
+    ints = nn.Linear(8, 8)
+    ints.register_parameter("scale", nn.Parameter(torch.zeros(8, dtype=torch.int8), requires_grad=False))
+    with pytest.raises(ValueError, match=r"scale: a torch.int8 parameter of Linear"):
+        quantized.records(ints)
