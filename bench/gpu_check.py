@@ -21,6 +21,9 @@ and all_gather's exposed_s; the run fails where a case exceeds its tolerance (lo
 rtol/atol 1e-5: tests/test_zero.py's fp32 bound) or could not run (an engine that refuses stages 1-3 on
 CUDA: the refusal is that case's error). This section has never run on a GPU (only --device cpu here).
 
+QLoRA: a tiny Llama quantized by bitsandbytes (nf4, double quantization) with LoRA adapters, the engine with
+the base in hbm, dram and nvme against the plain loop on the device (fp32 losses, rtol PARITY_RTOL).
+
 Also records the precision "auto" picks on the device and its matmul GFLOP/s per dtype (offload.doctor).
 Writes the result to --out (default gpu-check.json) and prints one JSON line last with --json. Without a
 visible GPU and without --device cpu it refuses in one line (exit 2).
@@ -185,6 +188,71 @@ def parity(args, device: torch.device) -> dict:
     return result
 
 
+QLORA_PLACES = ("none", "cpu", "nvme")  # offload_param of the 4-bit base; the adapters' states on the CPU
+
+
+def qlora_parity(args, device: torch.device) -> dict:
+    """A tiny Llama with its linears quantized by bitsandbytes (nf4, double quantization) and peft LoRA on
+    q_proj,v_proj, trained in fp32 on the device: the plain loop (torch AdamW on the adapters) against the
+    engine with the base in hbm, dram and nvme, the largest relative loss difference per placement (rtol
+    PARITY_RTOL: bitsandbytes' kernels dequantize on the device in both). Skipped without bitsandbytes."""
+    try:
+        import bitsandbytes  # noqa: F401
+        import peft
+        import transformers
+    except ImportError as e:
+        return {"skipped": f"needs bitsandbytes, peft and transformers ({e}): pip install -e '.[qlora]'"}
+    import copy
+
+    import offload
+    from offload.quantized import quantize_linears
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(cfg)
+    quantize_linears(base, "nf4", torch.float32)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, 256, (2, 32), generator=g) for _ in range(args.parity_steps)]
+
+    def plain():
+        m = copy.deepcopy(model).to(device)
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+        out = []
+        for ids in batches:
+            loss = m(input_ids=ids.to(device), labels=ids.to(device)).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+
+    def ours(param: str):
+        c = {"precision": "fp32", "offload_param": {"device": param}, "offload_optimizer": {"device": "cpu"},
+             "nvme_path": os.path.join(args.dir, "qlora"), "units": {"classes": ["LlamaDecoderLayer"]},
+             "optimizer": {"lr": 1e-2, "weight_decay": 0.0}}
+        out = []
+        with offload.initialize(copy.deepcopy(model).to(device), c) as eng:
+            for ids in batches:
+                loss = eng(input_ids=ids.to(eng.device), labels=ids.to(eng.device)).loss
+                eng.backward(loss)
+                eng.step()
+                out.append(loss.item())
+        return out
+
+    reference, result = plain(), {}
+    for param in QLORA_PLACES:
+        try:
+            got = ours(param)
+            diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, reference))
+            result[param] = {"losses": got, "plain_losses": reference, "max_rel_diff": diff, "ok": diff <= PARITY_RTOL}
+        except Exception as e:  # recorded: a failure on the device is this case's result
+            result[param] = {"error": f"{type(e).__name__}: {e}", "ok": False}
+    return result
+
+
 def ranks(args, device: torch.device) -> dict:
     """bench/zero_ranks_check.py's cases on `device`: 2 gloo ranks against one process; a case that raises
     here is recorded as its error too."""
@@ -294,6 +362,10 @@ def main() -> None:
     result["parity"] = par = parity(args, device)
     print(f"fp32 parity against the CPU build ({args.parity_preset}, {args.parity_steps} steps, rtol {PARITY_RTOL:g}): "
           + ", ".join(f"{k} {v['max_rel_diff']:.1e}{'' if v['ok'] else ' FAILED'}" for k, v in par.items()))
+    result["qlora"] = ql = qlora_parity(args, device)
+    print("nf4 QLoRA, fp32, the engine against the plain loop on the device: " + (ql["skipped"] if "skipped" in ql else
+          ", ".join(f"base {k} " + (f"{v['max_rel_diff']:.1e}" if "error" not in v else v["error"])
+                    + ("" if v["ok"] else " FAILED") for k, v in ql.items())))
     if not args.no_ranks:
         result["ranks"] = ranks(args, device)
         print_ranks(result["ranks"], device, args.ranks_steps)
@@ -308,6 +380,10 @@ def main() -> None:
     failed = [k for k, v in par.items() if not v["ok"]]
     if failed:
         failures.append(f"fp32 losses differ from the CPU build's beyond {PARITY_RTOL:g} in {', '.join(failed)}")
+    failed = [k for k, v in ql.items() if k != "skipped" and not v["ok"]]
+    if failed:
+        failures.append(f"nf4 QLoRA differs from the plain loop beyond {PARITY_RTOL:g}, or failed, with the base in "
+                        f"{', '.join(failed)}")
     failed = [k for k, v in result.get("ranks", {}).items() if not v["ok"]]
     if failed:
         failures.append(f"2 ranks differ from one process beyond the tolerance, or failed, in {', '.join(failed)}")

@@ -59,7 +59,7 @@ def _model(args, device: str):
 
     if args.layers:
         models.PRESETS[args.model] = dataclasses.replace(models.PRESETS[args.model], n_layers=args.layers)
-    model = models.build_model(args.model, device="meta")
+    model = models.build_model(args.model, device="meta", checkpoint_activations=args.checkpoint_activations)
     if device != "meta":
         import torch
 
@@ -147,8 +147,11 @@ def compute_worker(args) -> None:
     def whole():
         loss_of(model(ids, labels=labels)).backward()
 
-    def layer():
-        out = block(x, cos, sin)
+    def layer():  # with --checkpoint-activations its forward runs again in its backward, as ours does
+        if args.checkpoint_activations:
+            out = torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False)
+        else:
+            out = block(x, cos, sin)
         out.backward(torch.ones_like(out))
 
     def timed(fn, window_s: float):
@@ -185,7 +188,8 @@ def _emit(line: dict) -> None:
 def _sub(args, flag: str, extra: list[str]) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), flag, "--model", args.model, "--layers", str(args.layers),
             "--lora", str(args.lora), "--targets", args.targets, "--batch", str(args.batch), "--seq", str(args.seq),
-            "--precision", args.precision, "--base", args.base, *(["--quantize", args.quantize] if args.quantize else []),
+            "--precision", args.precision, "--base", args.base,
+            *(["--checkpoint-activations"] if args.checkpoint_activations else []), *(["--quantize", args.quantize] if args.quantize else []),
             *extra]
 
 
@@ -220,7 +224,7 @@ def _run(args, work: str) -> dict:
     gflops = limits.matmul_gflops(args.precision)
     report = {"model": args.model, "layers": args.layers or _preset(args).n_layers, "lora_r": args.lora,
               "targets": args.targets, "batch": args.batch, "seq": args.seq, "precision": args.precision,
-              "quantize": args.quantize, "base": args.base,
+              "quantize": args.quantize, "base": args.base, "checkpoint_activations": args.checkpoint_activations,
               "hbm_budget_bytes": args.hbm, "matmul_gflops": gflops, **compute, **ours}
     links = [l for l in report.pop("links") if l]
     report["nvme_read_bytes"] = [l["nvme_to_dram"]["bytes"] for l in links]
@@ -287,6 +291,9 @@ def _parse_args() -> argparse.Namespace:
                     help="the frozen base quantized by bitsandbytes (QLoRA; the compute bound then includes the "
                          "dequantization: the in-memory model is quantized too)")
     ap.add_argument("--base", choices=("nvme", "cpu"), default="nvme", help="offload_param: the base on nvme or in dram")
+    ap.add_argument("--checkpoint-activations", action="store_true",
+                    help="the preset checkpoints each decoder layer (keeps its input, recomputes its forward in the "
+                         "backward; the compute bound's layer does the same)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=256)

@@ -194,6 +194,8 @@ def _save_parameters(engine, out: fmt.DataFile, accumulator: bool, states: bool 
             name, *aliases = names[s.param]
             meta = entry[s.offset] = tensors[name] = {"shape": list(s.shape), "dtype": fmt.dtype_name(engine.rt.dtype),
                                                       "trainable": s.trainable, "aliases": aliases}
+            if s.record is not None:  # its record's bytes as s.numel elements ([Note: quantized weights as records])
+                meta.update(quantized=s.record.kind, quantized_elements=s.numel, quantized_params=s.record.numel)
             if s.trainable:
                 meta["step"] = steps[s.offset]
                 if accumulator:

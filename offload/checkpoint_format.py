@@ -445,6 +445,10 @@ def iter_weights(ckpt: str, manifest: dict, dtype: torch.dtype):
         entries = [(n, e, e.get("master") or e.get("weight"), [n, *e["aliases"]]) for n, e in manifest["tensors"].items()]
         entries += [(n, e, e, [n]) for n, e in manifest["buffers"].items()]
         for name, entry, where, names in entries:
+            if "quantized" in entry:
+                raise CheckpointError(f"{ckpt}: {name} is a {entry['quantized']} weight stored as its "
+                                      "quantized bytes (a QLoRA run); exporting those is not built yet: write the "
+                                      "merged model from the run itself with `offload train ... --save-merged DIR`")
             numel = 1
             for d in entry["shape"]:
                 numel *= d

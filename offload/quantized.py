@@ -1,6 +1,6 @@
 """Quantized frozen weights: a bitsandbytes layer's weight kept as it is stored, its packed bytes and its
-quantization state in one byte record, which lives in a unit's flat buffer like any weight (docs/design.md
-"Quantized weights"). Supported: SUPPORTED below; any other quantized layer or tensor type is refused by name.
+quantization state in one byte record, which lives in a unit's flat buffer like any weight (docs/python.md
+"Quantized models"). Supported: SUPPORTED below; any other quantized layer or tensor type is refused by name.
 
 [Note: quantized weights as records]
 A record is the tensors bitsandbytes reads in the layer's forward and backward, back to back, each 16-byte

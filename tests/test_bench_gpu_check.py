@@ -34,6 +34,10 @@ def test_gpu_check_smoke_run_on_cpu(tmp_path):
     for name, r in result["parity"].items():  # on the CPU both builds are the CPU's: the same numbers
         assert len(r["losses"]) == 2 and r["losses"] == r["cpu_losses"] and r["ok"], (name, r)
     assert "fp32 parity against the CPU build" in proc.stdout
+    assert set(result["qlora"]) == {"none", "cpu", "nvme"}  # the nf4 QLoRA case, its base in every tier
+    for place, r in result["qlora"].items():
+        assert r["ok"] and r["max_rel_diff"] <= 1e-6 and len(r["losses"]) == 2, (place, r)
+    assert "nf4 QLoRA, fp32, the engine against the plain loop on the device: base none" in proc.stdout
     picked = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
     assert result["precision_auto"] == picked and set(result["matmul_gflops"]) == {"bf16", "fp16", "fp32"}
     assert set(result["ranks"]) == set(zero_ranks_check.CASES)

@@ -5,6 +5,7 @@ the losses of the plain peft + bitsandbytes loop (torch AdamW on the adapters, f
 the packed bytes come back bit for bit, and nvme reads the quantized bytes, not an expansion of them."""
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -68,6 +69,16 @@ def plain_losses(model, data) -> list[float]:
     return out
 
 
+def train(engine, data) -> list[float]:
+    out = []
+    for ids in data:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        out.append(loss.item())
+    return out
+
+
 def packed_bytes(model) -> dict:
     """Every quantized weight's record, as the layer holds it now."""
     return {n: rec.capture() for n, rec in ((n, quantized.records(model).get(p)) for n, p in model.named_parameters())
@@ -83,13 +94,7 @@ def test_a_quantized_base_trains_to_the_plain_loops_losses(tmp_path, base_dir, q
     before = packed_bytes(model)
     assert before, "the base has quantized weights"
     with offload.initialize(model, config=config(tmp_path, where)) as engine:
-        losses = []
-        for ids in data:
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        assert losses == pytest.approx(reference, rel=1e-6)
+        assert train(engine, data) == pytest.approx(reference, rel=1e-6)
         assert reference[-1] < reference[0]  # it trained
         seen = 0
         for u in engine.units:  # the bytes at home after training, fetched: each record bit for bit as loaded
@@ -132,6 +137,8 @@ def test_quantize_flag_quantizes_as_from_pretrained_bit_for_bit(tmp_path, base_d
             got.update({s.name: s.record.capture() for s in u.slots if s.record is not None})
             w.release()
         assert engine.placement.quantized[flag][0] == 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64)
+        records = sum(s.record.nbytes for u in engine.units for s in u.slots if s.record is not None)
+        assert engine.placement.quantized[flag][1] == records == sum(t.numel() for t in expected.values())
     assert sorted(got) == sorted(expected)
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
@@ -145,6 +152,15 @@ def test_quantize_needs_lora_and_names_the_reason(tmp_path, base_dir):
         recipe.resolve(args)
     with pytest.raises(ValueError, match=r"quantize_base='q3'.*use \"nf4\""):
         offload.Config(quantize_base="q3")
+
+
+def test_without_bitsandbytes_quantize_names_the_extra(tmp_path, base_dir, monkeypatch):
+    from offload import train as recipe
+
+    cfg, run = recipe.resolve(_train_args(base_dir, tmp_path, "--quantize", "nf4"))
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed: its import fails
+    with pytest.raises(ValueError, match=r"needs the bitsandbytes package.*pip install 'offload\[qlora\]'"):
+        recipe.build(run, cfg)
 
 
 def test_the_saved_adapter_loads_on_the_4bit_base_and_merged_loads_alone(tmp_path, base_dir, capsys):
@@ -199,16 +215,7 @@ def test_nvme_reads_the_quantized_bytes_once_per_fetch(tmp_path, base_dir, monke
 
 def test_a_checkpoint_holds_the_quantized_bytes_and_resumes_bit_for_bit(tmp_path, base_dir):
     data = batches(4)
-
-    def run(engine, batches_):
-        out = []
-        for ids in batches_:
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            out.append(loss.item())
-        return out
-
+    run = train
     with offload.initialize(qlora(base_dir, "nf4-dq"), config=config(tmp_path, "nvme")) as engine:
         run(engine, data[:2])
         path = engine.save_checkpoint(str(tmp_path / "ckpt"))
@@ -216,6 +223,13 @@ def test_a_checkpoint_holds_the_quantized_bytes_and_resumes_bit_for_bit(tmp_path
     with offload.initialize(qlora(base_dir, "nf4-dq"), config=config(tmp_path, "dram")) as engine:
         engine.load_checkpoint(path)
         assert run(engine, data[2:]) == straight
+    from offload import checkpoint_format as fmt
+
+    manifest = fmt.read_manifest(path)
+    marked = {n: e["quantized"] for n, e in manifest["tensors"].items() if "quantized" in e}
+    assert len(marked) == 14 and set(marked.values()) == {"nf4"}
+    with pytest.raises(fmt.CheckpointError, match=r"is a nf4 weight stored as its quantized bytes.*--save-merged"):
+        list(fmt.iter_weights(path, manifest, torch.float32))
 
 
 def test_what_cannot_move_as_a_record_is_refused_by_name(base_dir):
@@ -235,3 +249,32 @@ def test_what_cannot_move_as_a_record_is_refused_by_name(base_dir):
     ints.register_parameter("scale", nn.Parameter(torch.zeros(8, dtype=torch.int8), requires_grad=False))
     with pytest.raises(ValueError, match=r"scale: a torch.int8 parameter of Linear"):
         quantized.records(ints)
+
+
+def test_offload_trainer_trains_a_qlora_model_as_stock_trainer_does(tmp_path, base_dir):
+    """OffloadTrainer over a 4-bit base on nvme: the losses of stock Trainer (fp32, 1e-5 relative)."""
+    pytest.importorskip("accelerate")
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("OffloadTrainer needs transformers 5")
+    from offload.integrations.transformers import OffloadTrainer
+
+    data = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.cat(batches(4))]
+
+    def args(name):
+        return transformers.TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=2,
+                                              learning_rate=1e-2, max_steps=4, logging_steps=1, save_strategy="no",
+                                              report_to=[], disable_tqdm=True, dataloader_pin_memory=False,
+                                              train_sampling_strategy="sequential")
+
+    stock = transformers.Trainer(model=qlora(base_dir, "nf4-dq"), args=args("stock"), train_dataset=data)
+    stock.train()
+    cfg = {"offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "cpu"}, "precision": "fp32",
+           "nvme_path": str(tmp_path / "nvme"), "units": {"classes": ["LlamaDecoderLayer"]}}
+    trainer = OffloadTrainer(model=qlora(base_dir, "nf4-dq"), args=args("ours"), train_dataset=data,
+                             offload_config=cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (trainer, stock)]
+    assert len(losses[0]) == 4 and losses[0] == pytest.approx(losses[1], rel=1e-5)
