@@ -267,23 +267,16 @@ def _pending(bnb, module: nn.Module, p, where: str, kind: str, blocksize: int = 
         if kind == "int8":
             new = bnb.nn.Int8Params(value.to("cpu"), requires_grad=False, **settings).to("cpu")
             module._parameters["weight"] = new
-            rec = _record_8bit(bnb, module, new, where)
-            owners = {"data": new, "SCB": module.state}
+            made = _record_8bit(bnb, module, new, where)
         else:
             new = bnb.nn.Params4bit(value, requires_grad=False, **settings).to("cpu")
             module._parameters["weight"] = new
-            qs = new.quant_state
-            owners = {"data": new, "absmax": qs, "code": qs, "offset": qs, "state2.absmax": qs.state2,
-                      "state2.code": qs.state2}
-            rec = _record_4bit(bnb, module, new, where)
-        for piece in pieces:
-            piece.owner, piece.attr = owners[piece.attr], piece.attr.rsplit(".", 1)[-1]
-            got = _get(piece.owner, piece.attr)
-            if (got.dtype, tuple(got.shape)) != (piece.dtype, piece.shape):
-                raise RuntimeError(f"{where}: bitsandbytes made {piece.attr} {got.dtype} {tuple(got.shape)}, offload "
-                                   f"planned {piece.dtype} {piece.shape} (offload.quantized.layout); a bitsandbytes "
-                                   "version offload does not know: report it with `offload doctor`'s output")
-        record.aliases, record._dequantize = rec.aliases, rec._dequantize
+            made = _record_4bit(bnb, module, new, where)
+        if [(p.dtype, p.shape) for p in made.pieces] != [(p.dtype, p.shape) for p in pieces]:
+            raise RuntimeError(f"{where}: bitsandbytes made {[(p.dtype, p.shape) for p in made.pieces]}, offload "
+                               f"planned {[(p.dtype, p.shape) for p in pieces]} (offload.quantized.layout); a "
+                               "bitsandbytes version offload does not know: report it with `offload doctor`'s output")
+        record.pieces, record.aliases, record._dequantize = made.pieces, made.aliases, made._dequantize
         return new
 
     numel = 1
