@@ -9,7 +9,7 @@ and clipping, with activation checkpointing, fp16 with loss scaling; the presets
     python bench/gpu_check.py --device cpu --preset tiny --steps 1 --no-tests   # smoke run of this script
 
 Parity: each placement (PARITY) trains --parity-steps steps of --parity-preset in fp32 on the device and
-on the CPU from the same seed and batches; the largest relative loss difference is recorded per placement
+on the CPU (a subprocess without CUDA) from the same seed and batches; the largest relative loss difference is recorded per placement
 and the run fails where it exceeds PARITY_RTOL (the CUDA path must train to the CPU build's numbers).
 
 Ranks (skip with --no-ranks): ZeRO stages 1, 2 and 3 with offload nvme/nvme, and stage 3 with offload_param
@@ -19,7 +19,7 @@ trained on the same slices in rank order (bench/zero_ranks_check.py). Recorded p
 largest relative loss difference and weight difference, each rank's step seconds, the collectives' bytes
 and all_gather's exposed_s; the run fails where a case exceeds its tolerance (losses rel 1e-5, weights
 rtol/atol 1e-5: tests/test_zero.py's fp32 bound) or could not run (an engine that refuses stages 1-3 on
-CUDA: the refusal is that case's error). This section has never run on a GPU (only --device cpu here).
+CUDA: the refusal is that case's error). Ran on one H200 (bench/RESULTS.md).
 
 QLoRA: a tiny Llama quantized by bitsandbytes (nf4, double quantization) with LoRA adapters, the engine with
 the base in hbm, dram and nvme against the plain loop on the device (fp32 losses, rtol PARITY_RTOL).
@@ -175,14 +175,27 @@ def fp32_losses(args, device: torch.device, place: tuple[str, str]) -> list[floa
     return out
 
 
+def cpu_losses(args) -> dict:
+    """fp32_losses of every PARITY placement on the CPU build, in one subprocess that sees no GPU (the engine
+    runs on CUDA wherever CUDA is available: only a process without it gives the CPU build a user runs)."""
+    code = ("import argparse, json, sys, torch; sys.path.insert(0, sys.argv[1]); import gpu_check as g; "
+            "a = argparse.Namespace(**json.loads(sys.argv[2])); "
+            "out = {k: g.fp32_losses(a, torch.device('cpu'), p) for k, p in g.PARITY.items()}; "
+            "print('CPU_LOSSES ' + json.dumps(out))")
+    given = json.dumps({"dir": args.dir, "parity_preset": args.parity_preset, "parity_steps": args.parity_steps})
+    run = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), given],
+                         capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("CPU_LOSSES ")]
+    if run.returncode or not lines:
+        raise RuntimeError(f"parity: the CPU runs failed (exit {run.returncode}): {run.stderr[-2000:]}")
+    return json.loads(lines[-1][len("CPU_LOSSES "):])
+
+
 def parity(args, device: torch.device) -> dict:
-    """Per placement: the device's fp32 losses against the CPU build's, the largest relative difference. The
-    CPU runs are made with CUDA hidden from the engine (a subprocess would cost a start-up per placement)."""
-    result = {}
+    """Per placement: the device's fp32 losses against the CPU build's, the largest relative difference."""
+    result, cpu_runs = {}, cpu_losses(args)
     for name, place in PARITY.items():
-        ours = fp32_losses(args, device, place)
-        with _cpu_only():
-            cpu = fp32_losses(args, torch.device("cpu"), place)
+        ours, cpu = fp32_losses(args, device, place), cpu_runs[name]
         diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, cpu))
         result[name] = {"losses": ours, "cpu_losses": cpu, "max_rel_diff": diff, "ok": diff <= PARITY_RTOL}
     return result
@@ -298,17 +311,6 @@ def _device_arg(value: str) -> str:
     if value in ("cpu", "cuda") or re.fullmatch(r"cuda:\d+", value):
         return value
     raise argparse.ArgumentTypeError(f"--device={value}: not a device here; pass cuda, cuda:N or cpu")
-
-
-class _cpu_only:
-    """torch.cuda.is_available() is False inside: the engine picks the CPU backend."""
-
-    def __enter__(self):
-        self._saved = torch.cuda.is_available
-        torch.cuda.is_available = lambda: False
-
-    def __exit__(self, *exc):
-        torch.cuda.is_available = self._saved
 
 
 def main() -> None:

@@ -333,12 +333,12 @@ def _check_unsupported(cfg: Config) -> tuple[int, int]:
 
 
 def _check_ranks(cfg: Config, world: int) -> None:
-    """What runs over several ranks: every stage; 1-3 with CUDA tensors have never run on a GPU (they say so)."""
+    """What runs over several ranks: every stage; 1-3 with CUDA tensors have never run over NCCL (they say so)."""
     stage = cfg.zero_stage
     if stage in (1, 2, 3) and torch.cuda.is_available():
-        log.warning("offload: zero_stage=%d over %d ranks with CUDA tensors has never run on a GPU (it is tested on "
-                    "CPUs and with a recording stand-in for CUDA streams): compare its first losses with "
-                    "zero_stage 0's; bench/gpu_check.py checks it against one process (docs/status.md)", stage, world)
+        log.warning("offload: zero_stage=%d over %d ranks with CUDA tensors has never run over NCCL or on several "
+                    "GPUs (only as gloo ranks on one GPU, bench/gpu_check.py): compare its first losses with "
+                    "zero_stage 0's (docs/status.md)", stage, world)
     if stage in (1, 2, 3) and cfg.delayed_update:
         raise ValueError(f"delayed_update=true: not implemented with zero_stage={stage} over {world} ranks yet; "
                          "set it false, or use zero_stage 0")

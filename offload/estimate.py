@@ -107,7 +107,8 @@ def runtime_bytes(unit_numel: int, terms: list[Term], device_type: str = "cuda",
     n_fetched = 1 + knobs.prefetch_units + knobs.reuse_distance
     trained = unit_numel if trainable_unit_numel is None else trainable_unit_numel
     parts = runtime_parts([unit_numel] * n_fetched if w.tier != "hbm" else [], [trained] * knobs.grad_units,
-                          w.bytes_per_param, w.tier, opt.tier, device_type, chunk_bytes, knobs)
+                          w.bytes_per_param, w.tier, opt.tier, device_type, chunk_bytes, knobs,
+                          hbm_trained=w.tier == "hbm" or trainable_unit_numel is None)  # all trained: the rest too
     if unit_bytes is not None:
         _fetch_bytes(parts, n_fetched, unit_bytes, knobs)
     if activation_bytes:

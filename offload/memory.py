@@ -51,13 +51,16 @@ class Knobs:
 MINIMUM = Knobs(prefetch_units=0, reuse_distance=0, reuse_bytes=0, read_ahead=False, grad_units=1)
 
 
-def pool_chunks(w_home: str, s_home: str, device_type: str, read_ahead: bool) -> tuple[int, str]:
-    """Chunks in the dram pool, and the formula."""
+def pool_chunks(w_home: str, s_home: str, device_type: str, read_ahead: bool,
+                hbm_trained: bool | None = None) -> tuple[int, str]:
+    """Chunks in the dram pool, and the formula. hbm_trained: whether a trained unit's weights live in hbm
+    (default: w_home is hbm); the resident rest (final norms) does whatever w_home is."""
     # on the CPU backend an nvme fetch reads straight into the hbm copy (offload.residency): no pool chunk
     fetch = (READ_AHEAD if read_ahead else 1) if w_home == "nvme" and device_type != "cpu" else 0
     # New weights go through a chunk where they cannot be written in place, and where nvme states are
     # checked after the step that read them (they stay out of a live dram copy until then).
-    new_w = 1 if s_home == "nvme" or w_home == "nvme" or (w_home == "hbm" and device_type != "cpu") else 0
+    hbm_trained = w_home == "hbm" if hbm_trained is None else hbm_trained
+    new_w = 1 if s_home == "nvme" or w_home == "nvme" or (hbm_trained and device_type != "cpu") else 0
     per_window = (STATE_KINDS if s_home == "nvme" else 0) + new_w
     # nvme states: the window stepped and those read ahead; else only new weights pass through: the window
     # stepped and the one written behind
@@ -79,7 +82,8 @@ def grad_reserve(trainable_numels: list[int], itemsize: int, knobs: Knobs) -> in
 
 def runtime_parts(fetched_numels: list[int], trainable_numels: list[int], itemsize: int, w_home: str,
                   s_home: str, device_type: str, chunk_bytes: int, knobs: Knobs, order: list[int] | None = None,
-                  numels: list[int] | None = None, trainables: list[int] | None = None) -> list[dict]:
+                  numels: list[int] | None = None, trainables: list[int] | None = None,
+                  hbm_trained: bool | None = None) -> list[dict]:
     """The runtime's parts per tier: [{"name", "tier", "bytes", "formula"}].
     fetched_numels: the numel of every unit whose weights are fetched into hbm (none when w_home is hbm);
     trainable_numels: every unit's trainable numel. With the model's units known (`order`: the unit
@@ -100,7 +104,7 @@ def runtime_parts(fetched_numels: list[int], trainable_numels: list[int], itemsi
             f"{len(order)} unit uses of a forward in the model's module order and back: {knobs.prefetch_units} "
             f"prefetched, reuse_distance {knobs.reuse_distance}, reuse_bytes {knobs.reuse_bytes}, each unit's "
             f"gradients ({itemsize} B/param) in flight until the largest {knobs.grad_units} fill the reserve")
-        return _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs)
+        return _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs, hbm_trained)
     if w_home != "hbm":
         near = max(0, knobs.reuse_distance)
         k = 1 + knobs.prefetch_units + near
@@ -110,11 +114,11 @@ def runtime_parts(fetched_numels: list[int], trainable_numels: list[int], itemsi
         kept = min(knobs.reuse_bytes, sum(fetched_numels) * itemsize - window)
         add("weights kept for reuse", "hbm", max(0, kept), "reuse_bytes, at most the other fetched weights")
     add("gradients in flight", "hbm", reserve, f"the largest {knobs.grad_units} trainable units x {itemsize} B")
-    return _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs)
+    return _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs, hbm_trained)
 
 
-def _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs) -> list[dict]:
-    count, formula = pool_chunks(w_home, s_home, device_type, knobs.read_ahead)
+def _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs, hbm_trained) -> list[dict]:
+    count, formula = pool_chunks(w_home, s_home, device_type, knobs.read_ahead, hbm_trained)
     add("chunk pool", "dram", count * chunk_bytes, f"({formula}) chunks x chunk_bytes {chunk_bytes}")
     if "nvme" in (w_home, s_home):
         add("swap run directory", "nvme", SWAP_SLACK_BYTES, "its owner file and the data file's allocation slack")

@@ -163,10 +163,12 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     fetched = [u.numel for u in units if weight_home[u.index] != "hbm" or u.index in weight_owners]
     trainable = [u.trainable_numel for u in units if u.trainable_numel]
     fetch_home = "dram" if w_home == "hbm" and weight_owners else w_home  # the working set: as from dram
+    # new weights of a trained unit resident in hbm (the rest's norms, whatever w_home) pass through a chunk
+    hbm_trained = any(weight_home[u.index] == "hbm" and u.trainable_numel for u in units)
 
     def plan(knobs: Knobs) -> tuple[list[dict], dict[str, int]]:
         parts = runtime_parts(fetched, trainable, itemsize, fetch_home, s_home, device.type, p.chunk_bytes, knobs,
-                              order, [u.numel for u in units], [u.trainable_numel for u in units])
+                              order, [u.numel for u in units], [u.trainable_numel for u in units], hbm_trained)
         if world > 1 and not sharded and itemsize < 4:  # offload.pipeline.average_over_ranks
             largest = max((s.numel for u in units for s in u.slots if s.trainable), default=0)
             parts.append({"name": "gradient all-reduce buffer", "tier": "hbm", "bytes": largest * 4,
@@ -181,7 +183,7 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     p.knobs, p.notes = _fit(plan, p, cfg)
     p.parts, p.need = plan(p.knobs)
     p.grad_reserve = grad_reserve(trainable, itemsize, p.knobs)
-    p.pool_chunks = pool_chunks(fetch_home, s_home, device.type, p.knobs.read_ahead)[0] + 2 * sharded
+    p.pool_chunks = pool_chunks(fetch_home, s_home, device.type, p.knobs.read_ahead, hbm_trained)[0] + 2 * sharded
     if cfg.reuse_bytes is None:  # derived from the room the rest leaves
         p.knobs = replace(p.knobs, reuse_bytes=reuse_allowance(fetched, itemsize, p, device))
         p.parts, p.need = plan(p.knobs)

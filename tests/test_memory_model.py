@@ -133,3 +133,24 @@ def test_217m_class_model_trains_within_256mib_hbm_and_1gib_dram(tmp_path, capsy
         st = eng.stats()["tiers"]
     assert losses[-1] < losses[0]
     assert st["hbm"]["peak_bytes"] <= 256 << 20 and st["dram"]["peak_bytes"] <= 1 << 30
+
+
+def test_cuda_plan_has_a_chunk_for_the_resident_rests_new_weights(monkeypatch):
+    """On a GPU the rest unit (final norm) stays in hbm whatever offload_param says: CPU Adam writes its new
+    weights through a pool chunk and copies them up, so weights in dram still need one chunk per window
+    (an H200 run of tests/test_gpu.py found the pool planned empty)."""
+    from offload.placement import plan_placement
+    from offload.precision import resolve_precision
+    from offload.units import partition
+
+    monkeypatch.setattr("offload.placement._default_budgets", lambda device: (1 << 34, 1 << 34))
+    units = partition(build_model("tiny", seed=0), offload.load_config({}).units.min_numel)
+    cfg = offload.load_config({"precision": "bf16", "offload_param": {"device": "cpu"},
+                               "offload_optimizer": {"device": "cpu"}})
+    plan = lambda device: plan_placement(units, cfg, torch.device(device), check=False,  # noqa: E731
+                                         precision=resolve_precision("bf16", torch.device("cpu")))
+    assert plan("cpu").pool_chunks == 0  # the CPU backend writes every unit's new weights in place
+    cuda = plan("cuda")
+    assert {cuda.weight_home[u.index] for u in units if u.persistent} == {"hbm"}
+    assert cuda.pool_chunks == 2  # the window stepped and the one written behind
+    assert any(p["name"] == "chunk pool" and p["bytes"] == 2 * cuda.chunk_bytes for p in cuda.parts)
