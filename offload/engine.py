@@ -29,9 +29,9 @@ from offload.prefetch import agreed_policy
 from offload.residency import WeightHandle
 from offload.runtime import Runtime
 from offload.units import Unit, forward_order, partition
-from scheduler.policy import ResidencyPolicy
-from scheduler.trace import ExecutionTrace
-from swap.buffers import map_large_allocations
+from offload.scheduler.policy import ResidencyPolicy
+from offload.scheduler.trace import ExecutionTrace
+from offload.swap.buffers import map_large_allocations
 
 log = logging.getLogger("offload")
 _WRAPPED: weakref.WeakSet = weakref.WeakSet()  # models an Engine has taken over: their parameters are placeholders
