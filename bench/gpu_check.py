@@ -72,7 +72,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> dict:
     """A plain pinned copy each way: what the engine's links are compared with."""
     if device.type != "cuda":
         return {"h2d_gbps": None, "d2h_gbps": None}
-    from swap import aligned_empty
+    from offload.swap import aligned_empty
 
     host = aligned_empty(nbytes, torch.uint8, pin=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)

@@ -24,7 +24,7 @@ NVME_LINKS = ("nvme_to_dram", "dram_to_nvme")  # read, written
 
 
 def add_io_arguments(ap) -> None:
-    from swap.measure import parse_size
+    from offload.swap.measure import parse_size
 
     ap.add_argument("--io-size", type=parse_size, default="2G",
                     help="bytes `offload bench nvme` writes then reads in --dir for the step's I/O bound "

@@ -279,7 +279,7 @@ def _print_summary(r: dict) -> None:
 
 
 def _parse_args() -> argparse.Namespace:
-    from swap.measure import parse_size
+    from offload.swap.measure import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="7b", help="a preset (default 7b)")

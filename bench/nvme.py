@@ -29,9 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from swap.buffers import aligned_empty  # noqa: E402
-from swap.measure import fill_pattern, measure, parse_size, ring_bytes  # noqa: E402
-from swap.store import DEFAULT_CHECKSUM  # noqa: E402
+from offload.swap.buffers import aligned_empty  # noqa: E402
+from offload.swap.measure import fill_pattern, measure, parse_size, ring_bytes  # noqa: E402
+from offload.swap.store import DEFAULT_CHECKSUM  # noqa: E402
 
 DS_VENV = Path(os.environ.get("DS_VENV", "/work/dsvenv"))
 

@@ -17,7 +17,7 @@ import torch
 
 from offload.config import CHUNK_ALIGN_BYTES
 from offload.tiers import Tiers
-from swap import BufferPool, PoolExhaustedError
+from offload.swap import BufferPool, PoolExhaustedError
 
 POOL_TIMEOUT_S = 300.0  # a wait this long means a leaked chunk, not a slow drive: fail with the numbers
 

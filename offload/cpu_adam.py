@@ -33,9 +33,9 @@ from typing import NamedTuple
 
 import torch
 
-import swap.store
+from offload import swap
 from offload import kernel_cache
-from swap.store import tensor_digests
+from offload.swap.store import tensor_digests
 
 __all__ = ["CPUAdam", "StepDigests", "adam_step", "grad_sq_sum", "kernel_backend", "kernel_isa", "set_isa",
            "set_num_threads", "get_num_threads", "open_host_cache", "close_host_cache", "host_cache_stats"]

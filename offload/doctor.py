@@ -190,7 +190,7 @@ def probe_libaio(report: dict) -> list[Check]:
 
 def direct_io_ok(directory: str) -> bool:
     """Whether a file in `directory` takes O_DIRECT (open + one aligned 4 KiB write)."""
-    from swap import aligned_empty
+    from offload.swap import aligned_empty
 
     os.makedirs(directory, exist_ok=True)
     fd, path = tempfile.mkstemp(prefix=".offload-doctor-", dir=directory)
@@ -222,7 +222,7 @@ def probe_direct(report: dict, nvme_path: str) -> list[Check]:
 
 
 def probe_swap(report: dict, nvme_path: str) -> list[Check]:
-    from swap.measure import measure
+    from offload.swap.measure import measure
 
     r = measure(nvme_path, SWAP_BYTES, checksum=False)
     report["limits"].update(swap_read_gbps=r["read_gbps"], swap_write_gbps=r["write_gbps"])
@@ -235,7 +235,7 @@ def probe_pinned(report: dict) -> list[Check]:
     if not torch.cuda.is_available():
         report["pinned"] = None
         return [Check("pinned memory", "not applicable: no CUDA (the CPU backend needs none)")]
-    from swap import aligned_empty
+    from offload.swap import aligned_empty
 
     t0 = time.perf_counter()
     buf = aligned_empty(64 << 20, pin=True)

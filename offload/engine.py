@@ -29,9 +29,9 @@ from offload.prefetch import agreed_policy
 from offload.residency import WeightHandle
 from offload.runtime import Runtime
 from offload.units import Unit, forward_order, partition
-from scheduler.policy import ResidencyPolicy
-from scheduler.trace import ExecutionTrace
-from swap.buffers import map_large_allocations
+from offload.scheduler.policy import ResidencyPolicy
+from offload.scheduler.trace import ExecutionTrace
+from offload.swap.buffers import map_large_allocations
 
 log = logging.getLogger("offload")
 _WRAPPED: weakref.WeakSet = weakref.WeakSet()  # models an Engine has taken over: their parameters are placeholders
@@ -84,9 +84,10 @@ class Engine(nn.Module):
         _WRAPPED.add(model)  # from here on its parameters become the engine's placeholders
         self._host_cache = False
         try:
-            # activations in host memory: freed ones kept for the next step's, about what was live at once
-            self._host_cache = self.device.type == "cpu" and cpu_adam.open_host_cache()
             materialize(self)
+            # activations in host memory: freed ones kept for the next step's, about what was live at once in
+            # training (opened after materialize: its per-unit values, as large as a unit in fp32, are not kept)
+            self._host_cache = self.device.type == "cpu" and cpu_adam.open_host_cache()
         except BaseException:
             self.close()
             raise

@@ -26,8 +26,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from scheduler.policy import ResidencyPolicy
-from scheduler.trace import ExecutionTrace
+from offload.scheduler.policy import ResidencyPolicy
+from offload.scheduler.trace import ExecutionTrace
 
 TIERS = ("hbm", "dram", "nvme")
 OFFLOAD_TIER = {"none": "hbm", "cpu": "dram", "nvme": "nvme"}  # offload_param/offload_optimizer device -> tier

@@ -19,7 +19,7 @@ from offload.cpu_adam import grad_sq_sum
 from offload.ranks import reduced
 from offload.residency import HOME_STATE, R, _Handle
 from offload.units import Unit
-from swap.store import tensor_digests
+from offload.swap.store import tensor_digests
 
 KINDS = ("master", "exp_avg", "exp_avg_sq", "grad")
 STATES = KINDS[:3]  # what a read-ahead loads: the gradient may not be final yet

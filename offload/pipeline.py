@@ -53,7 +53,7 @@ from offload.optim import KINDS, STATES
 from offload.prefetch import Prefetcher
 from offload.units import Unit
 from offload.windows import WindowPipeline
-from scheduler.telemetry import overlap_fraction
+from offload.scheduler.telemetry import overlap_fraction
 
 log = logging.getLogger("offload")
 

@@ -18,7 +18,7 @@ from torch.profiler import record_function
 
 from offload.residency import R
 from offload.units import Unit
-from scheduler.policy import ResidencyPolicy
+from offload.scheduler.policy import ResidencyPolicy
 
 
 class Prefetcher:

@@ -19,9 +19,9 @@ from offload.config import Config
 from offload.placement import Placement
 from offload.ranks import Ranks
 from offload.tiers import Tiers
-from scheduler.streams import CopyStream, Worker
-from scheduler.telemetry import Telemetry
-from swap import SwapStore
+from offload.scheduler.streams import CopyStream, Worker
+from offload.scheduler.telemetry import Telemetry
+from offload.swap import SwapStore
 
 log = logging.getLogger("offload")
 

@@ -26,7 +26,7 @@ import signal
 import threading
 from typing import Callable, Iterator
 
-from swap.pending import defer
+from offload.swap.pending import defer
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

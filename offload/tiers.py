@@ -31,9 +31,9 @@ import threading
 
 import torch
 
-from scheduler.streams import JobThread
-from swap import BufferPool, PoolExhaustedError, aligned_empty
-from swap.buffers import populate
+from offload.scheduler.streams import JobThread
+from offload.swap import BufferPool, PoolExhaustedError, aligned_empty
+from offload.swap.buffers import populate
 
 STORAGE_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")  # [Note: reused host memory for hbm]
 

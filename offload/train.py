@@ -451,7 +451,7 @@ def _stopped(stop: Stopped, args, run: dict, cfg: Config, info: dict, history: d
              out_dir: str) -> dict | None:
     """After a signal: the partial report (none when training had not started) and the one-line message."""
     from offload import report as rep
-    from swap import list_runs
+    from offload.swap import list_runs
 
     done = min(len(history[k]) for k in PER_STEP)  # the signal may split a step's appends
     for k in PER_STEP:

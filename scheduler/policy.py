@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from scheduler.trace import ExecutionTrace
+from offload.scheduler.trace import ExecutionTrace
 
 
 class ResidencyPolicy:

@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from swap.pending import Pending, fail_all, io_timeout_s, start_thread
+from offload.swap.pending import Pending, fail_all, io_timeout_s, start_thread
 
 _this_job = threading.local()  # .issued: on a JobThread, while a job runs, the event its submitter recorded
 

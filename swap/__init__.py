@@ -1,6 +1,6 @@
 """swap: how bytes reach NVMe. Aligned host buffers and pools, the swap store, I/O engines.
 
-Knows keys and bytes, never parameters; imports neither `scheduler` nor `offload`.
+Installed as offload.swap. Knows keys and bytes, never parameters; imports nothing else of offload.
 """
 
 from .buffers import ALIGN_BYTES, BufferPool, PoolExhaustedError, aligned_empty, round_up

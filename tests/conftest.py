@@ -21,7 +21,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _libaio_missing() -> str | None:
-    from swap import libaio_available
+    from offload.swap import libaio_available
 
     return None if libaio_available() else "needs libaio (apt-get install libaio1; pip install libaio)"
 

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-import swap.measure
+from offload import swap
 from offload.cli import main
-from swap import SwapStore
-from swap.measure import parse_size
-from swap.rundir import OWNER_FILE, RUN_PREFIX
+from offload.swap import SwapStore
+from offload.swap.measure import parse_size
+from offload.swap.rundir import OWNER_FILE, RUN_PREFIX
 
 AIO_KEYS = {"engine", "block_bytes", "queue_depth", "threads"}  # API.md's `aio` section
 
@@ -92,7 +92,7 @@ def test_clean_removes_stale_runs_only(tmp_path, capsys):
 def test_bench_nvme_holds_a_bounded_ring_not_the_size(tmp_path, capsys, monkeypatch):
     """64 MiB go to the drive through 2 keys of one full queue each (256 KiB x 4 = 1 MiB): 2 MiB of host
     memory, every key's bytes checked on the way back."""
-    import swap.measure
+    from offload import swap
 
     sizes = []
     real = swap.measure.aligned_empty
@@ -108,7 +108,7 @@ def test_bench_nvme_holds_a_bounded_ring_not_the_size(tmp_path, capsys, monkeypa
 
 def test_bench_nvme_detects_bytes_that_did_not_come_back(tmp_path, monkeypatch, capsys):
     """Every slot's last key is checked: reading key 0 into both slots is caught."""
-    from swap.store import SwapStore
+    from offload.swap.store import SwapStore
 
     real = SwapStore.read
     monkeypatch.setattr(SwapStore, "read", lambda self, key, into, **kw: real(self, "chunk.0", into, **kw))

@@ -256,7 +256,7 @@ def test_step_digests_match_the_swap_store(backend, numel, block_bytes, tmp_path
     """[Note: swap digests in the step]: the digests the step returns are swap.store.block_digest of each
     block before and after the update (odd tails, partial last pages, chunks split at block starts), and
     the update itself is the same as without them."""
-    from swap import SwapStore
+    from offload.swap import SwapStore
 
     with SwapStore(tmp_path, engine="threads", block_bytes=block_bytes, checksum=True) as store:
         gen = torch.Generator().manual_seed(numel)

@@ -338,7 +338,7 @@ def test_corrupted_optimizer_state_raises_and_keeps_what_was_written(tmp_path, p
     """Optimizer states on nvme are verified by the step that hashes them ([Note: swap digests in the
     step]): a flipped byte raises SwapCorruptionError, and that unit's weights and swap entries stay as
     they were (nothing computed from the bad bytes is kept)."""
-    from swap import SwapCorruptionError
+    from offload.swap import SwapCorruptionError
 
     model = MLP()
     eng = offload.initialize(model, cfg(tmp_path, param, "nvme", precision="bf16", gradient_clipping=clip,
@@ -377,7 +377,7 @@ def test_kept_weights_take_the_same_pooled_buffers_every_step(tmp_path, monkeypa
     """[Note: reused host memory for hbm] A model whose blocks all stay in hbm from forward to backward
     (reuse_bytes covers them) gives their buffers back during the backward; they stay cached across the
     step, so the next forward's fetches take them again: once warm the pool maps no memory."""
-    from swap import buffers
+    from offload.swap import buffers
 
     mapped = []
     monkeypatch.setattr(buffers, "aligned_empty", lambda *a, original=buffers.aligned_empty, **k:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import offload
-from swap import SwapCorruptionError
+from offload.swap import SwapCorruptionError
 from tests.engine_util import MLP, mlp_batches
 
 PLACEMENTS = {"cpu": ("cpu", "cpu"), "nvme": ("nvme", "nvme")}

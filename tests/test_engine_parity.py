@@ -194,7 +194,7 @@ class DelayedEngine:
 
 @pytest.mark.parametrize("param,optim,precision", [("cpu", "cpu", "fp32"), ("nvme", "nvme", "bf16")])
 def test_parity_with_injected_delays(tmp_path, monkeypatch, param, optim, precision):
-    from swap import SwapStore, ThreadsEngine
+    from offload.swap import SwapStore, ThreadsEngine
     from offload.runtime import Runtime
 
     monkeypatch.setenv("OFFLOAD_TEST_COPY_DELAY_S", "0.003")  # before each copy-stream job

@@ -16,7 +16,7 @@ import torch
 
 import offload
 from offload.pipeline import EngineClosed, Phase, StepFailed
-from swap import SwapIOError
+from offload.swap import SwapIOError
 from tests.engine_util import MLP, Block, mlp_batches, train
 
 

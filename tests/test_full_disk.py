@@ -24,7 +24,7 @@ import torch
 import offload
 from offload.cli import main
 from offload.placement import PlacementError
-from swap import SwapIOError
+from offload.swap import SwapIOError
 from tests.engine_util import MLP, mlp_batches, train
 
 

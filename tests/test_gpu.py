@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import offload
-from scheduler.streams import CopyStream
-from swap import aligned_empty
+from offload.scheduler.streams import CopyStream
+from offload.swap import aligned_empty
 from tests.engine_util import MLP, Reference, max_state_err, mlp_batches
 
 pytestmark = pytest.mark.gpu

@@ -169,3 +169,21 @@ out(opened=opened, fresh=fresh, closed=stats())
     assert r["opened"] == 1
     assert r["fresh"][0] > 0 and r["fresh"][-2:] == [0, 0], r["fresh"]
     assert r["closed"]["engines"] == 0 and r["closed"]["kept_bytes"] == 0
+
+
+def test_initialization_leaves_nothing_kept_and_sets_no_peak(tmp_path):
+    """A meta-built model's units pass through fp32 values as large as a unit while the engine materializes
+    them: the cache opens after that, so none of it stays mapped for training (a 70B layer's 3.4 GB did)."""
+    r = _run(f"""
+import offload
+from offload.models import ModelConfig, build_model
+mc = ModelConfig(d_model=512, n_layers=2, n_heads=8, n_kv_heads=8, d_ff=2048)
+model = build_model(mc, device="meta")
+cfg = {{"precision": "fp32", "offload_param": {{"device": "nvme"}}, "offload_optimizer": {{"device": "nvme"}},
+       "nvme_path": {str(tmp_path)!r}}}
+with offload.initialize(model, cfg) as engine:
+    out(after_init=stats(), unit_bytes=max(u.numel for u in engine.units) * 4)
+""")
+    st = r["after_init"]
+    assert st["engines"] == 1 and r["unit_bytes"] > 16 * (1 << 20)
+    assert st["kept_bytes"] == 0 and st["peak_live_bytes"] < r["unit_bytes"], r

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import offload
-import swap.store
+from offload import swap
 from offload.pipeline import Phase, StepFailed
-from swap import SwapIOError, SwapStore
+from offload.swap import SwapIOError, SwapStore
 from tests.engine_util import MLP, mlp_batches, train
 from tests.test_swap_failures import FaultyEngine
 

@@ -1,5 +1,6 @@
-"""docs/design.md "Layers": imports flow down only (offload -> scheduler -> swap), nothing imports bench/tests,
-and no two modules of offload/, scheduler/, swap/ import each other, directly or around a circle."""
+"""docs/design.md "Layers": imports flow down only (offload -> offload.scheduler -> offload.swap), nothing
+imports bench/tests or a bare `swap` / `scheduler` (a user's folder of that name would shadow it), and no two
+modules import each other, directly or around a circle."""
 
 import ast
 import pathlib
@@ -7,51 +8,87 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("offload", "scheduler", "swap")
-FORBIDDEN = {
-    "swap": {"scheduler", "offload", "bench", "tests"},
-    "scheduler": {"offload", "bench", "tests"},
-    "offload": {"bench", "tests"},
-}
+# dotted package -> its folder: the repository's swap/ and scheduler/ are installed as offload.swap and
+# offload.scheduler (and linked there in offload/ for a source checkout)
+PACKAGES = {"offload": "offload", "offload.scheduler": "scheduler", "offload.swap": "swap"}
+LAYERS = ("offload.swap", "offload.scheduler", "offload")  # lowest first: each imports only its own and lower
+OUTSIDE = {"bench", "tests", "swap", "scheduler"}  # never imported by the package (bare names: shadowed)
 
 
-def imported_top_levels(path: pathlib.Path) -> set[str]:
+def layer(module: str) -> int:
+    return next(i for i, name in enumerate(LAYERS) if module == name or module.startswith(name + "."))
+
+
+def imported_names(path: pathlib.Path, package: str = "") -> set[str]:
+    """The dotted modules a file imports, relative imports resolved against `package` (the file's own)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join([*parts[:len(parts) - (node.level - 1)], *([base] if base else [])])
+            names.add(base)
     return names
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def violations(name: str, imported: set[str]) -> list[str]:
+    own = layer(name)
+    return sorted(m for m in imported if m.split(".")[0] in OUTSIDE
+                  or (m.split(".")[0] == "offload" and layer(m) > own))
+
+
+@pytest.mark.parametrize("package", LAYERS)
 def test_imports_flow_down_only(package):
-    files = sorted((ROOT / package).rglob("*.py"))
-    assert files, f"package {package} has no Python files"
-    offenders = {
-        str(f.relative_to(ROOT)): sorted(imported_top_levels(f) & FORBIDDEN[package]) for f in files
-    }
-    offenders = {f: bad for f, bad in offenders.items() if bad}
+    files = module_files()
+    mine = {name: f for name, f in files.items() if layer(name) == LAYERS.index(package)}
+    assert mine, f"package {package} has no Python files"
+    offenders = {}
+    for name, f in mine.items():
+        pkg = name if f.name == "__init__.py" else name.rpartition(".")[0]
+        bad = violations(name, imported_names(f, pkg))
+        if bad:
+            offenders[str(f.relative_to(ROOT))] = bad
     assert not offenders, f"layering broken (docs/design.md 'Layers'): {offenders}"
 
 
 def test_checker_catches_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import offload.engine\nfrom scheduler import plan\n")
-    assert imported_top_levels(bad) == {"offload", "scheduler"}
+    bad.write_text("import offload.engine\nfrom offload.scheduler import plan\nfrom swap import x\nfrom . import y\n")
+    names = imported_names(bad, "offload.swap")
+    assert names == {"offload.engine", "offload.scheduler", "swap", "offload.swap"}
+    assert violations("offload.swap.store", names) == ["offload.engine", "offload.scheduler", "swap"]
+    assert violations("offload.engine", {"offload.swap.store", "offload.scheduler.policy"}) == []
+
+
+def test_nothing_imports_a_bare_swap_or_scheduler():
+    """bench/, tests/ and examples/ too: every import of our packages goes through offload."""
+    offenders = {}
+    for folder in ("bench", "tests", "examples", "offload", "swap", "scheduler"):
+        for f in sorted((ROOT / folder).rglob("*.py")):
+            bad = sorted(m for m in imported_names(f) if m.split(".")[0] in {"swap", "scheduler"})
+            if bad:
+                offenders[str(f.relative_to(ROOT))] = bad
+    assert not offenders, offenders
 
 
 # --- no import cycles ------------------------------------------------------------------------------
 
 
-def module_files(root: pathlib.Path, packages=PACKAGES) -> dict[str, pathlib.Path]:
-    """Dotted module name -> file for every .py under the packages (a package is its __init__.py)."""
+def module_files(root: pathlib.Path = ROOT, packages: dict = PACKAGES) -> dict[str, pathlib.Path]:
+    """Dotted module name -> file for every .py under the packages' folders (a package is its __init__.py);
+    links inside a folder (offload/swap -> ../swap) are not followed: the folder itself is listed."""
     out = {}
-    for package in packages:
-        for f in sorted((root / package).rglob("*.py")):
-            parts = f.relative_to(root).with_suffix("").parts
+    for package, folder in packages.items():
+        base = root / folder
+        for f in sorted(base.rglob("*.py")):
+            rel = f.relative_to(base)
+            if any((base / pathlib.Path(*rel.parts[:i])).is_symlink() for i in range(1, len(rel.parts))):
+                continue
+            parts = (*package.split("."), *rel.with_suffix("").parts)
             out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
     return out
 
@@ -116,7 +153,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles():
     graph = import_graph()
-    assert "offload.config" in graph and "swap.store" in graph, sorted(graph)
+    assert "offload.config" in graph and "offload.swap.store" in graph, sorted(graph)
     found = cycles(graph)
     detail = [{m: sorted(graph[m] & set(c)) for m in c} for c in found]
     assert not found, f"modules importing each other (docs/design.md 'Layers'): {detail}"
@@ -131,7 +168,7 @@ def test_cycle_checker_finds_a_function_level_circle(tmp_path):
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "sub" / "c.py").write_text("def g():\n    import offload.a\n")
     (pkg / "d.py").write_text("import offload.a\n")
-    graph = import_graph(tmp_path, ("offload",))
+    graph = import_graph(tmp_path, {"offload": "offload"})
     assert graph["offload"] == {"offload.a"} and graph["offload.b"] == {"offload.sub.c"}
     assert cycles(graph) == [["offload.a", "offload.b", "offload.sub.c"]]
 
@@ -168,7 +205,7 @@ def engine_api() -> set[str]:
 
 
 def test_no_module_reaches_an_engine_field_outside_its_public_api():
-    files = [p for p in module_files(ROOT, ("offload",)).values() if p.name != "engine.py"]  # swap's engine is I/O
+    files = [p for n, p in module_files(ROOT, {"offload": "offload"}).items() if p.name != "engine.py"]  # swap's engine is I/O
     assert not unknown_reaches(files, engine_api()), unknown_reaches(files, engine_api())
 
 

@@ -12,10 +12,10 @@ import threading
 import pytest
 import torch
 
-import swap.store
-from scheduler.streams import CopyStream, JobThread, Worker
-from swap import SwapIOError, SwapStore, open_engine
-from swap.pending import PendingTimeout, io_timeout_s
+from offload import swap
+from offload.scheduler.streams import CopyStream, JobThread, Worker
+from offload.swap import SwapIOError, SwapStore, open_engine
+from offload.swap.pending import PendingTimeout, io_timeout_s
 
 ENGINES = ["threads", pytest.param("libaio", marks=pytest.mark.libaio)]  # libaio: tests/conftest.py
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,7 +97,7 @@ def test_a_failing_completion_callback_fails_the_ticket(tmp_path, monkeypatch, e
 
 
 def test_a_dead_threads_worker_fails_what_was_queued_and_every_later_block(tmp_path, monkeypatch, caplog):
-    from swap import engines
+    from offload.swap import engines
 
     with SwapStore(tmp_path, engine="threads", threads=1, block_bytes=64 << 10) as store:
         store.write("a", torch.ones(1000)).wait()
@@ -141,7 +141,7 @@ def test_a_dead_libaio_reaper_fails_what_it_owed_and_every_later_block(tmp_path,
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_submit_after_close_fails_the_blocks(engine):
-    from swap import ALIGN_BYTES, Block, aligned_empty
+    from offload.swap import ALIGN_BYTES, Block, aligned_empty
 
     eng = open_engine(engine)
     eng.close()
@@ -169,7 +169,7 @@ def test_a_transfer_that_never_completes_times_out_naming_it(tmp_path, monkeypat
 
 _EXIT_CHILD = """
 import sys, torch
-from swap import SwapStore
+from offload.swap import SwapStore
 class Silent:
     name, serial_completions = "silent", False
     def submit(self, blocks): pass

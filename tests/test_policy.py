@@ -1,7 +1,7 @@
 """The residency policy alone: unit ids and byte sizes, no tensors (scheduler/policy.py)."""
 
-from scheduler.policy import ResidencyPolicy
-from scheduler.trace import ExecutionTrace
+from offload.scheduler.policy import ResidencyPolicy
+from offload.scheduler.trace import ExecutionTrace
 
 STEP = [(u, False) for u in range(4)] + [(u, True) for u in reversed(range(4))]  # forward, then backward
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from scheduler.trace import ExecutionTrace
+from offload.scheduler.trace import ExecutionTrace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 20  # tests/rank_worker.py's collective_timeout_s

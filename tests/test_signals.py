@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import offload
-from swap import clean, list_runs
+from offload.swap import clean, list_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -183,7 +183,7 @@ def test_a_signal_inside_a_swap_submission_is_raised_once_it_is_queued(tmp_path,
     """[Note: held sections] in swap/pending.py: a SIGTERM between registering a transfer and queueing its
     blocks is raised right after they are queued, so the transfer completes and close() returns at once
     (before: the blocks were never queued and close() waited the whole I/O timeout for them)."""
-    from swap import SwapStore
+    from offload.swap import SwapStore
 
     monkeypatch.setenv("OFFLOAD_IO_TIMEOUT_S", "5")
     store = SwapStore(str(tmp_path))

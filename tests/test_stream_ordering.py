@@ -14,8 +14,8 @@ import threading
 import pytest
 import torch
 
-from scheduler import streams
-from scheduler.streams import CopyStream, Worker
+from offload.scheduler import streams
+from offload.scheduler.streams import CopyStream, Worker
 
 
 class FakeStream:

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swap import ALIGN_BYTES, BufferPool, PoolExhaustedError, aligned_empty
+from offload.swap import ALIGN_BYTES, BufferPool, PoolExhaustedError, aligned_empty
 
 
 @pytest.mark.parametrize("numel", [0, 1, 1000, 4096, (1 << 20) + 3, 3 << 20])
@@ -162,7 +162,7 @@ def test_pinned_buffers_are_our_own_registered_mappings_of_the_asked_size(monkey
     allocator would hold 64 MiB for 40 MiB), registered whole; unregistered before it is unmapped."""
     import gc
 
-    from swap import buffers
+    from offload.swap import buffers
 
     fake = FakeCudart()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -180,7 +180,7 @@ def test_pinned_buffers_are_our_own_registered_mappings_of_the_asked_size(monkey
 
 
 def test_a_failed_registration_names_the_size(monkeypatch):
-    from swap import buffers
+    from offload.swap import buffers
 
     class Refusing(FakeCudart):
         def cudaHostRegister(self, ptr, nbytes, flags):
@@ -234,7 +234,7 @@ def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
 def test_unpopulated_buffer_is_faulted_in_by_populate():
     """aligned_empty(populate=False) maps without touching (a fresh hbm copy on the CPU backend), and
     populate() faults it in (before nvme reads land in it: offload.tiers.Tiers.fault_in)."""
-    from swap.buffers import populate
+    from offload.swap.buffers import populate
 
     t = aligned_empty(16 << 20, populate=False)
     assert t.data_ptr() % ALIGN_BYTES == 0
@@ -248,7 +248,7 @@ def test_unpopulated_buffer_is_faulted_in_by_populate():
 
 _HEAP_SCRIPT = """
 import ctypes, sys, psutil, torch
-from swap.buffers import map_large_allocations
+from offload.swap.buffers import map_large_allocations
 # what glibc does after the first large free of a training step: the mmap threshold raised (to up to
 # 32 MB) and the trim threshold with it (twice that)
 assert ctypes.CDLL(None).mallopt(-3, 32 << 20) == 1 and ctypes.CDLL(None).mallopt(-1, 64 << 20) == 1

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from swap import ALIGN_BYTES, Block, aligned_empty, libaio_available, open_engine
+from offload.swap import ALIGN_BYTES, Block, aligned_empty, libaio_available, open_engine
 
 ENGINES = ["threads", pytest.param("libaio", marks=pytest.mark.libaio)]  # libaio: tests/conftest.py
 
@@ -71,7 +71,7 @@ def test_errors_come_back_as_negative_errno(tmp_path, name):
 
 
 def test_open_engine_validates_and_auto_says_which(caplog, monkeypatch):
-    import swap.engines
+    from offload import swap
 
     monkeypatch.setattr(swap.engines, "_announced", set())
     caplog.set_level("INFO", logger="swap")

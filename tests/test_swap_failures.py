@@ -12,10 +12,10 @@ import threading
 import pytest
 import torch
 
-import swap
-import swap.store
-from swap import SwapCorruptionError, SwapIOError, SwapStore, clean, list_runs, open_engine
-from swap.rundir import RUN_PREFIX, create_file
+from offload import swap
+from offload import swap
+from offload.swap import SwapCorruptionError, SwapIOError, SwapStore, clean, list_runs, open_engine
+from offload.swap.rundir import RUN_PREFIX, create_file
 from tests.unprivileged import unwritable_dir
 
 ENGINES = ["threads", pytest.param("libaio", marks=pytest.mark.libaio)]  # libaio: tests/conftest.py
@@ -205,7 +205,7 @@ def test_two_stores_in_one_directory_do_not_collide(tmp_path):
 
 _CHILD = """
 import os, signal, sys, torch
-from swap import SwapStore
+from offload.swap import SwapStore
 s = SwapStore(sys.argv[1])
 s.write("a", torch.ones(1000)).wait()
 print(s.run_dir, flush=True)
@@ -235,7 +235,7 @@ def test_interpreter_exit_removes_files_and_crashed_runs_are_cleanable(tmp_path)
 @pytest.fixture(params=["numpy", pytest.param("compiled", marks=pytest.mark.compiled_kernel)])
 def word_digest(request):
     """swap.store's block digests from numpy's two passes, or from offload's compiled single pass."""
-    import swap.store
+    from offload import swap
     from offload import cpu_adam
 
     swap.store.use_word_digest(None)  # numpy's, even where an engine built earlier installed the kernel's
@@ -251,7 +251,7 @@ def test_compiled_word_digest_equals_numpys(nbytes):
     """offload's single pass gives the (sum, xor) numpy's two passes give, wrap-around included, so
     digests recorded by either verify under the other."""
     from offload import cpu_adam
-    from swap.store import _numpy_word_digest
+    from offload.swap.store import _numpy_word_digest
 
     kernel = cpu_adam._get_kernel()
     if kernel is None:
@@ -267,7 +267,7 @@ def test_compiled_word_digest_equals_numpys(nbytes):
 
 @pytest.mark.parametrize("nbytes", [1, 7, 8, 4095, 4096, 65536 + 5])
 def test_block_digest_sees_any_single_byte_change_and_zeroing(nbytes, word_digest):
-    from swap.store import block_digest
+    from offload.swap.store import block_digest
 
     buf = swap.aligned_empty(nbytes).random_(1, 256)
     ref = block_digest(buf.data_ptr(), nbytes)

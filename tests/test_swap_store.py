@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from swap import ALIGN_BYTES, SwapStore, aligned_empty
+from offload.swap import ALIGN_BYTES, SwapStore, aligned_empty
 
 ENGINES = ["threads", "libaio"]  # libaio: marked below (tests/conftest.py)
 SHM = pathlib.Path("/dev/shm")
@@ -139,8 +139,8 @@ def test_block_bytes_must_be_a_multiple_of_4096(tmp_path):
 def test_digests_from_the_caller(tmp_path):
     """write(digests=) records the caller's digests; read(verify=False) leaves the check to the caller,
     whose check_digests names the first differing block (its file offset and length)."""
-    from swap import SwapCorruptionError
-    from swap.store import block_digest
+    from offload.swap import SwapCorruptionError
+    from offload.swap.store import block_digest
 
     with SwapStore(tmp_path, engine="threads", block_bytes=8192, checksum=True) as store:
         x = torch.randn(5000)  # 20000 bytes: two 8 KiB blocks and a partial last page

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import offload
-import swap.store
+from offload import swap
 from offload.cli import main
-from swap import SwapStore, clean, list_runs
-from swap.rundir import OWNER_FILE, RUN_PREFIX
+from offload.swap import SwapStore, clean, list_runs
+from offload.swap.rundir import OWNER_FILE, RUN_PREFIX
 from tests.test_signals import RESET, finish, start, wait_for
 
 

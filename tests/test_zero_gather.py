@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from scheduler.streams import CopyStream
+from offload.scheduler.streams import CopyStream
 from offload.residency import WeightHandle
 from tests import test_stream_ordering
 from tests.test_zero import CHUNK_BYTES, _assert_trains_like_one_process, run_ranks, single_in_rank_order

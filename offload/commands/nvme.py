@@ -8,10 +8,10 @@ import logging
 import sys
 
 from offload.train import DEFAULT_SWAP_DIR
-from swap import clean, list_runs
-from swap.engines import ENGINES
-from swap.measure import aio_section, format_table, measure, parse_size, ring_bytes, sweep, sweep_configs
-from swap.store import DEFAULT_BLOCK_BYTES, DEFAULT_CHECKSUM, DEFAULT_QUEUE_DEPTH, DEFAULT_THREADS
+from offload.swap import clean, list_runs
+from offload.swap.engines import ENGINES
+from offload.swap.measure import aio_section, format_table, measure, parse_size, ring_bytes, sweep, sweep_configs
+from offload.swap.store import DEFAULT_BLOCK_BYTES, DEFAULT_CHECKSUM, DEFAULT_QUEUE_DEPTH, DEFAULT_THREADS
 
 
 def _nested(subparsers, name: str, help: str):

@@ -8,7 +8,8 @@
 // but faults every page in again each step: on Llama-2-7B's shape, 2.9 million page faults a step, 8-10%
 // of the CPU time (bench/RESULTS.md, LoRA on the 7b preset, 2026-12-04).
 //
-// This allocator, installed as torch's CPU allocator while an engine runs on the CPU backend, maps each
+// This allocator, installed as torch's CPU allocator while an engine runs on the CPU backend (from the end of
+// its initialization: a unit's values while it is materialized are not a step's), maps each
 // block of at least `threshold` bytes itself (its size rounded to pages) and on free keeps it for a later
 // request of the same size. The bound: the bytes it has mapped (live + kept) never exceed the most that
 // were live at once since it was opened by more than an eighth (at least 16 MiB); on a miss, kept blocks
