@@ -32,7 +32,7 @@ import offload
 from offload.config import Config, load_config, set_dotted
 from offload.cpu_adam import kernel_backend
 from offload.data import BatchSampler, ByteTokenizer, load_data, load_tokens, make_sampler
-from offload.flags import FLAG_KEYS, file_settings
+from offload.flags import file_settings, put_flags
 from offload.lora import LoraWeights, apply_lora, base_name, lora_settings
 from offload.models import PRESETS, build_model, hf_llama_config, hf_name, loss_of
 from offload.ranks import reduced
@@ -172,9 +172,7 @@ def resolve(args: argparse.Namespace) -> tuple[Config, dict]:
             set_dotted(data, "offload_optimizer.device", "cpu")  # as config_from_args: states follow weights off
     if args.offload_optimizer:
         set_dotted(data, "offload_optimizer.device", args.offload_optimizer)
-    for key in FLAG_KEYS:
-        if getattr(args, key) is not None:
-            data[key] = getattr(args, key)
+    put_flags(args, data)
     data.setdefault("nvme_path", DEFAULT_SWAP_DIR)
     run = {k: RECIPE[k] if getattr(args, k, None) is None else getattr(args, k)
            for k in ("model", "steps", "batch_size", "seq_len")}
