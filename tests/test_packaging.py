@@ -1,0 +1,24 @@
+"""The package as pip builds it and as `make demo` installs it."""
+
+import pathlib
+import warnings
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_pyproject_metadata_builds_without_a_deprecation_warning():
+    """setuptools 77+ warns on a license table (a build failure from 2027); the SPDX string needs 77+."""
+    pytest.importorskip("setuptools", minversion="77")
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dist = apply_configuration(Distribution(), str(ROOT / "pyproject.toml"))
+    assert dist.metadata.license_expression == "Apache-2.0"
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    assert "setuptools>=77" in requires  # what pip's isolated build must fetch for that string
+
