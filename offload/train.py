@@ -97,7 +97,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    "after the last step only)")
     e.add_argument("--eval-batches", type=int, default=None, metavar="B",
                    help=f"batches of --batch-size x --seq-len per evaluation (default {DEFAULT_EVAL_BATCHES})")
-    lo = parser.add_argument_group("LoRA (peft: pip install 'offload[lora]')")
+    lo = parser.add_argument_group("LoRA (peft: pip install 'offload[lora]'; in a source checkout "
+                                   "pip install -e '.[lora]')")
     lo.add_argument("--lora", type=int, default=None, metavar="R",
                     help="train LoRA adapters of rank R on the frozen model (default: every parameter is trained)")
     lo.add_argument("--lora-alpha", type=float, default=None, metavar="A",
@@ -107,7 +108,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                          "(default q_proj,v_proj)")
     lo.add_argument("--quantize", default=None, choices=("nf4", "fp4", "int8"),
                     help="with --lora: the frozen base quantized by bitsandbytes as it is materialized (QLoRA: nf4 with "
-                         "double quantization; config quantize_base; pip install 'offload[qlora]')")
+                         "double quantization; config quantize_base; pip install 'offload[qlora]', in a source checkout "
+                         "pip install -e '.[qlora]')")
     lo.add_argument("--lora-dropout", type=float, default=None, metavar="P",
                     help="dropout on the adapters' input (default 0)")
     c = parser.add_argument_group("checkpoints")
