@@ -18,8 +18,10 @@ $(VENV)/.torch: | $(PY)
 	else $(PIP) install -q torch==2.13.0; fi
 	@touch $@
 
+# The extras the README's commands need (offload train --lora: peft); QLoRA's bitsandbytes is left to
+# `pip install -e '.[qlora]'`.
 setup: $(VENV)/.torch
-	$(PIP) install -q -e ".[aio,plot,hf]"
+	$(PIP) install -q -e ".[aio,plot,hf,lora]"
 
 setup-dev: $(VENV)/.torch
 	$(PIP) install -q -e ".[dev]"

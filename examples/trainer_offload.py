@@ -26,6 +26,8 @@ def main() -> None:
     p.add_argument("--nvme-path", default=None, help="directory for the swap files (default: a temporary one)")
     p.add_argument("--bf16", action="store_true", help="train in bf16 (default fp32)")
     args = p.parse_args()
+    if args.steps < 1:
+        p.error(f"--steps={args.steps}: must be at least 1")
 
     train_tokens, val_tokens = split_tokens(load_tokens())   # the bundled corpus, byte-level tokens
     model = LlamaForCausalLM(LlamaConfig(
@@ -36,7 +38,8 @@ def main() -> None:
         training_args = TrainingArguments(
             output_dir=os.path.join(tmp, "out"), max_steps=args.steps, per_device_train_batch_size=8,
             gradient_accumulation_steps=2, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=5,
-            max_grad_norm=1.0, bf16=args.bf16, use_cpu=not torch.cuda.is_available(), logging_steps=5,
+            max_grad_norm=1.0, bf16=args.bf16, use_cpu=not torch.cuda.is_available(),
+            logging_steps=max(1, min(5, args.steps // 2)),   # a short run logs its loss too
             eval_strategy="steps", eval_steps=max(1, args.steps // 2), per_device_eval_batch_size=8,
             save_strategy="no",      # or save_steps=N: checkpoint-N dirs that resume_from_checkpoint continues
             report_to=[], dataloader_pin_memory=False)

@@ -24,6 +24,11 @@ def _fail(path: str, value: Any, why: str, fix: str) -> typing.NoReturn:
     raise ValueError(f"{path}={value!r}: {why}; {fix}")
 
 
+def with_article(noun: str) -> str:
+    """'an int', 'a float': a type's name as an error message reads it."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
 CHUNK_ALIGN_BYTES = 8192  # units.ALIGN_NUMEL fp32 elements
 
 # Config.from_deepspeed's reader, offload.integrations.deepspeed.to_config. offload/__init__.py sets it:
@@ -74,7 +79,8 @@ class BudgetsConfig:
         for name in ("hbm_bytes", "dram_bytes"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v <= 0):
-                _fail(f"{path}.{name}", v, "must be a positive integer of bytes", "or leave it out")
+                _fail(f"{path}.{name}", v, "must be a positive number of bytes",
+                      'write a byte count or a size such as "2.5G", or leave it out')
 
 
 @dataclass(frozen=True)
@@ -275,7 +281,7 @@ def _build(cls, data: Any, path: str):
 
 def coerce_value(hint, value: Any, where: str):
     """`value` as a field of type `hint` holds it (a dataclass built from a mapping, a list made a tuple, 1e9
-    made an int); a value of the wrong type is a ValueError naming `where`."""
+    made an int, "2.5G" made bytes for a `*_bytes` key); a value of the wrong type is a ValueError naming `where`."""
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, where)
     origin = typing.get_origin(hint)
@@ -290,11 +296,24 @@ def coerce_value(hint, value: Any, where: str):
     base = [t for t in typing.get_args(hint) if t is not type(None)] if origin is not None else [hint]
     if value is None and type(None) in typing.get_args(hint):
         return None
+    if base and base[0] is int and isinstance(value, str) and where.rsplit(".", 1)[-1].endswith("_bytes"):
+        return parse_bytes(value, where)
     if base and base[0] in (int, float, str, bool) and not isinstance(value, base[0]):
         if base[0] is int and isinstance(value, float) and value.is_integer():
             return int(value)
-        _fail(where, value, f"expected {base[0].__name__}", f"write it as a {base[0].__name__}")
+        _fail(where, value, f"expected {base[0].__name__}", f"write it as {with_article(base[0].__name__)}")
     return value
+
+
+def parse_bytes(text: str, where: str) -> int:
+    """A `*_bytes` key given as a size string ("2.5G", "512M", "64K", binary units) in bytes, read by the
+    parser the command line's sizes use; anything else is one line naming the key."""
+    from offload.swap.measure import parse_size  # here, not at the top: this module imports no torch
+
+    try:
+        return parse_size(text)
+    except ValueError:
+        _fail(where, text, "not a size", 'write a byte count or a size such as "2.5G", "512M" or "64K"')
 
 
 def load_config(config: Config | dict | str | pathlib.Path | None) -> Config:

@@ -46,8 +46,10 @@ HELP = {
     "offload_optimizer.device": '"none" (hbm), "cpu" (dram) or "nvme"; must be offloaded when the weights are',
     "nvme_path": 'directory for swap files; required when a device is "nvme" (use a fast local drive); or a '
                  'list of several, one per drive: each local rank takes its turn',
-    "budgets.hbm_bytes": "accelerator memory budget (null: derived from the free memory with a safety margin)",
-    "budgets.dram_bytes": "host memory budget (null: derived from the available RAM with a safety margin)",
+    "budgets.hbm_bytes": 'accelerator memory budget, e.g. "2.5G" (null: derived from the free memory with a safety '
+                         "margin; `offload train --hbm`)",
+    "budgets.dram_bytes": 'host memory budget, e.g. "8G" (null: derived from the available RAM with a safety margin; '
+                          "`offload train --dram`)",
     "aio.engine": '"auto" (libaio when importable, else threads), "libaio" or "threads"',
     "aio.block_bytes": "bytes per I/O request, a multiple of 4096",
     "aio.queue_depth": "I/O requests in flight",
@@ -105,6 +107,7 @@ def _cell(text: str) -> str:
 def markdown() -> str:
     lines = [f"Generated from `offload/config.py` by `{REGENERATE}`; edit the code, not this table.",
              "Keys nest as in JSON/YAML (`optimizer.lr` is `{\"optimizer\": {\"lr\": ...}}`); unknown keys are an error.",
+             'A `*_bytes` key takes a byte count or a size string: "2.5G", "512M", "64K" (binary units: 1K = 1024).',
              "", "| key | type | default | description |", "|---|---|---|---|"]
     for key, type_, default, text in rows():
         lines.append(f"| `{key}` | {_cell(type_)} | {f'`{default}`' if default else ''} | {_cell(text)} |")

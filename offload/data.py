@@ -30,6 +30,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from offload.config import with_article
+
 BUNDLED_CORPUS = os.path.join(os.path.dirname(__file__), "corpus", "shakespeare.txt.gz")
 
 
@@ -117,7 +119,7 @@ def record_shape(record, where: str) -> str:
 def _strings(record: dict, keys: tuple, where: str, shape: str) -> str:
     for k in keys:
         if not isinstance(record[k], str):
-            raise ValueError(f"{where}: field {k!r} is a {type(record[k]).__name__}, not a string; {DATA_SHAPES}")
+            raise ValueError(f"{where}: field {k!r} is {with_article(type(record[k]).__name__)}, not a string; {DATA_SHAPES}")
     return shape
 
 

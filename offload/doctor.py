@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -227,8 +228,9 @@ def probe_swap(report: dict, nvme_path: str) -> list[Check]:
     r = measure(nvme_path, SWAP_BYTES, checksum=False)
     report["limits"].update(swap_read_gbps=r["read_gbps"], swap_write_gbps=r["write_gbps"])
     mode = "O_DIRECT" if r["direct"] else "buffered"
+    longer = f"offload bench nvme --dir {shlex.quote(str(nvme_path))} --size 4G"
     return [Check("swap", f"write {r['write_gbps']:.2f} GB/s, read {r['read_gbps']:.2f} GB/s ({SWAP_BYTES >> 20} MiB "
-                          f"in {nvme_path}, {r['engine']}, {mode}; `offload bench nvme --size 4G` for a longer run)")]
+                          f"in {nvme_path}, {r['engine']}, {mode}; `{longer}` for a longer run)")]
 
 
 def probe_pinned(report: dict) -> list[Check]:

@@ -7,10 +7,12 @@ import argparse
 import copy
 import pathlib
 
-from offload.config import DEVICES, PRECISION_CHOICES, Config, load_config, read_settings_file
+from offload.config import DEVICES, PRECISION_CHOICES, Config, load_config, read_settings_file, set_dotted
 from offload.integrations import deepspeed
+from offload.swap.measure import parse_size
 
 FLAG_KEYS = ("nvme_path", "zero_stage", "precision", "delayed_update")  # top-level keys set by add_arguments' flags
+FLAG_PATHS = {"hbm": "budgets.hbm_bytes", "dram": "budgets.dram_bytes"}  # flag dest -> the nested key it sets
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -27,6 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "fp32 on other CPUs)")
     g.add_argument("--delayed-update", action="store_true", default=None,
                    help="one-step delayed parameter update (the step overlaps the next backward; weights lag one step)")
+    g.add_argument("--hbm", type=size_arg, default=None, metavar="SIZE",
+                   help="accelerator memory budget, e.g. 2.5G (budgets.hbm_bytes; host memory on a CPU-only machine; "
+                        "default: derived from the free memory)")
+    g.add_argument("--dram", type=size_arg, default=None, metavar="SIZE",
+                   help="host memory budget, e.g. 8G (budgets.dram_bytes; default: derived from the available RAM)")
     g.add_argument("--offload-config", default=None, metavar="PATH", help="a .json/.yaml config; flags override it")
     g.add_argument("--deepspeed", default=None, metavar="PATH",
                    help="a DeepSpeed JSON config, read into ours (docs/deepspeed.md); "
@@ -54,6 +61,28 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+def size_arg(text: str) -> int:
+    """A size flag: "2.5G", "512M", "64K" or a byte count (binary units), more than 0 bytes."""
+    try:
+        nbytes = parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 2.5G, 512M or a byte count") from None
+    if nbytes <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 bytes; write e.g. 2.5G or 512M")
+    return nbytes
+
+
+def put_flags(args: argparse.Namespace, data: dict) -> dict:
+    """The config keys the explicit flags of FLAG_KEYS and FLAG_PATHS set, laid over `data` (in place)."""
+    for key in FLAG_KEYS:
+        if getattr(args, key, None) is not None:
+            data[key] = getattr(args, key)
+    for dest, path in FLAG_PATHS.items():
+        if getattr(args, dest, None) is not None:
+            set_dotted(data, path, getattr(args, dest))
+    return data
+
+
 def _swap_dirs(text: str) -> str | list[str]:
     """--nvme-path: one directory, or several comma-separated (a list)."""
     paths = [p for p in text.split(",") if p]
@@ -69,9 +98,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         data.setdefault("offload_param", {})["device"] = args.offload_param
     if getattr(args, "offload_optimizer", None):
         data.setdefault("offload_optimizer", {})["device"] = args.offload_optimizer
-    for key in FLAG_KEYS:
-        if getattr(args, key, None) is not None:
-            data[key] = getattr(args, key)
+    put_flags(args, data)
     if "nvme" in (data.get("offload_param", {}).get("device"), data.get("offload_optimizer", {}).get("device")):
         data.setdefault("offload_optimizer", {}).setdefault("device", "cpu")
     if data.get("offload_param", {}).get("device") in ("cpu", "nvme"):

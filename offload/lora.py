@@ -48,7 +48,8 @@ def peft_module():
     try:
         import peft
     except ImportError as e:
-        raise ValueError("--lora: needs the peft package, which is not installed; pip install 'offload[lora]'") from e
+        raise ValueError("--lora: needs the peft package, which is not installed; pip install 'offload[lora]' "
+                         "(in a source checkout: pip install -e '.[lora]')") from e
     return peft
 
 

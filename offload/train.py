@@ -32,7 +32,7 @@ import offload
 from offload.config import Config, load_config, set_dotted
 from offload.cpu_adam import kernel_backend
 from offload.data import BatchSampler, ByteTokenizer, load_data, load_tokens, make_sampler
-from offload.flags import FLAG_KEYS, file_settings
+from offload.flags import file_settings, put_flags
 from offload.lora import LoraWeights, apply_lora, base_name, lora_settings
 from offload.models import PRESETS, build_model, hf_llama_config, hf_name, loss_of
 from offload.ranks import reduced
@@ -97,7 +97,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    "after the last step only)")
     e.add_argument("--eval-batches", type=int, default=None, metavar="B",
                    help=f"batches of --batch-size x --seq-len per evaluation (default {DEFAULT_EVAL_BATCHES})")
-    lo = parser.add_argument_group("LoRA (peft: pip install 'offload[lora]')")
+    lo = parser.add_argument_group("LoRA (peft: pip install 'offload[lora]'; in a source checkout "
+                                   "pip install -e '.[lora]')")
     lo.add_argument("--lora", type=int, default=None, metavar="R",
                     help="train LoRA adapters of rank R on the frozen model (default: every parameter is trained)")
     lo.add_argument("--lora-alpha", type=float, default=None, metavar="A",
@@ -107,7 +108,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                          "(default q_proj,v_proj)")
     lo.add_argument("--quantize", default=None, choices=("nf4", "fp4", "int8"),
                     help="with --lora: the frozen base quantized by bitsandbytes as it is materialized (QLoRA: nf4 with "
-                         "double quantization; config quantize_base; pip install 'offload[qlora]')")
+                         "double quantization; config quantize_base; pip install 'offload[qlora]', in a source checkout "
+                         "pip install -e '.[qlora]')")
     lo.add_argument("--lora-dropout", type=float, default=None, metavar="P",
                     help="dropout on the adapters' input (default 0)")
     c = parser.add_argument_group("checkpoints")
@@ -172,9 +174,7 @@ def resolve(args: argparse.Namespace) -> tuple[Config, dict]:
             set_dotted(data, "offload_optimizer.device", "cpu")  # as config_from_args: states follow weights off
     if args.offload_optimizer:
         set_dotted(data, "offload_optimizer.device", args.offload_optimizer)
-    for key in FLAG_KEYS:
-        if getattr(args, key) is not None:
-            data[key] = getattr(args, key)
+    put_flags(args, data)
     data.setdefault("nvme_path", DEFAULT_SWAP_DIR)
     run = {k: RECIPE[k] if getattr(args, k, None) is None else getattr(args, k)
            for k in ("model", "steps", "batch_size", "seq_len")}

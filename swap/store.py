@@ -45,7 +45,7 @@ from .rundir import make_run_dir, open_unlinked, supports_direct, write_owner
 
 log = logging.getLogger("swap")
 
-DEFAULT_BLOCK_BYTES = 1 << 20
+DEFAULT_BLOCK_BYTES = 8 << 20  # training's: the config's aio.block_bytes (tests/test_cli_nvme.py holds them equal)
 DEFAULT_QUEUE_DEPTH = 32
 DEFAULT_THREADS = 4
 # Off by default: hashing 2-5 GB/s takes a core and memory bandwidth from CPU Adam, which runs while

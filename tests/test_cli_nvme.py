@@ -43,6 +43,18 @@ def test_bench_nvme_bad_input_is_a_one_line_error(tmp_path, capsys):
     assert "block_bytes=1000" in capsys.readouterr().err
 
 
+def test_bench_nvme_defaults_to_what_training_uses(tmp_path, monkeypatch, capsys):
+    """No --dir, no --block-bytes: the swap directory and the block size of `offload train`'s default run."""
+    from offload.config import Config
+    from offload.train import DEFAULT_SWAP_DIR
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "nvme", "--size", "16M", "--engine", "threads", "--json"]) == 0
+    r = _last_json(capsys.readouterr().out)
+    assert r["dir"] == DEFAULT_SWAP_DIR and r["block_bytes"] == Config().aio.block_bytes
+    assert os.listdir(tmp_path / DEFAULT_SWAP_DIR) == []  # the run directory is gone
+
+
 def test_parse_size_units():
     assert parse_size("4G") == 4 << 30 and parse_size("512MiB") == 512 << 20 and parse_size("64k") == 65536
     assert parse_size("4096") == 4096 and parse_size("1.5M") == 3 << 19

@@ -57,6 +57,14 @@ def test_every_command_rejects_a_bad_flag_in_one_line(command, capsys):
     assert len(err.strip().splitlines()) == 1 and err.startswith("offload") and ": error: " in err
 
 
+@pytest.mark.parametrize("argv, message", [(["--hbm", "2.5X"], "argument --hbm: '2.5X' is not a size; write e.g. 2.5G"),
+                                           (["--dram", "0"], "argument --dram: '0': must be more than 0 bytes")])
+def test_bad_tier_budgets_are_one_line_errors(argv, message, capsys):
+    assert _exit_code(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("offload train: error: ") and message in err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--data", "/nonexistent/corpus.txt"], "data file not found"),
     (["--model", "/nonexistent/model"], "neither a preset"),
@@ -88,11 +96,14 @@ def test_json_report_is_the_last_stdout_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT}
     proc = subprocess.run([sys.executable, "-m", "offload", "train", "--model", "tiny", "--steps", "2",
                            "--batch-size", "2", "--seq-len", "32", "--nvme-path", str(tmp_path / "swap"),
-                           "--out", str(out), "--json"], capture_output=True, text=True, env=env, timeout=300)
+                           "--out", str(out), "--hbm", "256M", "--dram", "2.5G", "--json"],
+                          capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     report = json.loads(lines[-1])
     assert report["steps"] == 2 and len(report["losses"]) == 2 and report["tokens_per_step"] == 64
+    tiers = report["stats"]["tiers"]  # the tier budgets the flags set
+    assert (tiers["hbm"]["budget_bytes"], tiers["dram"]["budget_bytes"]) == (256 << 20, int(2.5 * 2**30))
     picked = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"  # what auto picks on this CPU
     assert report["precision"] == report["config"]["precision"] == picked
     assert f"precision {picked} (auto: this CPU" in proc.stderr  # the memory plan says what was chosen and why

@@ -4,6 +4,8 @@ a missing libaio, a swap path without O_DIRECT, a CPU without native bf16, a pro
 import errno
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 
@@ -39,6 +41,19 @@ def _only(checks):
     [check] = checks
     assert "\n" not in check.line()
     return check
+
+
+def test_the_longer_swap_run_the_doctor_suggests_runs_on_the_probed_path(tmp_path, monkeypatch, capsys):
+    from offload.cli import main
+
+    monkeypatch.setattr(doctor, "SWAP_BYTES", 8 << 20)
+    monkeypatch.chdir(tmp_path)
+    probed = str(tmp_path / "my swap")
+    check = _only(doctor.probe_swap({"limits": {}}, probed))
+    command = re.search(r"`offload (bench nvme [^`]*)`", check.value).group(1)
+    argv = shlex.split(command.replace("--size 4G", "--size 16M"))
+    assert main([*argv, "--engine", "threads", "--json"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dir"] == probed
 
 
 def test_a_missing_libaio_is_one_line_with_what_to_do(monkeypatch):

@@ -188,6 +188,19 @@ def test_bad_values_say_how_to_fix():
         offload.load_config({"nvme_path": ["/a", 3]})
 
 
+def test_byte_keys_take_size_strings(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("budgets: {hbm_bytes: 2.5G, dram_bytes: 8GiB}\nchunk_bytes: 16M\naio: {block_bytes: 1M}\n")
+    cfg = offload.load_config(path)
+    assert (cfg.budgets.hbm_bytes, cfg.budgets.dram_bytes) == (int(2.5 * 2**30), 8 << 30)
+    assert (cfg.chunk_bytes, cfg.aio.block_bytes) == (16 << 20, 1 << 20)
+    with pytest.raises(ValueError, match=r"^budgets.dram_bytes='8 gigs': not a size; write a byte count or a size "
+                                         r"such as \"2.5G\""):
+        offload.load_config({"budgets": {"dram_bytes": "8 gigs"}})
+    with pytest.raises(ValueError, match=r"^zero_stage='two': expected int; write it as an int$"):
+        offload.load_config({"zero_stage": "two"})  # a key that is not a size takes no size string
+
+
 def test_several_swap_directories_take_turns_by_local_rank(monkeypatch):
     cfg = offload.load_config({"nvme_path": ["/d0", "/d1", "/d2"]})
     assert [cfg.swap_dir(r) for r in range(4)] == ["/d0", "/d1", "/d2", "/d0"]

@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -26,6 +27,20 @@ def test_zero_paper_example_7_5b_params_64_ranks(capsys, stage, exact, shown):
     assert out["per_rank"] == {k: out["model_states"][k] + out["runtime"][k] for k in out["per_rank"]}
     assert cli.main(["estimate", "--params", "7.5B", "--dp", "64", "--stage", str(stage), "--precision", "bf16"]) == 0
     assert shown in capsys.readouterr().out
+
+
+def test_without_placement_flags_it_says_so_and_how_to_see_what_train_places(capsys):
+    from offload import train as recipe
+
+    assert cli.main(["estimate", "--params", "1e9"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("placement: nothing offloaded (this command's default")
+    flags = re.search(r"add (--offload-param \S+ --offload-optimizer \S+) for its figures", line).group(1).split()
+    cfg, _ = recipe.resolve(recipe._as_namespace({}))  # offload train with no flags
+    assert flags == ["--offload-param", cfg.offload_param.device, "--offload-optimizer", cfg.offload_optimizer.device]
+    assert run_json(capsys, "--params", "1e9", *flags)["model_states"]["hbm_bytes"] == 0
+    assert cli.main(["estimate", "--params", "1e9", "--offload-optimizer", "cpu"]) == 0
+    assert "placement:" not in capsys.readouterr().out  # a placement given: the head line names it
 
 
 def test_offload_moves_whole_terms_between_tiers():

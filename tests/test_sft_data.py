@@ -85,7 +85,7 @@ def test_text_records_in_json_and_jsonl_are_one_packed_stream(tmp_path):
     ("a.json", '[{"question": "x", "answer": "y"}]', r"a.json\[0\]: not a record offload reads \(question, answer\)"),
     ("a.jsonl", '{"prompt": "x", "completion": "y"}\n{"text": "z"}\n',
      r"a.jsonl:2: a text record in a file of prompt_completion records; one file holds one shape"),
-    ("a.jsonl", '{"prompt": "x", "completion": 3}\n', r"a.jsonl:1: field 'completion' is a int, not a string"),
+    ("a.jsonl", '{"prompt": "x", "completion": 3}\n', r"a.jsonl:1: field 'completion' is an int, not a string"),
     ("a.jsonl", '{"messages": [{"role": "user", "content": "x"}]}\n', r"a.jsonl:1: no \"assistant\" message"),
     ("a.jsonl", '{"messages": [{"role": "user"}]}\n', r"a.jsonl:1: \"messages\" must be a non-empty list"),
     ("a.json", "[]", r"a.json: no records; --data takes"),

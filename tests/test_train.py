@@ -1,11 +1,13 @@
 """The run recipe `offload.train.train`: settings precedence, a short run's report and files, --save."""
 
+import argparse
 import json
 import os
 
 import pytest
 import torch
 
+import offload
 from offload import train as recipe
 
 
@@ -34,6 +36,16 @@ def test_flags_beat_the_config_file_which_beats_the_recipe(tmp_path):
     assert cfg.lr_schedule.total_steps == 7 and cfg.lr_schedule.warmup_steps == 0  # short run, short warmup
     cfg, _ = _resolve(offload_param="cpu")
     assert cfg.offload_optimizer.device == "cpu"  # as config_from_args: states follow offloaded weights
+
+
+def test_tier_budget_flags_beat_the_config_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("budgets: {hbm_bytes: 1G, dram_bytes: 3G}\n")
+    cfg, _ = recipe.resolve(recipe.train_parser().parse_args(["--offload-config", str(path), "--hbm", "2.5G"]))
+    assert (cfg.budgets.hbm_bytes, cfg.budgets.dram_bytes) == (int(2.5 * 2**30), 3 << 30)
+    assert _resolve(dram="512M")[0].budgets.dram_bytes == 512 << 20  # train({...}) takes the same strings
+    parser = offload.add_arguments(argparse.ArgumentParser())  # a training script's flags
+    assert offload.config_from_args(parser.parse_args(["--dram", "8G"])).budgets.dram_bytes == 8 << 30
 
 
 def test_unknown_setting_names_the_nearest():

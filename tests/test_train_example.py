@@ -1,5 +1,7 @@
-"""examples/train_with_flags.py: a plain loop that three lines put on the Engine runs with the flags."""
+"""examples/train_with_flags.py: a plain loop that three lines put on the Engine runs with the flags;
+examples/trainer_offload.py in a short run."""
 
+import json
 import os
 import subprocess
 import sys
@@ -8,6 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_with_flags.py")
+TRAINER = os.path.join(ROOT, "examples", "trainer_offload.py")
 
 
 def test_the_three_offload_lines():
@@ -38,3 +41,16 @@ def test_example_bad_flag_is_an_argparse_error():
     proc = subprocess.run([sys.executable, SCRIPT, "--offload-param", "disk"], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
     assert proc.returncode == 2 and "invalid choice: 'disk'" in proc.stderr
+
+
+def test_trainer_example_logs_its_loss_in_a_short_run(tmp_path):
+    """Fewer steps than the logging interval used to leave no loss to report (IndexError)."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, TRAINER, "--steps", "4", "--nvme-path", str(tmp_path / "swap")],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 4 and result["last_loss"] < result["first_loss"]
+    proc = subprocess.run([sys.executable, TRAINER, "--steps", "0"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    assert proc.returncode == 2 and "--steps=0: must be at least 1" in proc.stderr

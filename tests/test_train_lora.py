@@ -259,7 +259,7 @@ def test_lora_flags_refused_in_one_line(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "peft", None)  # not installed
     assert main([*base, "--lora", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "pip install 'offload[lora]'" in err[0], err
+    assert len(err) == 1 and "pip install 'offload[lora]' (in a source checkout: pip install -e '.[lora]')" in err[0], err
 
 
 def test_estimate_shows_the_frozen_and_trained_split(capsys):

@@ -15,6 +15,9 @@ from offload.config import Config
 from offload.models import PRESETS
 from offload.precision import resolve_precision
 
+# `offload train`'s placement when no flag or config file names one (offload/train.py, resolve)
+TRAIN_PLACEMENT = {"offload_param": "nvme", "offload_optimizer": "nvme"}
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -26,8 +29,12 @@ def register(subparsers) -> None:
                       help="a HF config.json, a directory with one (Llama-style), or a preset name")
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
     p.add_argument("--stage", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
-    p.add_argument("--offload-param", default="none", choices=("none", "cpu", "nvme"))
-    p.add_argument("--offload-optimizer", default="none", choices=("none", "cpu", "nvme"))
+    p.add_argument("--offload-param", default=None, choices=("none", "cpu", "nvme"),
+                   help="where weights live (default none: nothing offloaded, the plain ZeRO ledger; `offload train` "
+                        f"with no placement flags uses {TRAIN_PLACEMENT['offload_param']})")
+    p.add_argument("--offload-optimizer", default=None, choices=("none", "cpu", "nvme"),
+                   help="where fp32 optimizer states live (default none; `offload train` with no placement flags uses "
+                        f"{TRAIN_PLACEMENT['offload_optimizer']})")
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
                    help="compute dtype of weights and gradients (default auto: what the engine picks on this host, "
                         "docs/precision.md)")
@@ -94,6 +101,8 @@ def run(args) -> int:
     if (args.resident_units is not None and args.resident_units < 1) or args.activation_bytes < 0:
         raise ValueError(f"--resident-units={args.resident_units}, --activation-bytes={args.activation_bytes}: "
                          f"need at least 1 resident unit and non-negative bytes")
+    placement_given = args.offload_param is not None or args.offload_optimizer is not None
+    args.offload_param, args.offload_optimizer = args.offload_param or "none", args.offload_optimizer or "none"
     choice = resolve_precision(args.precision)  # as the engine would resolve it on this host
     args.precision = choice.name
     shape = _shape(args)
@@ -113,8 +122,18 @@ def run(args) -> int:
         plan = result["engine_plan"]
         table += ("\nthe engine's own plan for this model in one process (padded unit buffers, staging, working "
                   "set, weights kept for their backward (reuse_bytes) on this machine): " + ", ".join(f"{t} {est.format_bytes(plan[f'{t}_bytes'])}" for t in est.TIERS))
+    if not placement_given:
+        table += "\n" + _placement_line()
     print(json.dumps(result) if args.json else table)
     return 0
+
+
+def _placement_line() -> str:
+    """What a run without placement flags shows, and how to see what `offload train`'s default needs."""
+    flags = " ".join(f"--{key.replace('_', '-')} {device}" for key, device in TRAIN_PLACEMENT.items())
+    return ("placement: nothing offloaded (this command's default: the plain ZeRO ledger); `offload train` with no "
+            f"placement flags keeps weights and optimizer states on {TRAIN_PLACEMENT['offload_param']}: add "
+            f"{flags} for its figures")
 
 
 def _engine_plan(args) -> dict:

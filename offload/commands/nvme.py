@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 
+from offload.flags import size_arg
 from offload.train import DEFAULT_SWAP_DIR
 from offload.swap import clean, list_runs
 from offload.swap.engines import ENGINES
@@ -41,11 +42,13 @@ def register(subparsers) -> None:
                     "queue: what the I/O bound of a training step uses); `e2e` adds opening the store (run "
                     "directory, O_DIRECT probe, engine start, the warm-up write) before the write and closing it "
                     "(removing the files) after the read.")
-    bench.add_argument("--dir", required=True, help="directory on the drive to measure (a run "
-                       "subdirectory is created in it and removed afterwards)")
+    bench.add_argument("--dir", default=DEFAULT_SWAP_DIR,
+                       help="directory on the drive to measure (a run subdirectory is created in it and removed "
+                            "afterwards; default %(default)s, where `offload train` swaps)")
     bench.add_argument("--size", default="1G", help="bytes to write then read, e.g. 4G (default 1G)")
     bench.add_argument("--engine", choices=ENGINES, default="auto")
-    bench.add_argument("--block-bytes", type=parse_size, default=DEFAULT_BLOCK_BYTES)
+    bench.add_argument("--block-bytes", type=size_arg, default=DEFAULT_BLOCK_BYTES, metavar="SIZE",
+                       help=f"bytes per I/O request (default {DEFAULT_BLOCK_BYTES >> 20}M, as training's aio.block_bytes)")
     bench.add_argument("--queue-depth", type=int, default=DEFAULT_QUEUE_DEPTH)
     bench.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     _checksum_flags(bench)
@@ -56,7 +59,8 @@ def register(subparsers) -> None:
 
     tune = _nested(subparsers, "tune", "find the best I/O settings for an NVMe drive").add_parser(
         "nvme", help="sweep block size x queue depth x threads for both engines; print the best `aio` section")
-    tune.add_argument("--dir", required=True)
+    tune.add_argument("--dir", default=DEFAULT_SWAP_DIR,
+                      help="directory on the drive to measure (default %(default)s, where `offload train` swaps)")
     tune.add_argument("--size", default="512M", help="bytes per configuration (default 512M)")
     tune.add_argument("--engines", default="libaio,threads", help="comma-separated (default libaio,threads)")
     tune.add_argument("--plot", default="offload-tune-nvme.png", help="PNG of the sweep (default %(default)s)")
