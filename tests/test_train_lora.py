@@ -47,14 +47,14 @@ def _spy_on_saves(monkeypatch) -> dict:
     """Wraps recipe.save: before the first save, the engine's full state and its logits on the probe batch."""
     seen, real = {}, recipe.save
 
-    def save(engine, info, directory, lora=None, merged=False):
+    def save(engine, info, directory, lora=None, merged=False, **kw):
         if "state" not in seen:
             seen["state"] = engine.full_state_dict()
             engine.eval()
             with torch.no_grad():
                 out = engine(_probe())
             seen["logits"] = out if isinstance(out, torch.Tensor) else out.logits
-        return real(engine, info, directory, lora, merged)
+        return real(engine, info, directory, lora, merged, **kw)
 
     monkeypatch.setattr(recipe, "save", save)
     return seen
