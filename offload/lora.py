@@ -17,10 +17,10 @@ zero, so training starts from the base model's logits).
 [Note: what a LoRA run saves]
 `--save DIR`: the adapter as peft writes it (adapter_config.json + adapter_model.safetensors) with the
 tokenizer files, read from the trainable masters alone. For a HF directory it is peft's own save_pretrained
-and loads with `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(HF_DIR), DIR)`. A preset has
-no HF base to load it on: its adapter is written in transformers' Llama names and its frozen base exported
-beside it as a HF directory, DIR/base (what base_model_name_or_path names), so
-`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(DIR + "/base"), DIR)` loads it.
+with the directory's absolute path as base_model_name_or_path, so `AutoPeftModelForCausalLM.from_pretrained(DIR)`
+loads it with no hub. A preset has no HF base to load it on: its adapter is written in transformers' Llama
+names and its frozen base exported beside it as a HF directory, DIR/base (what base_model_name_or_path names;
+a README.md says which preset it is), so the same call loads it.
 `--save-merged DIR`: a plain HF model, each targeted linear's weight W + (alpha / r) B @ A (peft's
 merge_and_unload), streamed unit by unit from the engine, names without peft's wrappers, with the config
 (use_cache as it was), generation config and tokenizer files: AutoModelForCausalLM and AutoTokenizer load it.
@@ -44,6 +44,18 @@ import torch
 from offload.models import _HF_NAMES, hf_name
 
 DEFAULT_TARGETS = ("q_proj", "v_proj")
+# The model card of a preset's adapter (peft writes one for a HF directory's, naming the base's path there).
+PRESET_CARD = """---
+base_model: {base}
+library_name: peft
+tags:
+- lora
+---
+A LoRA adapter (r {r}, alpha {alpha:g}) trained by `offload train` on offload's `{name}` preset: a Llama-shaped
+model that offload initializes from a seed, not a published checkpoint. Its frozen base is exported beside this
+adapter, in {base}, which adapter_config.json's base_model_name_or_path names, so
+`AutoPeftModelForCausalLM.from_pretrained(<this directory>)` loads both.
+"""
 PEFT_PREFIX = "base_model.model."   # what get_peft_model puts before the base model's names
 BASE_INFIX = ".base_layer."         # a LoRA layer's wrapped linear
 # transformers' Llama linear names -> the preset model's (offload.models): the last part of each name.
@@ -237,13 +249,16 @@ def save_adapter(engine, model: torch.nn.Module, info: dict, lora: dict, directo
         _save_base(engine, info, base, save_dtype(info, choice))  # every rank: it gathers
     if engine.rt.rank != 0:
         return directory
-    if info["kind"] == "hf":
-        for config in model.peft_config.values():  # where its base is, so peft finds it without a hub
+    if info["kind"] == "hf":  # where its base is, so peft finds it without a hub (and its model card names it)
+        for config in model.peft_config.values():
             config.base_model_name_or_path = info["source"]
+        model.get_base_model().config.name_or_path = info["source"]
         model.save_pretrained(directory, state_dict=state)
         copy_companions(info["source"], directory)  # the tokenizer files (and a generation config it has)
         return directory
     _write_preset_adapter(state, lora, directory, os.path.abspath(base))
+    with open(os.path.join(directory, "README.md"), "w") as f:  # what the base is: a preset has no name elsewhere
+        f.write(PRESET_CARD.format(base=os.path.abspath(base), name=info["name"], **lora))
     return directory
 
 

@@ -315,7 +315,8 @@ def build(run: dict, cfg: Config):
         preset = PRESETS[name]
         model = build_model(name, device="meta")  # the Engine materializes it unit by unit (seeded)
         weights, max_len, vocab = None, preset.max_seq_len, preset.vocab_size
-        info = {"kind": "preset", "hf_config": hf_llama_config(preset), "tokenizer": None, "source": None}
+        info = {"kind": "preset", "name": name, "hf_config": hf_llama_config(preset), "tokenizer": None,
+                "source": None}
     else:
         raise ValueError(f"--model={name}: neither a preset ({', '.join(PRESETS)}) nor a directory; "
                          f"pass a preset name or a local Hugging Face directory")
