@@ -33,8 +33,8 @@ from offload.config import Config, load_config, set_dotted
 from offload.cpu_adam import kernel_backend
 from offload.data import BatchSampler, ByteTokenizer, load_data, load_tokens, make_sampler
 from offload.flags import FLAG_KEYS, file_settings
-from offload.lora import LoraWeights, apply_lora, base_name, lora_settings, save_dtype
 from offload.integrations.hf_io import DTYPES as SAVE_DTYPES
+from offload.lora import LoraWeights, apply_lora, base_name, lora_settings, save_dtype
 from offload.models import PRESETS, build_model, hf_llama_config, hf_name, loss_of
 from offload.ranks import reduced
 from offload.signals import SIGNALS, Stopped, stop_on_signals

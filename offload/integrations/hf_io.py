@@ -104,6 +104,8 @@ class SafetensorsWeights:
 
 # What a saved directory's floating tensors may be: the names `--save-dtype` and config.json's dtype use.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# safetensors' header names of the floating dtypes
+_HEADER_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 
 
 def with_dtype(config: dict, dtype: torch.dtype) -> dict:
@@ -125,9 +127,7 @@ def source_dtype(config: dict, directory: str | None = None) -> torch.dtype:
         for path in shard_files(directory):
             with st.safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    dtype = f.get_slice(name).get_dtype()  # the header's name: "BF16", "F32", ...
-                    found = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-                             "F64": torch.float64}.get(dtype)
+                    found = _HEADER_DTYPES.get(f.get_slice(name).get_dtype())  # read from the header alone
                     if found is not None:
                         return found
     return torch.float32
