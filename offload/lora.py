@@ -17,13 +17,21 @@ zero, so training starts from the base model's logits).
 [Note: what a LoRA run saves]
 `--save DIR`: the adapter as peft writes it (adapter_config.json + adapter_model.safetensors) with the
 tokenizer files, read from the trainable masters alone. For a HF directory it is peft's own save_pretrained
-and loads with `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(HF_DIR), DIR)`. A preset has
-no HF base to load it on: its adapter is written in transformers' Llama names and its frozen base exported
-beside it as a HF directory, DIR/base (what base_model_name_or_path names), so
-`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(DIR + "/base"), DIR)` loads it.
+with the directory's absolute path as base_model_name_or_path, so `AutoPeftModelForCausalLM.from_pretrained(DIR)`
+loads it with no hub. A preset has no HF base to load it on: its adapter is written in transformers' Llama
+names and its frozen base exported beside it as a HF directory, DIR/base (what base_model_name_or_path names;
+a README.md says which preset it is), so the same call loads it.
 `--save-merged DIR`: a plain HF model, each targeted linear's weight W + (alpha / r) B @ A (peft's
 merge_and_unload), streamed unit by unit from the engine, names without peft's wrappers, with the config
 (use_cache as it was), generation config and tokenizer files: AutoModelForCausalLM and AutoTokenizer load it.
+A quantized base is dequantized by bitsandbytes unit by unit and merged the same way.
+
+[Note: the dtype a save writes]
+`--save-dtype` (save_dtype()): auto, the default, writes the source's dtype (a bf16 directory saves as bf16,
+half the bytes of the fp32 masters), an adapter fp32 (as peft keeps adapters on a bf16 base); config.json
+says what the tensors are. A merge in dtype d is the one peft makes on the base loaded in d: W rounded to d,
+plus the fp32 product B @ A, rounded once, so --save-merged of a QLoRA run equals merge_and_unload on
+from_pretrained's base dequantized in its own dtype, bit for bit.
 """
 
 from __future__ import annotations
@@ -36,6 +44,18 @@ import torch
 from offload.models import _HF_NAMES, hf_name
 
 DEFAULT_TARGETS = ("q_proj", "v_proj")
+# The model card of a preset's adapter (peft writes one for a HF directory's, naming the base's path there).
+PRESET_CARD = """---
+base_model: {base}
+library_name: peft
+tags:
+- lora
+---
+A LoRA adapter (r {r}, alpha {alpha:g}) trained by `offload train` on offload's `{name}` preset: a Llama-shaped
+model that offload initializes from a seed, not a published checkpoint. Its frozen base is exported beside this
+adapter, in {base}, which adapter_config.json's base_model_name_or_path names, so
+`AutoPeftModelForCausalLM.from_pretrained(<this directory>)` loads both.
+"""
 PEFT_PREFIX = "base_model.model."   # what get_peft_model puts before the base model's names
 BASE_INFIX = ".base_layer."         # a LoRA layer's wrapped linear
 # transformers' Llama linear names -> the preset model's (offload.models): the last part of each name.
@@ -163,22 +183,24 @@ class LoraWeights:
 # --- saving ----------------------------------------------------------------------------------------------
 
 
-def merged_items(items, scale: float):
-    """(base model name, fp32 tensor) for every tensor of the merged model, from (peft name, tensor) pairs
-    (the engine's state_items(), or a checkpoint's weights): a LoRA layer's weight W + scale B @ A (peft's
-    merge, scale = alpha / r), the adapters themselves left out. A layer's three tensors come in one unit
-    (offload.units keeps adapters in their layer's unit); they are held until all three have come."""
+def merged_items(items, scale: float, dtype: torch.dtype | None = None):
+    """(base model name, tensor) for every tensor of the merged model, from (peft name, tensor) pairs (the
+    engine's state_items(), or a checkpoint's weights): a LoRA layer's weight W + scale B @ A (peft's merge,
+    scale = alpha / r), the adapters themselves left out. Each tensor in `dtype` (None: as it comes), merged
+    as peft's merge_and_unload merges into a base loaded in that dtype: W in `dtype` plus the adapters' product
+    in fp32, rounded once. A layer's three tensors come in one unit (offload.units keeps adapters in their
+    layer's unit); they are held until all three have come."""
     pending: dict[str, dict] = {}
     for name, value in items:
         layer, part = _lora_part(name)
         if layer is None:
-            yield base_name(name), value
+            yield base_name(name), value if dtype is None else value.to(dtype)
             continue
         got = pending.setdefault(layer, {})
         got[part] = value
         if len(got) == 3:
             del pending[layer]
-            w, a, b = got["W"], got["A"].float(), got["B"].float()
+            w, a, b = got["W"] if dtype is None else got["W"].to(dtype), got["A"].float(), got["B"].float()
             yield base_name(f"{layer}.weight"), (w.float() + scale * (b @ a)).to(w.dtype)  # [out, r] @ [r, in]
     if pending:
         layer, got = next(iter(pending.items()))
@@ -205,47 +227,65 @@ def hf_names(items):
     return ((hf_name(n), t) for n, t in items)
 
 
-def save_adapter(engine, model: torch.nn.Module, info: dict, lora: dict, directory: str) -> str:
-    """--save of a LoRA run ([Note: what a LoRA run saves]); every rank calls it, rank 0 writes."""
+def save_dtype(info: dict, choice: str, adapter: bool = False) -> torch.dtype:
+    """The dtype `--save-dtype choice` writes: bf16, fp16 or fp32 as named; auto: the source's (a HF directory's
+    as from_pretrained(dtype="auto") reads it, a preset's fp32), an adapter's fp32 (peft keeps adapters in fp32
+    on a bf16 or fp16 base: its autocast_adapter_dtype)."""
+    from offload.integrations.hf_io import DTYPES, source_dtype
+
+    if choice != "auto":
+        return DTYPES[choice]
+    return torch.float32 if adapter else source_dtype(info["hf_config"], info["source"])
+
+
+def save_adapter(engine, model: torch.nn.Module, info: dict, lora: dict, directory: str, choice: str) -> str:
+    """--save of a LoRA run ([Note: what a LoRA run saves]) in `--save-dtype choice`; every rank calls it, rank
+    0 writes."""
     from offload.integrations.hf_io import copy_companions
 
-    state = engine.trainable_state_dict()  # the adapters' masters: no frozen weight is read
+    dtype = save_dtype(info, choice, adapter=True)
+    state = {n: t.to(dtype) for n, t in engine.trainable_state_dict().items()}  # masters: no frozen weight read
     base = os.path.join(directory, "base")
     if info["kind"] == "preset":
-        _save_base(engine, info, base)  # every rank: it gathers
+        _save_base(engine, info, base, save_dtype(info, choice))  # every rank: it gathers
     if engine.rt.rank != 0:
         return directory
-    if info["kind"] == "hf":
-        for config in model.peft_config.values():  # where its base is, so peft finds it without a hub
+    if info["kind"] == "hf":  # where its base is, so peft finds it without a hub (and its model card names it)
+        for config in model.peft_config.values():
             config.base_model_name_or_path = info["source"]
+        model.get_base_model().config.name_or_path = info["source"]
         model.save_pretrained(directory, state_dict=state)
         copy_companions(info["source"], directory)  # the tokenizer files (and a generation config it has)
         return directory
     _write_preset_adapter(state, lora, directory, os.path.abspath(base))
+    with open(os.path.join(directory, "README.md"), "w") as f:  # what the base is: a preset has no name elsewhere
+        f.write(PRESET_CARD.format(base=os.path.abspath(base), name=info["name"], **lora))
     return directory
 
 
-def write_run_directory(engine, items, info: dict, directory: str) -> str:
-    """(name, fp32 tensor) `items` of a run's model as a HF directory: rank 0 writes it (a preset's names as
-    transformers' Llama names; the config, the tokenizer files and the generation config beside them), the
-    other ranks read the items too, since over ranks reading them gathers every window from its owner."""
-    from offload.integrations.hf_io import copy_companions, save_hf_directory
+def write_run_directory(engine, items, info: dict, directory: str, dtype: torch.dtype) -> str:
+    """(name, tensor) `items` of a run's model as a HF directory of `dtype` tensors: rank 0 writes it (a preset's
+    names as transformers' Llama names; the config, saying `dtype`, the tokenizer files and the generation
+    config beside them), the other ranks read the items too, since over ranks reading them gathers every window
+    from its owner."""
+    from offload.integrations.hf_io import copy_companions, save_hf_directory, with_dtype
 
     if engine.rt.rank != 0:
         for _ in items:
             pass
         return directory
+    items = ((n, t.to(dtype)) for n, t in items)
     if info["kind"] == "preset":
         items = hf_names(items)
-    save_hf_directory(items, info["hf_config"], directory)
+    save_hf_directory(items, with_dtype(info["hf_config"], dtype), directory)
     copy_companions(info["source"], directory, info["hf_config"])
     return directory
 
 
-def _save_base(engine, info: dict, directory: str) -> None:
+def _save_base(engine, info: dict, directory: str, dtype: torch.dtype) -> None:
     """The frozen base of a preset's LoRA run as a HF directory."""
     write_run_directory(engine, ((base_name(n), t) for n, t in engine.state_items() if ".lora_" not in n), info,
-                        directory)
+                        directory, dtype)
 
 
 def _write_preset_adapter(state: dict, lora: dict, directory: str, base: str) -> None:
@@ -268,7 +308,9 @@ def _write_preset_adapter(state: dict, lora: dict, directory: str, base: str) ->
     save_file(tensors, os.path.join(directory, "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
-def save_merged(engine, info: dict, lora: dict, directory: str) -> str:
-    """--save-merged of a LoRA run ([Note: what a LoRA run saves]); every rank calls it, rank 0 writes."""
-    return write_run_directory(engine, merged_items(engine.state_items(), lora["alpha"] / lora["r"]), info, directory)
+def save_merged(engine, info: dict, lora: dict, directory: str, dtype: torch.dtype) -> str:
+    """--save-merged of a LoRA run ([Note: what a LoRA run saves]) as `dtype` tensors; every rank calls it,
+    rank 0 writes."""
+    items = merged_items(engine.state_items(), lora["alpha"] / lora["r"], dtype)
+    return write_run_directory(engine, items, info, directory, dtype)
 

@@ -235,8 +235,10 @@ def summary_table(report: dict) -> str:
         rate = f"{s['bytes'] / s['seconds'] / 1e9:.2f}" if s["seconds"] > 0 else "-"
         lines.append(f"  {link:13s} {_mib(s['bytes']):>10s} {s['seconds']:8.2f} {rate:>7s}")
     lines.append(f"  report      {report['files']['report']}, {report['files']['plot']}")
-    if report["saved"]:
-        lines.append(f"  saved       {report['saved']} (Hugging Face directory)")
+    for key, label in (("saved", "saved"), ("saved_merged", "merged")):  # --save, --save-merged
+        if report.get(key):
+            what = "peft LoRA adapter" if key == "saved" and report["run"].get("lora") else "Hugging Face directory"
+            lines.append(f"  {label:11s} {report[key]} ({what}, {report[key + '_dtype']})")
     return "\n".join(lines)
 
 

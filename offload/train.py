@@ -33,7 +33,8 @@ from offload.config import Config, load_config, set_dotted
 from offload.cpu_adam import kernel_backend
 from offload.data import BatchSampler, ByteTokenizer, load_data, load_tokens, make_sampler
 from offload.flags import file_settings, put_flags
-from offload.lora import LoraWeights, apply_lora, base_name, lora_settings
+from offload.integrations.hf_io import DTYPES as SAVE_DTYPES
+from offload.lora import LoraWeights, apply_lora, base_name, lora_settings, save_dtype
 from offload.models import PRESETS, build_model, hf_llama_config, hf_name, loss_of
 from offload.ranks import reduced
 from offload.signals import SIGNALS, Stopped, stop_on_signals
@@ -85,6 +86,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--save-merged", default=None, metavar="DIR",
                    help="with --lora: the model with its adapters merged (W + alpha/r B A) as a Hugging Face directory; "
                         "without: as --save")
+    g.add_argument("--save-dtype", default=None, choices=("auto", *SAVE_DTYPES), metavar="auto|bf16|fp16|fp32",
+                   help="the dtype --save and --save-merged write (config.json says it); auto (the default): the "
+                        "model's own, as config.json gives it (a preset's fp32), and a LoRA adapter's fp32")
     g.add_argument("--json", action="store_true", help="print the report as one JSON object, the last stdout line")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--trace", default=None, metavar="PATH",
@@ -185,6 +189,7 @@ def resolve(args: argparse.Namespace) -> tuple[Config, dict]:
     run["data"] = args.data
     run["eval"] = _eval_settings(args)
     run["lora"] = lora_settings(args)
+    run["save_dtype"] = _save_dtype(args)
     if getattr(args, "quantize", None) is not None:
         data["quantize_base"] = args.quantize
     if data.get("quantize_base") is not None and run["lora"] is None:
@@ -216,6 +221,18 @@ def _eval_settings(args) -> dict | None:
         return None
     batches = DEFAULT_EVAL_BATCHES if args.eval_batches is None else args.eval_batches
     return {"data": args.eval_data, "every": args.eval_every, "batches": batches}
+
+
+def _save_dtype(args) -> str:
+    """--save-dtype, checked: "auto" when not given."""
+    choice = getattr(args, "save_dtype", None)
+    if choice is None:
+        return "auto"
+    if choice not in ("auto", *SAVE_DTYPES):
+        raise ValueError(f"--save-dtype={choice}: not a dtype to save in; pass auto, {', '.join(SAVE_DTYPES)}")
+    if args.save is None and args.save_merged is None:
+        raise ValueError(f"--save-dtype={choice}: applies to what --save or --save-merged writes; add one of them")
+    return choice
 
 
 def _check_run(run: dict, data: dict) -> None:
@@ -298,7 +315,8 @@ def build(run: dict, cfg: Config):
         preset = PRESETS[name]
         model = build_model(name, device="meta")  # the Engine materializes it unit by unit (seeded)
         weights, max_len, vocab = None, preset.max_seq_len, preset.vocab_size
-        info = {"kind": "preset", "hf_config": hf_llama_config(preset), "tokenizer": None, "source": None}
+        info = {"kind": "preset", "name": name, "hf_config": hf_llama_config(preset), "tokenizer": None,
+                "source": None}
     else:
         raise ValueError(f"--model={name}: neither a preset ({', '.join(PRESETS)}) nor a directory; "
                          f"pass a preset name or a local Hugging Face directory")
@@ -378,8 +396,9 @@ def train(args_or_config=None) -> dict:
                 if args.trace:
                     engine.save_trace(args.trace)
                     rep.plot_timeline(engine.rt.telemetry.chrome_trace(), args.trace + ".png")
-                saved = save(engine, info, args.save, run["lora"]) if args.save else None
-                merged = save(engine, info, args.save_merged, run["lora"], merged=True) if args.save_merged else None
+                saved = save(engine, info, args.save, run["lora"], dtype=run["save_dtype"]) if args.save else None
+                merged = (save(engine, info, args.save_merged, run["lora"], merged=True, dtype=run["save_dtype"])
+                          if args.save_merged else None)
             check_stop()
         except Stopped as stop:  # the engine is closed: its swap files are gone
             stop.report = _stopped(stop, args, run, cfg, info, history, engine, init_s, out_dir)
@@ -396,6 +415,9 @@ def train(args_or_config=None) -> dict:
                 weights.close()
     report = rep.build_report(run, cfg, info, history, final, init_s, out_dir, saved)
     report["saved_merged"] = merged
+    for key, adapter in (("saved", run["lora"] is not None), ("saved_merged", False)):  # what each holds
+        dtype = save_dtype(info, run["save_dtype"], adapter) if report[key] else None
+        report[f"{key}_dtype"] = str(dtype).removeprefix("torch.") if dtype else None
     _publish(report, args)
     return report
 
@@ -717,14 +739,16 @@ class _SaveOnSigterm:
             signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
 
 
-def save(engine, info: dict, directory: str, lora: dict | None = None, merged: bool = False) -> str:
-    """Writes the trained fp32 weights as a HF directory (shards + index + config.json) and returns it; a
-    LoRA run's adapter, or with `merged` its merged model ([Note: what a LoRA run saves] in offload.lora)."""
+def save(engine, info: dict, directory: str, lora: dict | None = None, merged: bool = False,
+         dtype: str = "auto") -> str:
+    """Writes the trained weights as a HF directory (shards + index + config.json) in `--save-dtype dtype` and
+    returns it; a LoRA run's adapter, or with `merged` its merged model ([Note: what a LoRA run saves] in
+    offload.lora)."""
     from offload import lora as lo
 
     engine.flush()  # delayed_update: the last step's update is still pending
     if lora is not None and merged:
-        return lo.save_merged(engine, info, lora, directory)
+        return lo.save_merged(engine, info, lora, directory, save_dtype(info, dtype))
     if lora is not None:
-        return lo.save_adapter(engine, engine.module, info, lora, directory)
-    return lo.write_run_directory(engine, engine.state_items(), info, directory)
+        return lo.save_adapter(engine, engine.module, info, lora, directory, dtype)
+    return lo.write_run_directory(engine, engine.state_items(), info, directory, save_dtype(info, dtype))

@@ -5,6 +5,7 @@ the losses of the plain peft + bitsandbytes loop (torch AdamW on the adapters, f
 the packed bytes come back bit for bit, and nvme reads the quantized bytes, not an expansion of them."""
 
 import copy
+import json
 import sys
 
 import pytest
@@ -175,7 +176,6 @@ def test_the_saved_adapter_loads_on_the_4bit_base_and_merged_loads_alone(tmp_pat
     q = transformers.BitsAndBytesConfig(**QUANT["nf4-dq"])
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=q, dtype=torch.float32)
     loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
-    import json
     assert json.load(open(tmp_path / "adapter" / "adapter_config.json"))["base_model_name_or_path"] == base_dir
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
     ids = batches(1)[0]
@@ -185,6 +185,38 @@ def test_the_saved_adapter_loads_on_the_4bit_base_and_merged_loads_alone(tmp_pat
                                                                  dtype=torch.float32)(input_ids=ids).logits
     assert not torch.allclose(a, plain, atol=1e-4)  # the adapter trained: it moves the logits
     torch.testing.assert_close(m, a, rtol=1e-4, atol=1e-4)
+
+
+def test_merged_of_a_bf16_base_is_bf16_and_equals_peft_merge_on_its_dequantized_base(tmp_path, capsys):
+    """--save-merged of an nf4 run on a bf16 directory: bf16 tensors under a bf16 config, bit for bit what peft's
+    merge_and_unload writes on from_pretrained's 4-bit base dequantized (in bf16, its own dtype) with the saved
+    adapter; AutoModelForCausalLM and AutoTokenizer load the directory alone."""
+    from offload import train as recipe
+    from offload.integrations.hf_io import iter_safetensors
+    from tests.test_train_hf import _save_tokenizer
+
+    base_dir = tmp_path / "bf16"
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(base_dir)
+    tok = _save_tokenizer(base_dir, "To be, or not to be, that is the question. " * 20)
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    recipe.train(_train_args(str(base_dir), tmp_path, "--quantize", "nf4", "--save", str(adapter), "--save-merged",
+                             str(merged), "--lr", "1e-2"))
+    assert f"merged      {merged} (Hugging Face directory, bfloat16)" in capsys.readouterr().out
+    q = transformers.BitsAndBytesConfig(**QUANT["nf4-dq"])
+    dequantized = transformers.AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=q).dequantize()
+    theirs = peft.PeftModel.from_pretrained(dequantized, str(adapter)).merge_and_unload().state_dict()
+    ours = dict(iter_safetensors(str(merged)))
+    assert ours.keys() == theirs.keys()
+    for name, t in ours.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, theirs[name]), name
+    config = json.loads((merged / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and "quantization_config" not in config
+    model = transformers.AutoModelForCausalLM.from_pretrained(merged)
+    assert model.dtype == torch.bfloat16
+    assert transformers.AutoTokenizer.from_pretrained(merged)("the question").input_ids == tok("the question").input_ids
 
 
 def test_nvme_reads_the_quantized_bytes_once_per_fetch(tmp_path, base_dir, monkeypatch):

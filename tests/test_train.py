@@ -21,8 +21,8 @@ def test_defaults_are_the_demo_recipe():
     assert cfg.nvme_path == recipe.DEFAULT_SWAP_DIR and cfg.precision == "auto"  # resolved by the engine
     assert cfg.optimizer.lr == recipe.RECIPE["lr"] and cfg.gradient_clipping == recipe.RECIPE["clip"]
     assert cfg.lr_schedule.type == "cosine" and cfg.lr_schedule.total_steps == recipe.RECIPE["steps"]
-    assert run == {k: recipe.RECIPE[k] for k in ("model", "steps", "batch_size", "seq_len")} | {"data": None,
-                                                                                             "eval": None, "lora": None}
+    assert run == {k: recipe.RECIPE[k] for k in ("model", "steps", "batch_size", "seq_len")} | {
+        "data": None, "eval": None, "lora": None, "save_dtype": "auto"}
 
 
 def test_flags_beat_the_config_file_which_beats_the_recipe(tmp_path):

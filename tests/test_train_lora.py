@@ -5,6 +5,7 @@ exported base; the placement of the adapters' states in hbm; peft's adapters ins
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -47,17 +48,37 @@ def _spy_on_saves(monkeypatch) -> dict:
     """Wraps recipe.save: before the first save, the engine's full state and its logits on the probe batch."""
     seen, real = {}, recipe.save
 
-    def save(engine, info, directory, lora=None, merged=False):
+    def save(engine, info, directory, lora=None, merged=False, **kw):
         if "state" not in seen:
             seen["state"] = engine.full_state_dict()
             engine.eval()
             with torch.no_grad():
                 out = engine(_probe())
             seen["logits"] = out if isinstance(out, torch.Tensor) else out.logits
-        return real(engine, info, directory, lora, merged)
+        return real(engine, info, directory, lora, merged, **kw)
 
     monkeypatch.setattr(recipe, "save", save)
     return seen
+
+
+def _auto_peft_logits(adapter, tmp_path) -> torch.Tensor:
+    """The probe's logits of `AutoPeftModelForCausalLM.from_pretrained(adapter)` in a process with no hub
+    (HF_HUB_OFFLINE=1): the adapter alone says where its base is."""
+    ids, out = tmp_path / "probe.pt", tmp_path / "auto_peft_logits.pt"
+    torch.save(_probe(), ids)
+    code = ("import sys, torch, peft; m = peft.AutoPeftModelForCausalLM.from_pretrained(sys.argv[1]).eval(); "
+            "torch.save(m(torch.load(sys.argv[2])).logits.detach(), sys.argv[3])")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code, str(adapter), str(ids), str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return torch.load(out)
+
+
+def _card_base(adapter) -> str:
+    """base_model in the adapter's model card (README.md front matter)."""
+    front = (adapter / "README.md").read_text().split("---")[1]
+    return next(line.split(":", 1)[1].strip() for line in front.splitlines() if line.startswith("base_model:"))
 
 
 def _plain_peft_losses(model_dir, data: str, cfg) -> list[float]:
@@ -116,12 +137,16 @@ def test_lora_run_of_a_hf_directory_equals_torch_and_peft_and_saves_what_they_lo
     assert frozen.keys() == original.keys()
     assert all(torch.equal(frozen[n], original[n]) for n in original)
 
-    # --save: the adapter, loaded by peft on the HF base, gives the engine's logits
+    # --save: the adapter, loaded by peft on the HF base, gives the engine's logits; it names its base (the
+    # directory's absolute path) in its config and model card, so AutoPeftModelForCausalLM loads it with no hub
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= set(os.listdir(save))
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     loaded = peft.PeftModel.from_pretrained(base, str(save)).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(_probe()).logits, seen["logits"], rtol=1e-5, atol=1e-5)
+    assert json.loads((save / "adapter_config.json").read_text())["base_model_name_or_path"] == str(model_dir)
+    assert _card_base(save) == str(model_dir)
+    torch.testing.assert_close(_auto_peft_logits(save, tmp_path), seen["logits"], rtol=1e-5, atol=1e-5)
 
     # --save-merged: from the directory alone, with its tokenizer; use_cache as the directory had it
     tok = transformers.AutoTokenizer.from_pretrained(merged)
@@ -149,6 +174,10 @@ def test_lora_on_a_preset_saves_its_adapter_in_hf_names_beside_its_exported_base
     assert sorted(config["target_modules"]) == ["down_proj", "q_proj", "v_proj"] and config["lora_alpha"] == 8
     base = transformers.AutoModelForCausalLM.from_pretrained(save / "base")
     loaded = peft.PeftModel.from_pretrained(base, str(save)).eval()
+    # the adapter says what its base is: the exported directory (absolute), and in its card, which preset
+    assert config["base_model_name_or_path"] == str(save / "base") == _card_base(save)
+    assert "`tiny` preset" in (save / "README.md").read_text()
+    torch.testing.assert_close(_auto_peft_logits(save, tmp_path), seen["logits"], rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         torch.testing.assert_close(loaded(_probe()).logits, seen["logits"], rtol=1e-5, atol=1e-5)
         for out in (merged, export):

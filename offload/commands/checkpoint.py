@@ -79,7 +79,7 @@ def run_inspect(args) -> int:
 
 
 def run_export(args) -> int:
-    from offload.integrations.hf_io import copy_companions, save_hf_directory
+    from offload.integrations.hf_io import copy_companions, save_hf_directory, with_dtype
 
     path = ck.resolve(args.ckpt)
     manifest = ck.read_manifest(path)
@@ -88,8 +88,7 @@ def run_export(args) -> int:
     rename = extra.get("hf_names") or {}
     config = extra.get("hf_config")
     if config is not None:
-        key = "dtype" if "dtype" in config else "torch_dtype"  # transformers 5 renamed it
-        config = {**config, key: str(dtype).removeprefix("torch.")}
+        config = with_dtype(config, dtype)
     items = ck.iter_weights(path, manifest, dtype)
     if extra.get("lora"):  # offload train --lora: the adapters merged into their weights, names without peft's
         from offload.lora import merged_items

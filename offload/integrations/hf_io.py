@@ -102,6 +102,37 @@ class SafetensorsWeights:
         self._open.clear()  # safe_open handles unmap when dropped
 
 
+# What a saved directory's floating tensors may be: the names `--save-dtype` and config.json's dtype use.
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# safetensors' header names of the floating dtypes
+_HEADER_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+
+
+def with_dtype(config: dict, dtype: torch.dtype) -> dict:
+    """config.json's dict saying its tensors are `dtype`: transformers 5's key `dtype`, or `torch_dtype` where
+    the config has that one alone (transformers 4 writes it; 5 reads both)."""
+    key = "torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"
+    return {**config, key: str(dtype).removeprefix("torch.")}
+
+
+def source_dtype(config: dict, directory: str | None = None) -> torch.dtype:
+    """The dtype of a HF model's weights as from_pretrained(dtype="auto") takes it: config.json's `dtype` (or
+    `torch_dtype`), else that of the directory's first floating tensor, else fp32."""
+    for key in ("dtype", "torch_dtype"):
+        dtype = getattr(torch, str(config.get(key)), None)
+        if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+            return dtype
+    if directory is not None:
+        st = _safetensors()
+        for path in shard_files(directory):
+            with st.safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    found = _HEADER_DTYPES.get(f.get_slice(name).get_dtype())  # read from the header alone
+                    if found is not None:
+                        return found
+    return torch.float32
+
+
 def _atomic_json(obj: dict, path: str) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
