@@ -37,7 +37,7 @@ from offload.lora import LoraWeights, apply_lora, base_name, lora_settings
 from offload.models import PRESETS, build_model, hf_llama_config, hf_name, loss_of
 from offload.ranks import reduced
 from offload.signals import SIGNALS, Stopped, stop_on_signals
-from offload.watchdog import SignalWatchdog
+from offload.watchdog import LauncherWatch, SignalWatchdog
 
 DEFAULT_SWAP_DIR = "./.offload-swap"
 DEFAULT_CHECKPOINT_DIR = "./checkpoints"
@@ -333,11 +333,19 @@ def train(args_or_config=None) -> dict:
 
     SIGTERM or SIGINT ([Note: signals] in offload/signals.py) stop it: the engine closes (its swap files
     go), the partial report is written and printed, one line on stderr says so, and offload.Stopped is
-    raised with the report as its `.report` (the CLI exits with 128 + the signal number)."""
-    from offload import report as rep
-
+    raised with the report as its `.report` (the CLI exits with 128 + the signal number). Under torchrun, a
+    rank whose launcher is gone (torchrun killed with SIGKILL) stops as if the launcher had sent it SIGTERM
+    ([Note: a rank whose launcher is gone] in offload/watchdog.py)."""
     args = _as_namespace(args_or_config)
     cfg, run = resolve(args)
+    with LauncherWatch(label=f"offload train (rank {os.environ.get('RANK', 0)})"):
+        return _train(args, cfg, run)
+
+
+def _train(args: argparse.Namespace, cfg: Config, run: dict) -> dict:
+    """train() once its settings are resolved."""
+    from offload import report as rep
+
     rank, world = _join_torchrun(cfg.collective_timeout_s)
     if args.out is None:  # over ranks, one directory: rank 0's start time (the ranks agree on the earliest)
         started = reduced([time.time()], "min")[0] if world > 1 else time.time()
