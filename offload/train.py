@@ -356,8 +356,7 @@ def _train(args: argparse.Namespace, cfg: Config, run: dict) -> dict:
     if world > 1:
         run = {**run, "ranks": world}  # each step trains ranks x batch_size sequences; losses are their mean
     model, weights, info = build(run, cfg)
-    data = load_data(run["data"], info["tokenizer"])  # [Note: what --data reads] in offload/data.py
-    sampler = _RankSlice(make_sampler(data, run["batch_size"], run["seq_len"], seed=cfg.seed), rank, world)
+    sampler = _RankSlice(data_sampler("--data", run["data"], info["tokenizer"], run, cfg.seed), rank, world)
     evaluator = Evaluator.from_run(run, cfg, info["tokenizer"])  # every rank: the same batches, the same loss
     checkpoints = Checkpoints.from_args(args, run, cfg, model, info)
     resume = _resume_point(args, run, cfg)
@@ -431,6 +430,20 @@ def _mean_over_ranks(x: float) -> float:
     import torch.distributed as dist
 
     return reduced([x])[0] / dist.get_world_size()
+
+
+def data_sampler(flag: str, path: str | None, tokenizer, run: dict, seed: int):
+    """The sampler over the file of --data or --eval-data (`flag`; [Note: what --data reads] in offload/data.py).
+    Its errors start with the flag: reading's name the file and the line or record, the sampler's do not, so
+    the flag carries the path."""
+    try:
+        data = load_data(path, tokenizer)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from e
+    try:
+        return make_sampler(data, run["batch_size"], run["seq_len"], seed=seed)
+    except ValueError as e:
+        raise ValueError(f"{flag}={path}: {e}") from e
 
 
 class _RankSlice:
@@ -563,11 +576,7 @@ class Evaluator:
         if not os.path.isfile(ev["data"]):
             raise FileNotFoundError(2, "eval data file not found; pass --eval-data with a local .txt, .jsonl or .json file",
                                     ev["data"])
-        data = load_data(ev["data"], tokenizer)
-        try:
-            sampler = make_sampler(data, run["batch_size"], run["seq_len"], seed=cfg.seed)
-        except ValueError as e:
-            raise ValueError(f"--eval-data={ev['data']}: {e}") from e
+        sampler = data_sampler("--eval-data", ev["data"], tokenizer, run, cfg.seed)
         return cls(sampler, ev["every"], ev["batches"], run["steps"])
 
     def due(self, step: int) -> bool:
