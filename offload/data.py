@@ -21,10 +21,12 @@ text; offload/corpus/SOURCE.md says where it comes from).
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
 import warnings
+import zlib
 from typing import Iterator
 
 import numpy as np
@@ -72,14 +74,44 @@ def _open_text(path: str):
     return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
 
 
+# What reading a .gz that does not decompress raises: a bad header or CRC, a stream cut short, damaged data.
+_GZIP_ERRORS = (gzip.BadGzipFile, EOFError, zlib.error)
+
+
+@contextlib.contextmanager
+def _reading(path: str) -> Iterator[None]:
+    """Inside: a file that is not UTF-8, or a .gz that does not decompress, raises one ValueError naming the
+    file (and the line), what is wrong and what to do, instead of the codec's position in a buffer."""
+    try:
+        yield
+    except UnicodeDecodeError as e:
+        raise ValueError(_not_utf8(path, e)) from e
+    except _GZIP_ERRORS as e:
+        raise ValueError(f"{path}: not a whole gzip file ({e}); check it with `gzip -t {path}` (copy it again if "
+                         "it is damaged or cut short), or drop the .gz from its name if it is not compressed") from e
+
+
+def _not_utf8(path: str, error: UnicodeDecodeError) -> str:
+    """Where `path` first fails to decode: each line on its own (a b"\\n" is never part of a UTF-8 character)."""
+    with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
+        for line_no, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return (f"{path}:{line_no}: byte {e.start + 1} of the line (0x{line[e.start]:02x}) is not UTF-8 "
+                        f"({e.reason}); offload reads UTF-8 text: convert the file, e.g. "
+                        "`iconv -f latin1 -t utf-8 FILE > FILE.utf8` for a Latin-1 one")
+    return f"{path}: not UTF-8 ({error}); offload reads UTF-8 text: convert the file"
+
+
 def _read_text(path: str) -> str:
-    with _open_text(path) as f:
+    with _reading(path), _open_text(path) as f:
         return f.read()
 
 
 def read_records(path: str) -> list[tuple[str, dict]]:
     """(where, record) of a .jsonl or .json file: `where` is "path:line" or "path[i]", for errors."""
-    with _open_text(path) as f:
+    with _reading(path), _open_text(path) as f:
         if file_kind(path) == "jsonl":
             rows = []
             for line_no, line in enumerate(f, 1):

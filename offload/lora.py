@@ -97,7 +97,8 @@ def lora_settings(args) -> dict | None:
 
 
 def apply_lora(model: torch.nn.Module, info: dict, lora: dict) -> torch.nn.Module:
-    """The peft LoRA model around `model` (still on the meta device); the base's parameters frozen."""
+    """The peft LoRA model around `model` (still on the meta device); the base's parameters frozen. Targets that
+    are not linear layers (an embedding, which peft adapts too) are refused."""
     peft = peft_module()
     targets = lora["targets"]
     if info["kind"] == "preset":
@@ -108,12 +109,28 @@ def apply_lora(model: torch.nn.Module, info: dict, lora: dict) -> torch.nn.Modul
         targets = [PRESET_TARGETS[t] for t in targets]
     config = peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules=targets,
                              lora_dropout=lora["dropout"], bias="none")
+    linears = linear_names(model)
     try:
-        return peft.get_peft_model(model, config)
+        wrapped = peft.get_peft_model(model, config)
     except ValueError as e:  # peft: no module matches the targets
         why = str(e).rstrip(".")
         raise ValueError(f"--lora-targets={','.join(lora['targets'])}: {why}; name linears of the model "
                          f"(Llama: {', '.join(PRESET_TARGETS)})") from e
+    other = {path.rsplit(".", 1)[-1]: type(layer.get_base_layer()).__name__ for path, layer in _lora_layers(wrapped)
+             if not isinstance(layer.get_base_layer(), torch.nn.Linear)}
+    if other:  # peft adapts embeddings too, but their adapters are not lora_A / lora_B: see adapter_init, merged_items
+        raise ValueError(f"--lora-targets={','.join(lora['targets'])}: "
+                         + ", ".join(f"{name} ({kind})" for name, kind in other.items())
+                         + " is not a linear layer, and offload trains LoRA adapters of linear layers only; target "
+                         f"linears of this model ({', '.join(linears)}), or train every parameter, "
+                         f"{', '.join(other)} included, without --lora")
+    return wrapped
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    """The last parts of the names of `model`'s linear layers, each once, in module order (q_proj, ...)."""
+    names = [path.rsplit(".", 1)[-1] for path, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    return list(dict.fromkeys(names))
 
 
 def base_name(name: str) -> str:
@@ -174,6 +191,9 @@ class LoraWeights:
     def __call__(self, name: str) -> torch.Tensor:
         if name in self.adapters:
             return self.adapters[name]
+        if ".lora_" in name:
+            raise ValueError(f"weights[{name!r}]: an adapter LoraWeights has no initial value for: it initializes "
+                             "the lora_A and lora_B adapters of linear layers; target linear layers only")
         return self.source(base_name(name))
 
     def close(self) -> None:

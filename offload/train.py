@@ -38,7 +38,7 @@ from offload.lora import LoraWeights, apply_lora, base_name, lora_settings, save
 from offload.models import PRESETS, build_model, hf_llama_config, hf_name, loss_of
 from offload.ranks import reduced
 from offload.signals import SIGNALS, Stopped, stop_on_signals
-from offload.watchdog import SignalWatchdog
+from offload.watchdog import LauncherWatch, SignalWatchdog
 
 DEFAULT_SWAP_DIR = "./.offload-swap"
 DEFAULT_CHECKPOINT_DIR = "./checkpoints"
@@ -351,11 +351,19 @@ def train(args_or_config=None) -> dict:
 
     SIGTERM or SIGINT ([Note: signals] in offload/signals.py) stop it: the engine closes (its swap files
     go), the partial report is written and printed, one line on stderr says so, and offload.Stopped is
-    raised with the report as its `.report` (the CLI exits with 128 + the signal number)."""
-    from offload import report as rep
-
+    raised with the report as its `.report` (the CLI exits with 128 + the signal number). Under torchrun, a
+    rank whose launcher is gone (torchrun killed with SIGKILL) stops as if the launcher had sent it SIGTERM
+    ([Note: a rank whose launcher is gone] in offload/watchdog.py)."""
     args = _as_namespace(args_or_config)
     cfg, run = resolve(args)
+    with LauncherWatch(label=f"offload train (rank {os.environ.get('RANK', 0)})"):
+        return _train(args, cfg, run)
+
+
+def _train(args: argparse.Namespace, cfg: Config, run: dict) -> dict:
+    """train() once its settings are resolved."""
+    from offload import report as rep
+
     rank, world = _join_torchrun(cfg.collective_timeout_s)
     if args.out is None:  # over ranks, one directory: rank 0's start time (the ranks agree on the earliest)
         started = reduced([time.time()], "min")[0] if world > 1 else time.time()
@@ -366,8 +374,7 @@ def train(args_or_config=None) -> dict:
     if world > 1:
         run = {**run, "ranks": world}  # each step trains ranks x batch_size sequences; losses are their mean
     model, weights, info = build(run, cfg)
-    data = load_data(run["data"], info["tokenizer"])  # [Note: what --data reads] in offload/data.py
-    sampler = _RankSlice(make_sampler(data, run["batch_size"], run["seq_len"], seed=cfg.seed), rank, world)
+    sampler = _RankSlice(data_sampler("--data", run["data"], info["tokenizer"], run, cfg.seed), rank, world)
     evaluator = Evaluator.from_run(run, cfg, info["tokenizer"])  # every rank: the same batches, the same loss
     checkpoints = Checkpoints.from_args(args, run, cfg, model, info)
     resume = _resume_point(args, run, cfg)
@@ -445,6 +452,20 @@ def _mean_over_ranks(x: float) -> float:
     import torch.distributed as dist
 
     return reduced([x])[0] / dist.get_world_size()
+
+
+def data_sampler(flag: str, path: str | None, tokenizer, run: dict, seed: int):
+    """The sampler over the file of --data or --eval-data (`flag`; [Note: what --data reads] in offload/data.py).
+    Its errors start with the flag: reading's name the file and the line or record, the sampler's do not, so
+    the flag carries the path."""
+    try:
+        data = load_data(path, tokenizer)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from e
+    try:
+        return make_sampler(data, run["batch_size"], run["seq_len"], seed=seed)
+    except ValueError as e:
+        raise ValueError(f"{flag}={path}: {e}") from e
 
 
 class _RankSlice:
@@ -577,11 +598,7 @@ class Evaluator:
         if not os.path.isfile(ev["data"]):
             raise FileNotFoundError(2, "eval data file not found; pass --eval-data with a local .txt, .jsonl or .json file",
                                     ev["data"])
-        data = load_data(ev["data"], tokenizer)
-        try:
-            sampler = make_sampler(data, run["batch_size"], run["seq_len"], seed=cfg.seed)
-        except ValueError as e:
-            raise ValueError(f"--eval-data={ev['data']}: {e}") from e
+        sampler = data_sampler("--eval-data", ev["data"], tokenizer, run, cfg.seed)
         return cls(sampler, ev["every"], ev["batches"], run["steps"])
 
     def due(self, step: int) -> bool:

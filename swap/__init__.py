@@ -7,10 +7,10 @@ from .buffers import ALIGN_BYTES, BufferPool, PoolExhaustedError, aligned_empty,
 from .engines import Block, IOEngine, LibaioEngine, ThreadsEngine, libaio_available, open_engine
 from .errors import SwapCorruptionError, SwapIOError
 from .rundir import RunDir, clean, list_runs
-from .store import SwapStore, Ticket
+from .store import SwapStore, Ticket, remove_run_dirs
 
 __all__ = [
     "ALIGN_BYTES", "Block", "BufferPool", "IOEngine", "LibaioEngine", "PoolExhaustedError", "RunDir",
     "SwapCorruptionError", "SwapIOError", "SwapStore", "ThreadsEngine", "Ticket", "aligned_empty",
-    "clean", "libaio_available", "list_runs", "open_engine", "round_up",
+    "clean", "libaio_available", "list_runs", "open_engine", "remove_run_dirs", "round_up",
 ]

@@ -208,7 +208,8 @@ class Ticket(Pending):
 # swap/rundir.py). What close() removes is the run directory with its owner.json; stores still open are
 # closed at interpreter exit (atexit: also after an uncaught exception or Ctrl-C's KeyboardInterrupt). The
 # store installs no signal handler: a SIGTERM keeps its default action and ends the process at once, even
-# inside a long C call, leaving a stale run directory (owner.json only) that `offload clean` removes.
+# inside a long C call, leaving a stale run directory (owner.json only) that `offload clean` removes; a
+# process that ends itself with os._exit (offload.watchdog) removes its run directories first (remove_run_dirs).
 # A forked child (a DataLoader worker) closes its copy of the parent's data files and forgets the stores,
 # so it neither holds their bytes after the parent ended nor removes the parent's run directories.
 _open_stores: "weakref.WeakSet[SwapStore]" = weakref.WeakSet()
@@ -227,6 +228,13 @@ os.register_at_fork(after_in_child=_forget_stores_in_child)
 def _close_all_at_exit() -> None:
     for store in list(_open_stores):
         store.close()
+
+
+def remove_run_dirs() -> None:
+    """Removes the run directory of every store this process holds open, leaving the stores as they are: for
+    a process about to end with os._exit (which runs no atexit), whose data files' bytes go with it."""
+    for store in list(_open_stores):
+        store._remove_files()
 
 
 class SwapStore:

@@ -1,6 +1,7 @@
 """The `offload train` command line: --help everywhere, one-line errors with exit code 2, --json last."""
 
 import argparse
+import gzip
 import json
 import os
 import subprocess
@@ -83,6 +84,34 @@ def test_bad_values_and_paths_are_one_line_errors(argv, message, tmp_path, capsy
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("offload train: error: ") and message in err
     assert not out.exists()  # nothing written for a run that never started
+
+
+def _gzip_damaged() -> bytes:
+    whole = bytearray(gzip.compress(b"hello world " * 1000, mtime=0))
+    whole[30] ^= 0xFF  # inside the deflate stream
+    whole[31] ^= 0xFF
+    return bytes(whole)
+
+
+@pytest.mark.parametrize("flag, name, content, message", [
+    ("--data", "a.txt", b"hello\nworld\nthird \xd0 line\n",
+     "--data: {path}:3: byte 7 of the line (0xd0) is not UTF-8 (invalid continuation byte); offload reads UTF-8"),
+    ("--eval-data", "a.jsonl", b'{"text": "ok"}\n{"text": "\xd0x"}\n', "--eval-data: {path}:2: byte 11 of the line"),
+    ("--data", "a.txt.gz", gzip.compress(b"fine\n\xff\n"), "--data: {path}:2: byte 1 of the line (0xff) is not UTF-8"),
+    ("--data", "a.txt.gz", b"garbage, not gzip\n", "--data: {path}: not a whole gzip file (Not a gzipped file"),
+    ("--eval-data", "a.jsonl.gz", gzip.compress(b'{"text": "ok"}\n' * 100)[:20],
+     "--eval-data: {path}: not a whole gzip file (Compressed file ended before the end-of-stream marker"),
+    ("--data", "a.txt.gz", _gzip_damaged(), "--data: {path}: not a whole gzip file (Error -3 while decompressing"),
+], ids=["latin1-txt", "latin1-eval-jsonl", "latin1-txt-gz", "not-gzip", "gzip-cut-short", "gzip-damaged"])
+def test_unreadable_data_files_say_flag_file_and_line(flag, name, content, message, tmp_path, capsys):
+    """Bytes that are not UTF-8 and damaged .gz files: the flag, the file, the line, what to do, in one line."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    assert main(["train", "--model", "tiny", "--nvme-path", str(tmp_path / "swap"), "--out", str(tmp_path / "run"),
+                 "--no-progress", "--steps", "1", flag, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("offload train: error: "), err
+    assert message.format(path=path) in err, err
 
 
 def test_directory_without_config_json(tmp_path, capsys):

@@ -49,6 +49,14 @@ def test_bad_data_files_name_path_and_line(tmp_path):
         BatchSampler(torch.zeros(10, dtype=torch.int16), 2, 64)
 
 
+def test_data_that_is_not_utf8_names_the_file_line_and_byte(tmp_path):
+    """The codec's own error gives a position in a read buffer; the file's line is what a person can find."""
+    records = tmp_path / "r.json"
+    records.write_bytes(b'[\n  {"text": "ok"},\n  {"text": "caf\xe9"}\n]\n')  # Latin-1
+    with pytest.raises(ValueError, match=r"r.json:3: byte 16 of the line \(0xe9\) is not UTF-8 .*iconv -f latin1"):
+        load_tokens(str(records))
+
+
 def test_sampler_is_deterministic_shaped_and_contiguous():
     tokens = torch.arange(10_000, dtype=torch.int16) % 257
     a = BatchSampler(tokens, 4, 32, seed=5)

@@ -256,5 +256,5 @@ def test_the_cli_refuses_other_data_files_in_one_line(tmp_path):
                            "--nvme-path", str(tmp_path / "swap"), "--out", str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1].startswith(f"offload train: error: {bad}: not a data file")
+    assert done.stderr.strip().splitlines()[-1].startswith(f"offload train: error: --data: {bad}: not a data file")
     assert '{"prompt","completion"}' in done.stderr

@@ -291,6 +291,36 @@ def test_lora_flags_refused_in_one_line(monkeypatch, capsys, tmp_path):
     assert len(err) == 1 and "pip install 'offload[lora]' (in a source checkout: pip install -e '.[lora]')" in err[0], err
 
 
+def test_lora_on_an_embedding_is_refused_with_what_the_command_line_can_do(model_dir, tmp_path, capsys):
+    """peft adapts embeddings too (lora_embedding_A/B), which offload neither initializes nor merges: refused before
+    anything is built, naming the module and what a command-line user can do instead."""
+    assert main(["train", "--model", str(model_dir), "--lora", "4", "--lora-targets", "embed_tokens,q_proj", "--steps",
+                 "1", "--seq-len", "16", "--nvme-path", str(tmp_path / "swap"), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "LoraWeights" not in err[0], err
+    assert ("--lora-targets=embed_tokens,q_proj: embed_tokens (Embedding) is not a linear layer, and offload trains "
+            "LoRA adapters of linear layers only; target linears of this model (q_proj, k_proj, v_proj, o_proj, "
+            "gate_proj, up_proj, down_proj, lm_head), or train every parameter, embed_tokens included, without "
+            "--lora") in err[0], err
+    assert not list((tmp_path / "swap").glob("offload-swap-*"))
+
+
+def test_lora_weights_refuse_an_adapter_they_do_not_initialize(model_dir):
+    """In Python, peft's embedding adapters through LoraWeights: an error about the adapter, not advice to use
+    LoraWeights."""
+    from offload.integrations.hf_io import SafetensorsWeights
+    from offload.lora import LoraWeights
+    from offload.models import build_model
+
+    model = peft.get_peft_model(build_model(str(model_dir), device="meta"),
+                                peft.LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
+    weights = LoraWeights(SafetensorsWeights(str(model_dir)), model, 0)
+    with pytest.raises(ValueError, match=r"'base_model.model.model.embed_tokens.lora_embedding_A.default'\]: an "
+                                         r"adapter LoraWeights has no initial value for: it initializes the lora_A"):
+        weights("base_model.model.model.embed_tokens.lora_embedding_A.default")
+    weights.close()
+
+
 def test_estimate_shows_the_frozen_and_trained_split(capsys):
     assert main(["estimate", "--model", "small", "--offload-param", "nvme", "--offload-optimizer", "none",
                  "--precision", "fp32", "--lora", "8", "--json"]) == 0

@@ -23,6 +23,9 @@ rank, mode = dist.get_rank(), sys.argv[1]
 if rank == 1:
     time.sleep(60)  # never enters the collective
     sys.exit(0)
+if len(sys.argv) > 2:
+    from offload.swap import SwapStore
+    store = SwapStore(sys.argv[2])  # open: its run directory exists until the process removes it
 signal.signal(signal.SIGTERM, lambda s, f: sys.exit(7))  # as offload train's handler: Python-level
 with SignalWatchdog(grace_s=2.0) if mode != "bare" else open(os.devnull):
     print("ready", flush=True)
@@ -33,17 +36,17 @@ with SignalWatchdog(grace_s=2.0) if mode != "bare" else open(os.devnull):
 """
 
 
-def _start(mode: str):
+def _start(mode: str, *swap_dir: str):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "PYTHONPATH": REPO}
-    return [subprocess.Popen([sys.executable, "-c", SCRIPT, mode], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for r in range(2)]
+    return [subprocess.Popen([sys.executable, "-c", SCRIPT, mode, *swap_dir], env={**env, "RANK": str(r)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
 
 
-def _sigterm_rank0(mode: str, wait_s: float):
-    procs = _start(mode)
+def _sigterm_rank0(mode: str, wait_s: float, *swap_dir: str):
+    procs = _start(mode, *swap_dir)
     try:
         assert procs[0].stdout.readline().strip() == "ready"
         time.sleep(1.0)  # inside the collective (or the loop)
@@ -68,6 +71,15 @@ def test_sigterm_ends_a_main_thread_blocked_in_a_collective_within_the_grace_per
     assert "SIGTERM" in err and "blocked in one call" in err and "exiting now with 143" in err, err
 
 
+def test_a_blocked_main_thread_ended_by_the_watchdog_leaves_no_swap_run_directory(tmp_path):
+    """os._exit runs no atexit: the watchdog removes the process's swap run directories itself."""
+    from offload.swap import list_runs
+
+    code, _, err = _sigterm_rank0("watched", 15, str(tmp_path / "nvme"))
+    assert code == 143, (code, err)
+    assert (tmp_path / "nvme").is_dir() and list_runs(tmp_path / "nvme") == [], list_runs(tmp_path / "nvme")
+
+
 def test_without_the_watchdog_python_holds_the_sigterm_until_the_call_returns():
     code, seconds, _ = _sigterm_rank0("bare", wait_s=5)
     assert code is None  # still blocked: what the watchdog is for
@@ -77,3 +89,100 @@ def test_a_main_thread_running_python_takes_the_signal_itself():
     code, seconds, err = _sigterm_rank0("busy", wait_s=15)
     assert code == 7, (code, err)  # its own handler's exit, not the watchdog's
     assert "blocked" not in err
+
+
+# [Note: a rank whose launcher is gone] in offload/watchdog.py: a launcher that starts its rank in a session of
+# its own, as torchrun does, then dies by SIGKILL.
+LAUNCHER = r"""
+import os, subprocess, sys, time
+cmd = [sys.executable, "-c", sys.argv[1], *sys.argv[3:]]
+if sys.argv[2] == "wrapper":  # a shell in between that stays (a command follows python's, so it does not exec)
+    cmd = ["sh", "-c", '"$@"; echo ended', "sh", *cmd]
+rank = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "TORCHELASTIC_RUN_ID": "test"})
+time.sleep(600)
+"""
+RANK = r"""
+import os, signal, sys, time
+from offload.swap import SwapStore
+from offload.watchdog import LauncherWatch
+mode, swap_dir = sys.argv[1], sys.argv[2]
+store = SwapStore(swap_dir)
+if mode == "handled":  # as offload train: SIGTERM raises, the with-blocks close the store
+    signal.signal(signal.SIGTERM, lambda s, f: sys.exit(143))
+if mode == "deaf":  # a handler that does not stop the process
+    signal.signal(signal.SIGTERM, lambda s, f: print("SIGTERM taken, ignored", file=sys.stderr, flush=True))
+with store, LauncherWatch(label="rank", poll_s=0.2, kill_after_s=2.0):
+    print(f"ready {os.getpid()}", file=sys.stderr, flush=True)
+    while True:
+        time.sleep(0.05)
+"""
+
+
+def _orphan(tmp_path, mode: str, between: str = "none") -> tuple[float, str]:
+    """Starts a launcher and its rank, kills the launcher with SIGKILL; (seconds until the rank ended, its stderr)."""
+    import psutil
+
+    err_path = tmp_path / "rank.err"
+    with open(err_path, "w") as err:
+        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, RANK, between, mode, str(tmp_path / "nvme")],
+                                    env={**os.environ, "PYTHONPATH": REPO}, stderr=err)
+    rank = None
+    try:
+        deadline = time.monotonic() + 60
+        while "ready" not in err_path.read_text():
+            assert launcher.poll() is None and time.monotonic() < deadline, err_path.read_text()
+            time.sleep(0.05)
+        rank = psutil.Process(int(err_path.read_text().split("ready ")[1].split()[0]))
+        launcher.kill()
+        launcher.wait()
+        t0 = time.monotonic()
+        while not _ended(rank) and time.monotonic() - t0 < 30:
+            time.sleep(0.05)
+        return time.monotonic() - t0, err_path.read_text()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        if rank is not None and not _ended(rank):
+            rank.kill()
+
+
+def _ended(process) -> bool:
+    """Whether a process that is not our child has ended (gone, or a zombie its new parent has not reaped)."""
+    import psutil
+
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize("mode,between", [("default", "none"), ("handled", "none"), ("handled", "wrapper")])
+def test_a_rank_whose_launcher_is_killed_stops_and_leaves_no_swap(tmp_path, mode, between):
+    """The rank stops within a second or two: at once where nothing handles SIGTERM (143, as its default action),
+    else through its handler (the store closed by its with-block); a shell in between does not hide the launcher."""
+    from offload.swap import list_runs
+
+    seconds, err = _orphan(tmp_path, mode, between)
+    assert seconds < 5, (seconds, err)
+    assert "rank: its launcher (pid" in err and "is gone" in err, err
+    assert ("exiting now with 143" in err) == (mode == "default"), err
+    assert list_runs(tmp_path / "nvme") == [], list_runs(tmp_path / "nvme")
+
+
+def test_a_rank_that_does_not_stop_on_its_sigterm_is_ended_kill_after_s_later(tmp_path):
+    from offload.swap import list_runs
+
+    seconds, err = _orphan(tmp_path, "deaf")
+    assert 2 <= seconds < 7, (seconds, err)
+    assert "SIGTERM taken, ignored" in err and "still running 2 s after that SIGTERM; exiting now with 137" in err, err
+    assert list_runs(tmp_path / "nvme") == []
+
+
+def test_outside_torchrun_the_launcher_is_not_watched(monkeypatch):
+    from offload.watchdog import LauncherWatch, launcher_chain
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert LauncherWatch().chain is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert LauncherWatch().chain == launcher_chain() and launcher_chain()[0] == os.getpid()

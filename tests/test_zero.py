@@ -501,3 +501,56 @@ def test_a_sigterm_that_reaches_one_rank_saves_every_rank_at_the_same_step(tmp_p
     manifest = json.load(open(ckpts / latest / "manifest.json"))
     assert manifest["world_size"] == 2 and sorted(manifest["files"]) == ["rank0.bin", "rank1.bin"]
     assert f"step{manifest['step_count']:08d}" == latest
+
+
+@pytest.mark.parametrize("checkpoints", [False, True])
+def test_ranks_whose_torchrun_is_killed_stop_and_leave_no_swap(tmp_path, checkpoints):
+    """kill -9 of torchrun's process group does not reach its ranks (each in a session of its own); each rank
+    notices its launcher is gone and stops as torchrun's SIGTERM would have stopped it (with --save-every: after
+    saving the same step), its swap removed: `offload clean --list` shows no run ([Note: a rank whose launcher
+    is gone] in offload/watchdog.py)."""
+    import psutil
+
+    from offload.swap import list_runs
+
+    nvme, ckpts = tmp_path / "nvme", tmp_path / "ckpts"
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2", "--master-port",
+           str(_free_port()), "-m", "offload", "train", "--model", "tiny", "--steps", "100000", "--batch-size", "2",
+           "--seq-len", "32", "--nvme-path", str(nvme), "--out", str(tmp_path / "run"), "--no-progress",
+           *(["--save-every", "100000", "--checkpoint-dir", str(ckpts)] if checkpoints else [])]
+    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO},
+                                start_new_session=True)
+    ranks = []
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while "steps x" not in (tmp_path / "stdout").read_text():  # rank 0's header: training has begun
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+            time.sleep(0.1)
+        ranks = psutil.Process(proc.pid).children()
+        assert len(ranks) == 2 and len(list_runs(nvme)) == 2
+        _kill_group(proc)  # the launcher alone: its ranks lead sessions of their own
+        t0 = time.monotonic()
+        while not all(_ended(r) for r in ranks) and time.monotonic() - t0 < 60:
+            time.sleep(0.1)
+        seconds = time.monotonic() - t0
+    finally:
+        for r in ranks:
+            if not _ended(r):
+                r.kill()
+    stderr = (tmp_path / "stderr").read_text()
+    assert seconds < 20, (seconds, stderr[-3000:])  # on 2 shared cores; most of it is the partial report's plot
+    assert stderr.count(f"its launcher (pid {proc.pid}) is gone") == 2, stderr[-3000:]
+    assert stderr.count("offload train: stopped by SIGTERM after step") == 2, stderr[-3000:]
+    assert stderr.count("SIGTERM: saved") == (2 if checkpoints else 0), stderr[-3000:]
+    assert list_runs(nvme) == [] and not list(nvme.iterdir())
+
+
+def _ended(process) -> bool:
+    """Whether a process that is not our child has ended (gone, or a zombie its new parent has not reaped)."""
+    import psutil
+
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
