@@ -120,10 +120,13 @@ class Engine(nn.Module):
             self.trace.begin_step()
         args, kwargs = self._cast_inputs(args, kwargs)
         try:
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
         except BaseException:
             self.pipeline.forward_failed(before)  # [Note: failure semantics] in offload.pipeline
             raise
+        if not self.placement.trainable_numel:  # a frozen model: no backward follows ([Note: phases])
+            self.pipeline.end_forward()
+        return out
 
     def _cast_inputs(self, args, kwargs):
         """Floating-point inputs take the compute dtype (as FSDP's MixedPrecision cast_forward_inputs)."""

@@ -52,11 +52,17 @@ MINIMUM = Knobs(prefetch_units=0, reuse_distance=0, reuse_bytes=0, read_ahead=Fa
 
 
 def pool_chunks(w_home: str, s_home: str, device_type: str, read_ahead: bool,
-                hbm_trained: bool | None = None) -> tuple[int, str]:
+                hbm_trained: bool | None = None, trains: bool = True) -> tuple[int, str]:
     """Chunks in the dram pool, and the formula. hbm_trained: whether a trained unit's weights live in hbm
-    (default: w_home is hbm); the resident rest (final norms) does whatever w_home is."""
+    (default: w_home is hbm); the resident rest (final norms) does whatever w_home is. trains: False for a
+    model with no trainable parameter (a frozen reference model): nothing is stepped, so no optimizer window."""
     # on the CPU backend an nvme fetch reads straight into the hbm copy (offload.residency): no pool chunk
     fetch = (READ_AHEAD if read_ahead else 1) if w_home == "nvme" and device_type != "cpu" else 0
+    terms = [f"{fetch} per nvme fetch"] if fetch else []
+    if not trains:  # nvme weights are still written (initial values, a checkpoint load): one chunk at a time
+        writes = int(w_home == "nvme")
+        return fetch + writes, " + ".join(terms + ["1 writing nvme weights (nothing trained: no optimizer "
+                                                   "window)"] * writes)
     # New weights go through a chunk where they cannot be written in place, and where nvme states are
     # checked after the step that read them (they stay out of a live dram copy until then).
     hbm_trained = w_home == "hbm" if hbm_trained is None else hbm_trained
@@ -65,7 +71,6 @@ def pool_chunks(w_home: str, s_home: str, device_type: str, read_ahead: bool,
     # nvme states: the window stepped and those read ahead; else only new weights pass through: the window
     # stepped and the one written behind
     windows = (1 + OPTIMIZER_READ_AHEAD if s_home == "nvme" else 2) if read_ahead else 1
-    terms = [f"{fetch} per nvme fetch"] if fetch else []
     if per_window:
         terms.append(f"{windows} optimizer windows x {per_window}")
     return fetch + windows * per_window, " + ".join(terms)
@@ -98,13 +103,15 @@ def runtime_parts(fetched_numels: list[int], trainable_numels: list[int], itemsi
 
     reserve = grad_reserve(trainable_numels, itemsize, knobs)
     if w_home != "hbm" and order is not None:
-        peak = working_set_peak(order, numels, trainables, itemsize, knobs, reserve)
+        trains = any(trainables)  # nothing trainable: forwards only (working_set_peak)
+        peak = working_set_peak(order, numels, trainables, itemsize, knobs, reserve, trains)
         add("fetched weights and gradients in flight", "hbm", peak,
             f"the peak over one step of the residency policy (scheduler/policy.py) replayed over the "
-            f"{len(order)} unit uses of a forward in the model's module order and back: {knobs.prefetch_units} "
-            f"prefetched, reuse_distance {knobs.reuse_distance}, reuse_bytes {knobs.reuse_bytes}, each unit's "
-            f"gradients ({itemsize} B/param) in flight until the largest {knobs.grad_units} fill the reserve")
-        return _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs, hbm_trained)
+            f"{len(order)} unit uses of a forward in the model's module order{' and back' if trains else ''}: "
+            f"{knobs.prefetch_units} prefetched, reuse_distance {knobs.reuse_distance}, reuse_bytes "
+            f"{knobs.reuse_bytes}, each unit's gradients ({itemsize} B/param) in flight until the largest "
+            f"{knobs.grad_units} fill the reserve")
+        return _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs, hbm_trained, any(trainable_numels))
     if w_home != "hbm":
         near = max(0, knobs.reuse_distance)
         k = 1 + knobs.prefetch_units + near
@@ -114,24 +121,25 @@ def runtime_parts(fetched_numels: list[int], trainable_numels: list[int], itemsi
         kept = min(knobs.reuse_bytes, sum(fetched_numels) * itemsize - window)
         add("weights kept for reuse", "hbm", max(0, kept), "reuse_bytes, at most the other fetched weights")
     add("gradients in flight", "hbm", reserve, f"the largest {knobs.grad_units} trainable units x {itemsize} B")
-    return _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs, hbm_trained)
+    return _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs, hbm_trained, any(trainable_numels))
 
 
-def _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs, hbm_trained) -> list[dict]:
-    count, formula = pool_chunks(w_home, s_home, device_type, knobs.read_ahead, hbm_trained)
+def _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs, hbm_trained, trains) -> list[dict]:
+    count, formula = pool_chunks(w_home, s_home, device_type, knobs.read_ahead, hbm_trained, trains)
     add("chunk pool", "dram", count * chunk_bytes, f"({formula}) chunks x chunk_bytes {chunk_bytes}")
-    if "nvme" in (w_home, s_home):
+    if w_home == "nvme" or (s_home == "nvme" and trains):
         add("swap run directory", "nvme", SWAP_SLACK_BYTES, "its owner file and the data file's allocation slack")
     return parts
 
 
 def working_set_peak(order: list[int], numels: list[int], trainables: list[int], itemsize: int, knobs: Knobs,
-                     reserve: int) -> int:
+                     reserve: int, with_backward: bool = True) -> int:
     """The largest hbm bytes of fetched weights plus gradients in flight in one step replayed after the
     step that recorded it: the residency policy over `order` (a forward) then its reverse (the backward),
     each unit's gradients charged after its last use in backward and held until the reserve (or the end
-    of backward) forces the oldest out, as the engine's back-pressure does when the d2h copies are slow."""
-    events = [(u, False) for u in order] + [(u, True) for u in reversed(order)]
+    of backward) forces the oldest out, as the engine's back-pressure does when the d2h copies are slow.
+    with_backward: False for a model with nothing trainable (a frozen reference model): forwards only."""
+    events = [(u, False) for u in order] + ([(u, True) for u in reversed(order)] if with_backward else [])
     last_bwd = {u: i for i, (u, b) in enumerate(events) if b}
     trace = ExecutionTrace(knobs.prefetch_units)
     nbytes = [n * itemsize for n in numels]
@@ -166,10 +174,11 @@ def free_holds(order: list[int], numels: list[int], trainables: list[int], items
     preset's tied embedding: bench/RESULTS.md, 2026-12-02 18:42). Largest first, each kept only if the
     peak with it and those before stays."""
     counts = collections.Counter(order)
-    peak, held = working_set_peak(order, numels, trainables, itemsize, knobs, reserve), frozenset()
+    backward = any(trainables)
+    peak, held = working_set_peak(order, numels, trainables, itemsize, knobs, reserve, backward), frozenset()
     for u in sorted((u for u, n in counts.items() if n > 1), key=lambda u: -numels[u]):
         trial = dataclasses.replace(knobs, held=held | {u})
-        if working_set_peak(order, numels, trainables, itemsize, trial, reserve) <= peak:
+        if working_set_peak(order, numels, trainables, itemsize, trial, reserve, backward) <= peak:
             held = trial.held
     return held
 

@@ -5,6 +5,8 @@
     idle -> stepping -> idle                     step() at the accumulation boundary
     forward -> forward                           several forwards before a backward (evaluation, or losses
                                                  summed over two forwards)
+    idle -> forward -> idle                      a model with nothing trainable (a frozen reference model):
+                                                 no backward follows, the forward is the whole step (end_forward)
     any -> failed                                an error after the optimizer began changing states
     any -> closed
 The pipeline owns what one step holds in flight: the gradient jobs on the d2h thread, each unit's
@@ -69,7 +71,7 @@ class Phase(enum.Enum):
 
 P = Phase
 TRANSITIONS = {
-    (P.IDLE, P.FORWARD), (P.FORWARD, P.FORWARD), (P.FORWARD, P.IDLE),   # FORWARD -> IDLE: rolled back
+    (P.IDLE, P.FORWARD), (P.FORWARD, P.FORWARD), (P.FORWARD, P.IDLE),   # FORWARD -> IDLE: rolled back, or frozen
     (P.FORWARD, P.BACKWARD), (P.IDLE, P.BACKWARD),  # IDLE: the loss of a forward run on engine.module itself
     (P.BACKWARD, P.IDLE),                           # done, or rolled back (the forward's graph is spent)
     (P.IDLE, P.STEPPING), (P.FORWARD, P.STEPPING), (P.STEPPING, P.IDLE),
@@ -158,6 +160,13 @@ class StepPipeline:
         if before is not P.BACKWARD:  # a forward inside backward (recomputation) belongs to the backward
             self._to(P.FORWARD)
         return before
+
+    def end_forward(self) -> None:
+        """The forward of a model with nothing trainable ends its step, as a backward ends a training one: what
+        it fetched is released and its order recorded, so the next forward prefetches along it."""
+        self.prefetch.release_all()
+        self.trace.end_step()
+        self._to(P.IDLE)
 
     def forward_failed(self, before: Phase) -> None:
         if before is P.BACKWARD:

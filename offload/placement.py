@@ -183,8 +183,10 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     p.knobs, p.notes = _fit(plan, p, cfg)
     p.parts, p.need = plan(p.knobs)
     p.grad_reserve = grad_reserve(trainable, itemsize, p.knobs)
-    p.pool_chunks = pool_chunks(fetch_home, s_home, device.type, p.knobs.read_ahead, hbm_trained)[0] + 2 * sharded
-    if cfg.reuse_bytes is None:  # derived from the room the rest leaves
+    p.pool_chunks = pool_chunks(fetch_home, s_home, device.type, p.knobs.read_ahead, hbm_trained,
+                                bool(trainable))[0] + 2 * sharded
+    # reuse_bytes derived from the room the rest leaves; with nothing trainable no backward uses them again
+    if cfg.reuse_bytes is None and trainable:
         p.knobs = replace(p.knobs, reuse_bytes=reuse_allowance(fetched, itemsize, p, device))
         p.parts, p.need = plan(p.knobs)
     if fetch_home != "hbm" and order is not None and not weight_owners and p.knobs.reuse_distance >= 0:
@@ -197,7 +199,7 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
         p.shared_sizes = frozenset(n for n, count in sizes.items() if count > 1)
         shared = [u.numel if u.numel * itemsize in p.shared_sizes and weight_home[u.index] != "hbm" else 0
                   for u in units]
-        p.fetched_peak = working_set_peak(order, shared, [0] * len(units), itemsize, p.knobs, 0)
+        p.fetched_peak = working_set_peak(order, shared, [0] * len(units), itemsize, p.knobs, 0, bool(trainable))
     if check:
         preflight(p, device, cfg, plan(MINIMUM)[1])
     return p

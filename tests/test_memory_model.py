@@ -15,6 +15,7 @@ import torch
 
 import offload
 from offload.models import build_model
+from offload.pipeline import Phase
 from offload.placement import engine_plan
 
 
@@ -76,6 +77,30 @@ def test_hf_model_directory_within_the_plan(tmp_path, monkeypatch):
         p = plan[f"{tier}_bytes"]
         assert 0.9 * p <= m <= p, (tier, m, p, placement.summary())
         print(f"hf {tier}: measured {m} of planned {p} ({m / p if p else 1:.1%})")
+
+
+@pytest.mark.parametrize("param,pool", [("nvme", 1), ("cpu", 0)])
+def test_a_frozen_model_streams_its_weights_within_the_plan(tmp_path, param, pool):
+    """A model with nothing trainable (TRL's DPO reference model) runs forwards only: each forward is its
+    step, so from the second on the units are prefetched along the recorded order and released at its end.
+    It holds its weights and nothing else: no states, no gradients, no optimizer window in the pool (one
+    chunk through which nvme weights are written, none with dram weights), and no reuse allowance (no
+    backward to keep weights for). The measured peaks lie within 10% below the plan."""
+    cfg = {"precision": "bf16", "offload_param": {"device": param}, "offload_optimizer": {"device": "nvme"},
+           "nvme_path": str(tmp_path), "units": {"min_numel": 4096}, "chunk_bytes": 64 << 10,
+           "budgets": {"hbm_bytes": 1 << 30, "dram_bytes": 1 << 30}}
+    model = build_model("tiny", seed=0).requires_grad_(False)
+    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with offload.initialize(model, cfg) as eng, torch.no_grad():
+        for _ in range(3):
+            eng(ids)
+            assert eng.phase is Phase.IDLE and eng.tiers.acct["hbm"].used_bytes == 4096  # the resident rest alone
+        st, placement = eng.stats()["tiers"], eng.placement
+    assert eng.staging.count == pool and not placement.state_home and placement.knobs.reuse_bytes == 0
+    assert "optimizer window" not in placement.summary().replace("no optimizer window", "")
+    for tier in ("hbm", "dram", "nvme"):
+        m, p = st[tier]["peak_bytes"], placement.need[tier]
+        assert 0.9 * p <= m <= p, (tier, m, p, placement.summary())
 
 
 def test_a_budget_below_the_default_shrinks_the_optional_parts_and_still_holds(tmp_path, capsys):

@@ -25,6 +25,9 @@ Each hook is a method Trainer documents for subclassing or calls at one place:
   so the route multiplies by it: the gradients are Trainer's.
 - _clip_grad_norm, _get_grad_norm: the engine clips in its step (gradient_clipping = max_grad_norm); the
   logged grad_norm is the engine's, known after that step (_maybe_log_save_evaluate).
+- create_accelerator_and_postprocess: a model other than the trained one that the trainer prepares for
+  evaluation (accelerator.prepare_model(m, evaluation_mode=True): TRL's DPO reference model) is frozen
+  and run on an engine of its own ([Note: frozen models beside the trained one]).
 - _save (save_model): HF weights from the engine's fp32 masters in the model's dtype, streamed; a PEFT
   model's adapter alone (adapter_config.json + adapter_model.safetensors, as the stock Trainer writes it),
   read from the trainable parameters' masters without touching the frozen base.
@@ -35,6 +38,21 @@ Each hook is a method Trainer documents for subclassing or calls at one place:
   weights there. resume_from_checkpoint: _load_from_checkpoint loads the engine checkpoint,
   _load_optimizer_and_scheduler the scheduler, and Trainer skips the batches already seen and restores
   its RNG. save_only_model=True keeps Trainer's weights-only checkpoints (they do not resume).
+
+[Note: another Trainer's subclass]
+A Trainer subclass (TRL's SFTTrainer, DPOTrainer) goes under the engine as `class X(OffloadTrainer,
+SFTTrainer)`: OffloadTrainer first, so its hooks override that trainer's, and its __init__ takes
+offload_config before the other's __init__ sees the rest (offload/integrations/trl.py). The other order
+is refused when the class is defined (__init_subclass__), where it would fail later on offload_config.
+
+[Note: frozen models beside the trained one]
+Trainers that keep a frozen model beside the trained one (TRL's DPO reference model) place it with
+accelerator.prepare_model(model, evaluation_mode=True), which would move it whole to the device. Here that
+call returns an engine of its own over it (Trainer's accelerator is ours: its prepare_model is replaced on
+that object, as route() replaces backward): the model's parameters are frozen, its weights placed as the
+trained model's (the same offload config) and streamed unit by unit for each forward, with no optimizer
+state, gradient or step; each forward is that engine's whole step (offload.pipeline, [Note: phases]). The
+trainer calls it as it called the model; close() closes it.
 """
 
 from __future__ import annotations
@@ -63,28 +81,75 @@ class OffloadTrainer(Trainer):
     the path of a .json/.yaml config, or a DeepSpeed JSON config (a path or a dict). Call close() at the
     end: it removes the swap files and frees pinned memory."""
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        before = [c for c in mro[1:mro.index(OffloadTrainer)] if issubclass(c, Trainer)
+                  and not issubclass(c, OffloadTrainer)]
+        if before:  # [Note: another Trainer's subclass]
+            bases = ", ".join(b.__name__ for b in cls.__bases__)
+            raise TypeError(f"class {cls.__name__}({bases}): OffloadTrainer must come before {before[0].__name__} "
+                            f"among the bases, so that its hooks override that trainer's; write class "
+                            f"{cls.__name__}(OffloadTrainer, {before[0].__name__})")
+
     def __init__(self, *args, offload_config=None, **kwargs):
         self.engine = None
+        self.frozen_engines = []  # [Note: frozen models beside the trained one]
+        self._offload_settings = common.settings(offload_config)
+        self._precision_said = False
         self._weights_in_engine_checkpoint = False  # True while _save_checkpoint writes an engine checkpoint
-        super().__init__(*args, **kwargs)
-        _refuse_unsupported(self)
-        if self.args.weight_decay > 0:
-            warnings.warn(f"OffloadTrainer: weight_decay={self.args.weight_decay} applies to every parameter, "
-                          "biases and norm weights included (Trainer's own optimizer exempts those; the engine "
-                          "has one weight decay)", stacklevel=2)
-        # save_model writes the dtype the model came in (the engine's placeholders have the compute dtype)
-        self.save_dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
-        cfg = common.with_owned(common.settings(offload_config), trainer_settings(self.args), owner="Trainer",
-                                lr_from="TrainingArguments' learning_rate, lr_scheduler_type and warmup")
-        import offload
+        try:
+            super().__init__(*args, **kwargs)
+            _refuse_unsupported(self)
+            if self.args.weight_decay > 0:
+                warnings.warn(f"OffloadTrainer: weight_decay={self.args.weight_decay} applies to every parameter, "
+                              "biases and norm weights included (Trainer's own optimizer exempts those; the engine "
+                              "has one weight decay)", stacklevel=2)
+            # save_model writes the dtype the model came in (the engine's placeholders have the compute dtype)
+            self.save_dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()),
+                                   torch.float32)
+            import offload
 
-        self.engine = offload.initialize(self.model, config=cfg)
+            self.engine = offload.initialize(self.model, config=self._engine_config())
+        except BaseException:
+            self.close()  # a frozen model's engine built before the error
+            raise
         self.model_wrapped = self.engine
 
+    def _engine_config(self):
+        """The Config of every engine this trainer builds (the trained model's and the frozen ones')."""
+        if not self._precision_said:  # before the first engine's own line (a frozen one's, under DPOTrainer)
+            self._precision_said = True
+            _warn_slow_precision(self.args)
+        return common.with_owned(self._offload_settings, trainer_settings(self.args), owner="Trainer",
+                                 lr_from="TrainingArguments' learning_rate, lr_scheduler_type and warmup")
+
     def close(self) -> None:
-        """Closes the engine: removes its swap files and frees its memory. The trainer trains no further."""
-        if self.engine is not None:
-            self.engine.close()
+        """Closes the engines (the trained model's and the frozen ones'): removes their swap files and frees
+        their memory. The trainer trains no further."""
+        for engine in [*self.frozen_engines, self.engine]:
+            if engine is not None:
+                engine.close()
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        prepare_model = self.accelerator.prepare_model
+
+        def prepare(model, device_placement=None, evaluation_mode=False):
+            if evaluation_mode and model is not self.model:  # [Note: frozen models beside the trained one]
+                return self._frozen_engine(model)
+            return prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+        self.accelerator.prepare_model = prepare
+
+    def _frozen_engine(self, model):
+        """`model` frozen (requires_grad=False) on an engine of its own, placed by this trainer's config."""
+        import offload
+
+        model.requires_grad_(False)
+        engine = offload.initialize(model, config=self._engine_config())
+        self.frozen_engines.append(engine)
+        return engine
 
     # -- the hooks (module note) -------------------------------------------------------------------------
     def _move_model_to_device(self, model, device):
@@ -211,6 +276,21 @@ def trainer_settings(args) -> dict:
         "gradient_clipping": (max(float(args.max_grad_norm or 0), 0.0), f"max_grad_norm={args.max_grad_norm}"),
         "precision": (precision, f"bf16={args.bf16}, fp16={args.fp16}"),
     }
+
+
+def _warn_slow_precision(args) -> None:
+    """bf16/fp16 of TrainingArguments where this device runs it slowly (TRL's SFTConfig and DPOConfig set
+    bf16=True by default): one warning that says so and which arguments choose what "auto" would."""
+    from offload.precision import resolve_precision
+
+    choice = resolve_precision(trainer_settings(args)["precision"][0])
+    if choice.slow:
+        use = {"fp32": f"{choice.name}=False", "bf16": "bf16=True, fp16=False",
+               "fp16": "fp16=True, bf16=False"}[choice.auto]
+        trl_default = choice.name == "bf16" and type(args).__module__.startswith("trl.")  # SFTConfig, DPOConfig
+        default = f" ({type(args).__name__}'s default)" if trl_default else ""
+        warnings.warn(f"OffloadTrainer: {choice.name}=True{default} is slow on this host: {choice.slow}; set {use} "
+                      f"to train in {choice.auto}, what precision \"auto\" picks here")
 
 
 def _name(value) -> str:

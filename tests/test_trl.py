@@ -1,0 +1,200 @@
+"""TRL's trainers on the offload engine (offload.integrations.trl): OffloadSFTTrainer's losses equal stock
+SFTTrainer's, full and LoRA; OffloadDPOTrainer's equal stock DPOTrainer's with the reference model on a
+frozen engine of its own (its memory measured: weights only), or, with LoRA, the policy with its adapters
+disabled; fp32, step by step, 1e-5 relative. Then what is refused and what is said."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+peft = pytest.importorskip("peft")
+if int(transformers.__version__.split(".")[0]) < 5:
+    pytest.skip("OffloadTrainer needs transformers 5", allow_module_level=True)
+
+from offload.integrations.transformers import OffloadTrainer  # noqa: E402
+from offload.integrations.trl import OffloadDPOTrainer, OffloadSFTTrainer  # noqa: E402
+
+STEPS, BATCH, GAS = 5, 2, 2
+PROMPTS = ["what is the capital of france ?", "hello there ,", "how are you ?", "name a colour :", "two plus two is"]
+GOOD = ["paris .", "hello to you .", "fine , thanks .", "blue .", "four ."]
+BAD = ["london .", "go away .", "what ?", "four .", "five ."]
+
+
+def tokenizer():
+    """A word-level tokenizer over the words above: built here, nothing downloaded."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = sorted({w for text in PROMPTS + GOOD + BAD for w in text.split()})
+    vocab = {w: i for i, w in enumerate(["<unk>", "<pad>", "</s>", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                                eos_token="</s>")
+
+
+TOKENIZER = tokenizer()
+
+
+def tiny_llama():
+    cfg = transformers.LlamaConfig(vocab_size=len(TOKENIZER), hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=64, pad_token_id=TOKENIZER.pad_token_id,
+                                   eos_token_id=TOKENIZER.eos_token_id)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def repeat(texts):
+    n = STEPS * BATCH * GAS
+    return [texts[i % len(texts)] for i in range(n)]
+
+
+def sft_data():
+    return datasets.Dataset.from_dict({"prompt": repeat(PROMPTS), "completion": repeat(GOOD)})
+
+
+def dpo_data():
+    return datasets.Dataset.from_dict({"prompt": repeat(PROMPTS), "chosen": repeat(GOOD), "rejected": repeat(BAD)})
+
+
+def nvme(tmp_path) -> dict:
+    return {"offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"},
+            "nvme_path": str(tmp_path / "swap"), "units": {"classes": ["LlamaDecoderLayer"]}}
+
+
+def config(cls, tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=GAS,
+                max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
+                disable_tqdm=True, train_sampling_strategy="sequential", dataloader_pin_memory=False,
+                bf16=False)  # fp32: the losses compare at 1e-5
+    return cls(**{**base, **kw})
+
+
+def lora():
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.fixture
+def closing():
+    """Closes every offload trainer a test made."""
+    made = []
+    yield made.append
+    for t in made:
+        t.close()
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_sft_losses_equal_stock_sft_trainer(tmp_path, closing, kind):
+    lr, extra = (1e-2, {"peft_config": lora()}) if kind == "lora" else (1e-3, {})
+    runs = {}
+    for cls in (trl.SFTTrainer, OffloadSFTTrainer):
+        more = {"offload_config": nvme(tmp_path)} if cls is OffloadSFTTrainer else {}
+        t = cls(model=tiny_llama(), args=config(trl.SFTConfig, tmp_path, learning_rate=lr), train_dataset=sft_data(),
+                processing_class=TOKENIZER, **extra, **more)
+        if cls is OffloadSFTTrainer:
+            closing(t)
+        t.train()
+        runs[cls] = losses(t)
+    assert len(runs[OffloadSFTTrainer]) == STEPS
+    assert runs[OffloadSFTTrainer] == pytest.approx(runs[trl.SFTTrainer], rel=1e-5)
+    assert runs[OffloadSFTTrainer][-1] < runs[OffloadSFTTrainer][0]  # it trained
+
+
+@pytest.mark.parametrize("reference", ["ref_model", "loaded from the model's directory", "precomputed"])
+def test_dpo_losses_equal_stock_dpo_trainer_with_the_reference_on_a_frozen_engine(tmp_path, closing, reference):
+    """The reference model runs on an engine of its own: its weights on nvme, streamed per unit for its
+    forward, no optimizer state, no gradient; they stay as they were."""
+    directory = tmp_path / "policy"
+    tiny_llama().save_pretrained(directory)
+    runs = {}
+    for cls in (trl.DPOTrainer, OffloadDPOTrainer):
+        more = {"offload_config": nvme(tmp_path)} if cls is OffloadDPOTrainer else {}
+        if reference == "loaded from the model's directory":
+            models = {"model": str(directory)}
+        else:
+            models = {"model": tiny_llama(), "ref_model": tiny_llama()}
+        args = config(trl.DPOConfig, tmp_path, precompute_ref_log_probs=reference == "precomputed")
+        t = cls(**models, args=args, train_dataset=dpo_data(), processing_class=TOKENIZER, **more)
+        if cls is OffloadDPOTrainer:
+            closing(t)
+        t.train()
+        runs[cls] = losses(t)
+    assert len(runs[OffloadDPOTrainer]) == STEPS
+    assert runs[OffloadDPOTrainer] == pytest.approx(runs[trl.DPOTrainer], rel=1e-5)
+    assert runs[OffloadDPOTrainer][-1] < runs[OffloadDPOTrainer][0]
+
+    (ref,) = t.frozen_engines
+    assert t.ref_model is ref and t.engine is not ref
+    initial = tiny_llama()
+    assert all(torch.equal(v, initial.state_dict()[n]) for n, v in ref.full_state_dict().items())  # as it came
+    plan, measured, policy = ref.placement, ref.stats()["tiers"], t.engine.stats()["tiers"]
+    layers = sum(p.numel() for p in initial.model.layers.parameters())
+    assert plan.trainable_numel == 0 and not plan.state_home
+    assert plan.frozen_numel == sum(p.numel() for p in initial.parameters())
+    assert layers * 4 <= measured["nvme"]["peak_bytes"] < layers * 4 * 1.1  # its fp32 weights on nvme, nothing else
+    assert measured["dram"]["peak_bytes"] == plan.chunk_bytes  # one chunk (writes its weights): no optimizer window
+    for tier in ("hbm", "dram", "nvme"):
+        assert measured[tier]["peak_bytes"] <= plan.need[tier], (tier, plan.summary())
+    assert policy["nvme"]["peak_bytes"] > 4 * measured["nvme"]["peak_bytes"]  # the policy's: weights + 16 B states
+    print("reference engine peaks:", {k: v["peak_bytes"] for k, v in measured.items()},
+          "policy engine:", {k: v["peak_bytes"] for k, v in policy.items()})
+
+
+def test_dpo_with_lora_uses_the_policy_with_its_adapters_disabled_as_the_reference(tmp_path, closing):
+    runs = {}
+    for cls in (trl.DPOTrainer, OffloadDPOTrainer):
+        more = {"offload_config": nvme(tmp_path)} if cls is OffloadDPOTrainer else {}
+        t = cls(model=tiny_llama(), args=config(trl.DPOConfig, tmp_path, learning_rate=1e-2), train_dataset=dpo_data(),
+                processing_class=TOKENIZER, peft_config=lora(), **more)
+        if cls is OffloadDPOTrainer:
+            closing(t)
+        t.train()
+        runs[cls] = losses(t)
+    assert runs[OffloadDPOTrainer] == pytest.approx(runs[trl.DPOTrainer], rel=1e-5)
+    assert runs[OffloadDPOTrainer][-1] < runs[OffloadDPOTrainer][0]
+    assert t.ref_model is None and t.frozen_engines == []  # no second model: nothing extra to place
+
+
+def test_offload_trainer_must_come_first_among_the_bases():
+    with pytest.raises(TypeError, match=r"class Reversed\(SFTTrainer, OffloadTrainer\): OffloadTrainer must come "
+                                        r"before SFTTrainer .*write class Reversed\(OffloadTrainer, SFTTrainer\)"):
+        class Reversed(trl.SFTTrainer, OffloadTrainer):
+            pass
+
+    class Mine(OffloadSFTTrainer):  # a subclass of a right one is right
+        pass
+
+
+@pytest.mark.parametrize("kw, ref, message", [
+    ({"sync_ref_model": True}, True, "sync_ref_model=True"),
+    ({"precompute_ref_log_probs": True}, False, "precompute_ref_log_probs=True without ref_model"),
+])
+def test_dpo_settings_the_engine_cannot_honour_are_refused(tmp_path, kw, ref, message):
+    with pytest.raises(ValueError, match=message):
+        OffloadDPOTrainer(model=tiny_llama(), ref_model=tiny_llama() if ref else None,
+                          args=config(trl.DPOConfig, tmp_path, **kw), train_dataset=dpo_data(),
+                          processing_class=TOKENIZER, offload_config=nvme(tmp_path))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's precision check")
+def test_trls_bf16_default_on_a_cpu_without_native_bf16_says_what_to_set(tmp_path, monkeypatch, closing):
+    from offload import precision
+
+    monkeypatch.setattr(precision, "cpu_bf16_native", lambda: False)
+    args = config(trl.SFTConfig, tmp_path, bf16=None, use_cpu=True)  # SFTConfig's default: bf16=True
+    assert args.bf16
+    with pytest.warns(UserWarning, match=r"OffloadTrainer: bf16=True \(SFTConfig's default\) "
+                                         r"is slow on this host: this CPU has no native bf16 .*; set bf16=False to "
+                                         r"train in fp32, what precision \"auto\" picks here"):
+        t = OffloadSFTTrainer(model=tiny_llama(), args=args, train_dataset=sft_data(), processing_class=TOKENIZER,
+                              offload_config=nvme(tmp_path))
+    closing(t)
+    assert t.engine.cfg.precision == "bf16"  # said, and honoured
