@@ -29,6 +29,7 @@ merge_and_unload), streamed unit by unit from the engine, names without peft's w
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 
 import torch
@@ -88,8 +89,9 @@ def target_names(targets) -> list[str] | None:
 
 
 def lora_targets(model: torch.nn.Module, info: dict, lora: dict) -> list[str]:
-    """The --lora-targets of a run: the names given, or all-linear; without them a preset's DEFAULT_TARGETS, a HF
-    model's peft default for its model_type (else an error saying what to pass)."""
+    """The --lora-targets of a run, checked against the model: the names given (each must name modules of the
+    model, as peft matches them: the whole path or its last parts), or all-linear; without them a preset's
+    DEFAULT_TARGETS, a HF model's peft default for its model_type (else an error saying what to pass)."""
     targets = lora["targets"]
     if info["kind"] == "preset":
         return list(DEFAULT_TARGETS) if targets is None else targets
@@ -101,6 +103,17 @@ def lora_targets(model: torch.nn.Module, info: dict, lora: dict) -> list[str]:
             raise ValueError(f"--lora: peft has no default targets for model_type={model_type!r}; pass --lora-targets "
                              f"with this model's linears ({', '.join(_linear_names(model))}) or {ALL_LINEAR}")
         return list(peft_defaults[model_type])
+    if targets == [ALL_LINEAR]:
+        return targets
+    paths = [path for path, _ in model.named_modules()]
+    for t in targets:
+        if not any(path == t or path.endswith("." + t) for path in paths):
+            linears = _linear_names(model)
+            near = difflib.get_close_matches(t, linears, n=3) or difflib.get_close_matches(
+                t, sorted({p.rsplit(".", 1)[-1] for p in paths}), n=3)
+            raise ValueError(f"--lora-targets={','.join(targets)}: {t} names no module of the model (model_type "
+                             f"{model_type})" + (f"; nearest: {', '.join(near)}" if near else "")
+                             + f"; its linears: {', '.join(linears)}; or pass {ALL_LINEAR}")
     return targets
 
 

@@ -257,6 +257,24 @@ def test_estimate_shows_the_frozen_and_trained_split(capsys):
     assert plan["hbm_bytes"] < full["engine_plan"]["hbm_bytes"]
 
 
+def test_a_lora_target_that_names_no_module_is_refused_with_the_nearest_names(model_dir, tmp_path, capsys):
+    """Issue 41 item 4: q_prj,v_proj trained v_proj alone and said "on q_prj,v_proj"; now a target that names no
+    module of the model is one line naming it and the nearest names, before anything is built or trained
+    (offload estimate alike: tests/test_estimate.py)."""
+    base = ["--model", str(model_dir), "--lora", "8", "--steps", "1", "--batch-size", "2", "--seq-len", "16",
+            "--nvme-path", str(tmp_path / "swap")]
+    assert main(["train", *base, "--lora-targets", "q_prj,v_proj", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--lora-targets=q_prj,v_proj: q_prj names no module of the model" in err[0], err
+    assert "; nearest: q_proj," in err[0] and "or pass all-linear" in err[0]
+    assert not (tmp_path / "r").exists() and not (tmp_path / "swap").exists()
+    assert main(["train", *base, "--lora-targets", "q_proj,v_proj", "--out", str(tmp_path / "ok"),
+                 "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "parameters: 3,584 trained" in captured.err  # 2 layers x 8 x ((64 + 64) + (64 + 32))
+    assert "LoRA r 8 alpha 16 on q_proj,v_proj" in captured.out
+
+
 @pytest.mark.parametrize("model", ["tiny", "hf"])
 def test_all_linear_adapts_every_linear_but_the_output_head(model_dir, tmp_path, capsys, model):
     model = str(model_dir) if model == "hf" else model
