@@ -1,4 +1,5 @@
-"""Memory estimate per rank and tier: the ZeRO ledger plus the runtime's own buffers. Pure functions.
+"""Memory estimate per rank and tier: the ZeRO ledger plus the runtime's own buffers. Pure functions, but
+for what is estimated: a model is counted as built on the meta device (meta_model, shape_of_model).
 
 [Note: the ledger]
 Mixed precision with Adam, per parameter (Rajbhandari et al., ZeRO, 2020): 2 B bf16/fp16 weight,
@@ -19,19 +20,18 @@ sequence and are added only when given (activation_bytes).
 
 [Note: a quantized base]
 With LoRA on a quantized base (`--quantize nf4|int8`, as bitsandbytes loads it through transformers) every
-nn.Linear of the decoder layers is stored as offload.quantized's record, the packed weight and its
-quantization state (nf4: double quantization, blocksize 64, about 4.13 bits a parameter; int8: 1 byte a
-parameter and a fp32 scale per row), and that record is what every tier holds and every fetch moves
-(offload.quantized.record_bytes gives its bytes). The embedding, the lm_head (transformers' bitsandbytes
-integration leaves the output head unquantized), the norms, the biases and the adapters stay at the compute
-dtype. The weights term and the fetched units' working set count those bytes; the frozen base has no
-gradient and no optimizer state either way.
+nn.Linear but the output head (offload.quantized.quantizable_linears) is stored as offload.quantized's record,
+the packed weight and its quantization state (nf4: double quantization, blocksize 64, about 4.13 bits a
+parameter; int8: 1 byte a parameter and a fp32 scale per row), and that record is what every tier holds and
+every fetch moves (offload.quantized.record_bytes gives its bytes). The embedding, the lm_head (transformers'
+bitsandbytes integration leaves the output head unquantized), the norms, the biases and the adapters stay at
+the compute dtype. The weights term and the fetched units' working set count those bytes; the frozen base has
+no gradient and no optimizer state either way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 
@@ -124,7 +124,7 @@ def _fetch_bytes(parts: list[dict], n_fetched: int, unit_bytes: int, knobs: Knob
         if part["name"] == "fetched weights":
             part["bytes"] = n_fetched * unit_bytes
             part["formula"] = (f"the largest {n_fetched} units x the largest unit's bytes as fetched, {unit_bytes:,} B "
-                               f"(a decoder layer's linears as their quantized records; 1 in use + "
+                               f"(its linears as their quantized records; 1 in use + "
                                f"{knobs.prefetch_units} prefetched + {knobs.reuse_distance} kept by reuse_distance)")
 
 
@@ -137,7 +137,7 @@ class ModelShape:
     source: str               # how params and the unit size were obtained, for the report
     trainable: int | None = None               # parameters trained when not all are (LoRA); the rest frozen
     trainable_unit_numel: int | None = None    # of those, in the largest unit
-    quantized: QuantizedBase | None = None     # the frozen base's decoder-layer linears stored quantized
+    quantized: QuantizedBase | None = None     # the frozen base's linears stored quantized
 
 
 QUANTIZE_KINDS = {"nf4": "nf4 with double quantization, blocksize 64", "int8": "int8 with a fp32 scale per row"}
@@ -145,15 +145,12 @@ QUANTIZE_KINDS = {"nf4": "nf4 with double quantization, blocksize 64", "int8": "
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedBase:
-    """A frozen base whose decoder-layer linears are stored quantized ([Note: a quantized base]): their
-    parameters and record bytes, and what the largest unit fetches; every other parameter at the compute dtype."""
+    """A frozen base whose linears are stored quantized ([Note: a quantized base]): their parameters and record
+    bytes, and per unit what it fetches; every other parameter at the compute dtype."""
     kind: str                     # nf4 or int8
-    numel: int                    # parameters stored quantized: every decoder layer's linears
+    numel: int                    # parameters stored quantized: the linears bitsandbytes quantizes
     nbytes: int                   # their records' bytes (offload.quantized.record_bytes)
-    layer_numel: int              # one decoder layer's parameters, its adapters included
-    layer_quantized_numel: int    # of those, in its linears
-    layer_quantized_bytes: int    # the linears' records' bytes
-    other_unit_numel: int         # the largest unit that is not a decoder layer (the embedding, an untied head)
+    units: tuple[tuple[int, int, int], ...]   # per unit: (parameters, of those quantized, their records' bytes)
 
     @property
     def bits_per_param(self) -> float:
@@ -164,9 +161,8 @@ class QuantizedBase:
         return self.nbytes + (params - self.numel) * itemsize
 
     def unit_bytes(self, itemsize: int) -> int:
-        """Bytes of the largest unit as fetched: a decoder layer (records + the rest) or the embedding."""
-        layer = self.layer_quantized_bytes + (self.layer_numel - self.layer_quantized_numel) * itemsize
-        return max(layer, self.other_unit_numel * itemsize)
+        """Bytes of the largest unit as fetched: its records and its other parameters at the compute dtype."""
+        return max(qbytes + (numel - qnumel) * itemsize for numel, qnumel, qbytes in self.units)
 
 
 def parse_count(text: str) -> int:
@@ -181,140 +177,83 @@ def parse_count(text: str) -> int:
     return int(round(value))
 
 
-def _need(config: dict, key: str, where: str) -> int:
-    if config.get(key) is None:
-        raise ValueError(f"{where}: missing {key!r}; a Llama-style config.json has it")
-    return int(config[key])
+def meta_model(model: str):
+    """(--model built on the meta device, where it came from): a preset of offload.models, or the model
+    AutoModelForCausalLM builds from a config.json or a directory holding one (any architecture it knows:
+    the counts are the built model's, no formula per architecture)."""
+    from offload.models import PRESETS, build_model, hf_causal_lm   # local: the ledger itself needs no torch
 
-
-ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
-
-
-def llama_linear_shapes(config: dict, where: str = "config") -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) of each nn.Linear of one Llama decoder layer, by transformers' names
-    (GQA: k, v have num_key_value_heads x head_dim rows)."""
-    d, ff, heads = (_need(config, k, where) for k in ("hidden_size", "intermediate_size", "num_attention_heads"))
-    head_dim = int(config.get("head_dim") or d // heads)
-    q, kv = heads * head_dim, int(config.get("num_key_value_heads") or heads) * head_dim
-    return {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q),
-            "gate_proj": (ff, d), "up_proj": (ff, d), "down_proj": (d, ff)}
-
-
-def llama_layer_numel(config: dict, where: str = "config") -> int:
-    """Parameters of one Llama decoder layer: its linears (biases if attention_bias, mlp_bias), two RMSNorms."""
-    shapes = llama_linear_shapes(config, where)
-    biases = ((sum(shapes[n][0] for n in ATTENTION_LINEARS) if config.get("attention_bias") else 0)
-              + (sum(shapes[n][0] for n in MLP_LINEARS) if config.get("mlp_bias") else 0))
-    return sum(o * i for o, i in shapes.values()) + biases + 2 * _need(config, "hidden_size", where)
-
-
-def llama_param_count(config: dict, where: str = "config") -> tuple[int, int]:
-    """(total parameters, largest unit numel) of a Llama-style HF config, exactly as transformers builds it.
-
-    Embedding, untied lm_head, per layer q/k/v/o (GQA: k, v have num_key_value_heads x head_dim rows;
-    biases if attention_bias), gate/up/down (biases if mlp_bias), two RMSNorms; the final RMSNorm.
-    """
-    vocab, d = _need(config, "vocab_size", where), _need(config, "hidden_size", where)
-    _need(config, "intermediate_size", where)
-    layers = _need(config, "num_hidden_layers", where)
-    block = llama_layer_numel(config, where)
-    embed = vocab * d
-    head = 0 if config.get("tie_word_embeddings", False) else embed
-    return embed + layers * block + d + head, max(block, embed)
+    if os.path.isdir(model) or model.endswith(".json") or os.sep in model:
+        path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+        built = hf_causal_lm(path, device="meta")
+        return built, f"{path} (model_type {built.config.model_type})"
+    if model not in PRESETS:
+        raise ValueError(f"--model={model}: no such file, directory or preset ({', '.join(PRESETS)}); "
+                         f"pass a config.json, a HF model directory or a preset name")
+    return build_model(model, device="meta"), f"preset {model!r}"
 
 
 def model_shape(model: str) -> ModelShape:
     """--model: a config.json file, a directory holding one, or a preset name of offload.models."""
-    if os.path.isdir(model) or model.endswith(".json") or os.sep in model:
-        path = os.path.join(model, "config.json") if os.path.isdir(model) else model
-        with open(path) as f:    # OSError (missing file) names the path
-            try:
-                config = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); pass a HF config.json") from e
-        kind = config.get("model_type")
-        if kind not in ("llama", "mistral"):
-            raise ValueError(f"model_type={kind!r} in {path}: only Llama-style configs (llama, mistral) are "
-                             f"counted; pass --params N instead")
-        params, unit = llama_param_count(config, path)
-        return ModelShape(params, unit, f"{path} (model_type {kind})")
-    from offload.models import PRESETS   # local import: the estimator itself needs no torch
-    if model not in PRESETS:
-        raise ValueError(f"--model={model}: no such file, directory or preset ({', '.join(PRESETS)}); "
-                         f"pass a config.json, a HF model directory or a preset name")
-    cfg = PRESETS[model]
-    embed = cfg.vocab_size * cfg.d_model
-    return ModelShape(cfg.num_params(), max(cfg.block_numel(), embed), f"preset {model!r}")
+    return shape_of_model(*meta_model(model))
 
 
-def _config_of(model: str) -> dict:
-    """The HF config of --model: a config.json, a directory holding one, or a preset (as it exports)."""
-    from offload.models import PRESETS, hf_llama_config
+def shape_of_model(model, source: str | None = None, min_numel: int | None = None) -> ModelShape:
+    """ModelShape of a built nn.Module (meta device is fine), as the runtime splits it into units
+    (offload.units.partition at units.min_numel): its parameters, counted once (tied ones too), its largest
+    unit, and when some are frozen (a LoRA model) the trained ones and those of the unit holding the most."""
+    from offload.config import Config
+    from offload.units import partition
 
-    if model in PRESETS and not os.path.exists(model):
-        return hf_llama_config(PRESETS[model])
-    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
-    with open(path) as f:
-        return json.load(f)
-
-
-def lora_layer_numel(config: dict, r: int, targets) -> int:
-    """Parameters LoRA of rank r adds to one Llama decoder layer: r x (in + out) per targeted linear."""
-    shapes = llama_linear_shapes(config)
-    unknown = [t for t in targets if t not in shapes]
-    if unknown:
-        raise ValueError(f"--lora-targets={','.join(targets)}: {', '.join(unknown)} is not a Llama linear; use "
-                         f"{', '.join(shapes)}")
-    return sum(r * sum(shapes[t]) for t in targets)
+    units = partition(model, Config().units.min_numel if min_numel is None else min_numel)
+    params = sum(s.numel for u in units for s in u.slots)
+    trainable = sum(s.numel for u in units for s in u.slots if s.trainable)
+    frozen = trainable < params
+    return ModelShape(params, max(sum(s.numel for s in u.slots) for u in units), source or type(model).__name__,
+                      trainable=trainable if frozen else None,
+                      trainable_unit_numel=max(sum(s.numel for s in u.slots if s.trainable) for u in units)
+                      if frozen else None)
 
 
-def with_lora(shape: ModelShape, model: str, r: int, targets) -> ModelShape:
-    """The shape of --model with LoRA adapters of rank r on `targets` in every decoder layer: its parameters
-    frozen, the adapters trained (the largest unit counted with one layer's adapters, an upper bound)."""
+def with_lora(model, r: int, targets) -> tuple[object, str]:
+    """(the peft LoRA model of rank r around `model` on the meta device, its line for the source), as
+    `offload train --lora r` wraps it: the model's parameters frozen, the adapters trained; targets None:
+    the model's default."""
+    from offload.lora import apply_lora, lora_targets
+    from offload.models import LlamaLM
+
+    info = {"kind": "preset" if isinstance(model, LlamaLM) else "hf"}
     if r < 1:
         raise ValueError(f"--lora={r}: the LoRA rank must be a positive integer")
-    config = _config_of(model)
-    per_layer = lora_layer_numel(config, r, targets)
-    trainable = per_layer * int(config["num_hidden_layers"])
-    return dataclasses.replace(shape, params=shape.params + trainable, trainable=trainable,
-                               largest_unit_numel=shape.largest_unit_numel + per_layer,
-                               trainable_unit_numel=per_layer,
-                               source=f"{shape.source} with LoRA r {r} on {','.join(targets)}")
+    lora = {"r": r, "alpha": 2.0 * r, "targets": targets, "dropout": 0.0}
+    lora["targets"] = lora_targets(model, info, lora)
+    return apply_lora(model, info, lora), f"with LoRA r {r} on {','.join(lora['targets'])}"
 
 
-def with_quantized_base(shape: ModelShape, model: str, kind: str) -> ModelShape:
-    """The shape of --model (with LoRA: with_lora first) whose frozen base has every decoder layer's linears
-    stored as `kind` ([Note: a quantized base]); the parameter counts are unchanged, their bytes are not."""
+def quantized_weights(model, kind: str) -> dict:
+    """{parameter: its record's bytes} of the weights bitsandbytes stores as `kind` when `--quantize kind` loads
+    `model` (offload.quantized.quantizable_linears: every linear but the output head)."""
+    _check_choice("--quantize", kind, tuple(QUANTIZE_KINDS))
+    from offload.quantized import quantizable_linears, record_bytes   # local import: it needs torch
+
+    return {m.weight: record_bytes(kind, tuple(m.weight.shape)) for _, m in quantizable_linears(model)}
+
+
+def with_quantized_base(shape: ModelShape, model, kind: str, records: dict) -> ModelShape:
+    """The shape of `model` (built on meta, LoRA-wrapped: the base is frozen) whose weights in `records`
+    (quantized_weights, taken before the LoRA wrapping) are stored as `kind` ([Note: a quantized base]);
+    the parameter counts are unchanged, their bytes are not."""
     _check_choice("--quantize", kind, tuple(QUANTIZE_KINDS))
     if shape.trainable is None:
         raise ValueError(f"--quantize={kind}: a quantized base is frozen, it is trained through adapters; "
                          f"add --lora R")
-    from offload.quantized import record_bytes   # local import: it needs torch, the estimator does not
+    from offload.config import Config
+    from offload.units import partition
 
-    config = _config_of(model)
-    shapes = list(llama_linear_shapes(config).values())
-    layers = int(config["num_hidden_layers"])
-    layer_numel = sum(o * i for o, i in shapes)
-    layer_bytes = sum(record_bytes(kind, s) for s in shapes)
-    base = QuantizedBase(kind, layers * layer_numel, layers * layer_bytes,
-                         llama_layer_numel(config) + (shape.trainable_unit_numel or 0), layer_numel, layer_bytes,
-                         int(config["vocab_size"]) * int(config["hidden_size"]))
+    units = tuple((sum(s.numel for s in u.slots), sum(s.numel for s in u.slots if s.param in records),
+                   sum(records.get(s.param, 0) for s in u.slots)) for u in partition(model, Config().units.min_numel))
+    base = QuantizedBase(kind, sum(u[1] for u in units), sum(u[2] for u in units), units)
     return dataclasses.replace(shape, quantized=base, source=f"{shape.source}, the base's linears {kind}")
-
-
-def shape_of_model(model, units=None) -> ModelShape:
-    """ModelShape of a built nn.Module (meta device is fine): its parameters, counted once, and its largest
-    unit. units: the modules the runtime treats as units; default: each module of `model.layers` and
-    every other top-level child that owns parameters."""
-    params = sum(p.numel() for p in model.parameters())
-    if units is None:     # ours: model.layers; transformers': model.model.layers
-        holder = model if hasattr(model, "layers") else getattr(model, "model", model)
-        layers = getattr(holder, "layers", None)
-        others = [m for m in (*holder.children(), *model.children()) if m is not holder and m is not layers]
-        units = [*(layers or []), *others]
-    largest = max((sum(p.numel() for p in u.parameters()) for u in units), default=params)
-    return ModelShape(params, largest, type(model).__name__)
 
 
 def estimate(shape: ModelShape, dp: int = 1, stage: int = 0, offload_param: str = "none",
@@ -396,7 +335,7 @@ def frozen_base_line(result: dict) -> str:
         return (f"frozen base: {format_count(fb['params'])} parameters at {result['precision']}: "
                 f"{format_bytes(fb['bytes'])}")
     return (f"frozen base: {format_count(fb['params'])} parameters, {format_count(fb['quantized_params'])} of them "
-            f"(the decoder layers' linears) {q} ({fb['bits_per_quantized_param']:.3g} bits a parameter with their "
+            f"(its linears but the output head) {q} ({fb['bits_per_quantized_param']:.3g} bits a parameter with their "
             f"quantization state; {QUANTIZE_KINDS[q]}): {format_bytes(fb['quantized_bytes'])}, the other "
             f"{format_count(fb['other_params'])} (embedding, lm_head, norms) at {result['precision']}: "
             f"{format_bytes(fb['other_bytes'])}; {format_bytes(fb['bytes'])} in all")

@@ -37,13 +37,15 @@ from_pretrained's base dequantized in its own dtype, bit for bit.
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 
 import torch
 
 from offload.models import _HF_NAMES, hf_name
 
-DEFAULT_TARGETS = ("q_proj", "v_proj")
+DEFAULT_TARGETS = ("q_proj", "v_proj")  # a preset's (peft's default for Llama)
+ALL_LINEAR = "all-linear"               # peft's shorthand: every linear but the output head
 # The model card of a preset's adapter (peft writes one for a HF directory's, naming the base's path there).
 PRESET_CARD = """---
 base_model: {base}
@@ -89,48 +91,88 @@ def lora_settings(args) -> dict | None:
     dropout = 0.0 if args.lora_dropout is None else args.lora_dropout
     if not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
         raise ValueError(f"--lora-dropout={dropout}: must be a probability in [0, 1)")
-    targets = args.lora_targets if args.lora_targets is not None else ",".join(DEFAULT_TARGETS)
+    return {"r": r, "alpha": float(alpha), "targets": target_names(args.lora_targets), "dropout": float(dropout)}
+
+
+def target_names(targets) -> list[str] | None:
+    """--lora-targets as a list of names (all-linear as peft spells it); None when not given: the model's default
+    (lora_targets)."""
+    if targets is None:
+        return None
     names = [t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
+    names = [ALL_LINEAR if n.lower() == ALL_LINEAR else n for n in names]
     if not names:
         raise ValueError(f"--lora-targets={targets!r}: no module name; pass e.g. q_proj,v_proj")
-    return {"r": r, "alpha": float(alpha), "targets": names, "dropout": float(dropout)}
+    if len(names) > 1 and ALL_LINEAR in names:
+        raise ValueError(f"--lora-targets={targets}: {ALL_LINEAR} stands alone (every linear but the output head); "
+                         f"pass it alone or name the linears")
+    return names
+
+
+def lora_targets(model: torch.nn.Module, info: dict, lora: dict) -> list[str]:
+    """The --lora-targets of a run, checked against the model: the names given (each must name modules of the
+    model, as peft matches them: the whole path or its last parts), or all-linear; without them a preset's
+    DEFAULT_TARGETS, a HF model's peft default for its model_type (else an error saying what to pass)."""
+    targets = lora["targets"]
+    if info["kind"] == "preset":
+        return list(DEFAULT_TARGETS) if targets is None else targets
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if targets is None:
+        from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as peft_defaults
+
+        if model_type not in peft_defaults:
+            raise ValueError(f"--lora: peft has no default targets for model_type={model_type!r}; pass --lora-targets "
+                             f"with this model's linears ({', '.join(_linear_names(model))}) or {ALL_LINEAR}")
+        return list(peft_defaults[model_type])
+    if targets == [ALL_LINEAR]:
+        return targets
+    paths = [path for path, _ in model.named_modules()]
+    for t in targets:
+        if not any(path == t or path.endswith("." + t) for path in paths):
+            linears = _linear_names(model)
+            near = difflib.get_close_matches(t, linears, n=3) or difflib.get_close_matches(
+                t, sorted({p.rsplit(".", 1)[-1] for p in paths}), n=3)
+            raise ValueError(f"--lora-targets={','.join(targets)}: {t} names no module of the model (model_type "
+                             f"{model_type})" + (f"; nearest: {', '.join(near)}" if near else "")
+                             + f"; its linears: {', '.join(linears)}; or pass {ALL_LINEAR}")
+    return targets
+
+
+def _linear_names(model: torch.nn.Module) -> list[str]:
+    """The last parts of the names of the model's linear layers (nn.Linear, transformers' Conv1D), sorted."""
+    return sorted({path.rsplit(".", 1)[-1] for path, m in model.named_modules()
+                   if path and (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")})
 
 
 def apply_lora(model: torch.nn.Module, info: dict, lora: dict) -> torch.nn.Module:
     """The peft LoRA model around `model` (still on the meta device); the base's parameters frozen. Targets that
     are not linear layers (an embedding, which peft adapts too) are refused."""
     peft = peft_module()
-    targets = lora["targets"]
+    given = targets = lora_targets(model, info, lora)
     if info["kind"] == "preset":
+        targets = list(PRESET_TARGETS) if targets == [ALL_LINEAR] else targets
         unknown = [t for t in targets if t not in PRESET_TARGETS]
         if unknown:
             raise ValueError(f"--lora-targets={','.join(targets)}: {', '.join(unknown)} is not a linear of the "
                              f"preset; use transformers' Llama names: {', '.join(PRESET_TARGETS)}")
         targets = [PRESET_TARGETS[t] for t in targets]
-    config = peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules=targets,
-                             lora_dropout=lora["dropout"], bias="none")
-    linears = linear_names(model)
+    config = peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"], bias="none",
+                             target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets)
     try:
         wrapped = peft.get_peft_model(model, config)
-    except ValueError as e:  # peft: no module matches the targets
-        why = str(e).rstrip(".")
-        raise ValueError(f"--lora-targets={','.join(lora['targets'])}: {why}; name linears of the model "
-                         f"(Llama: {', '.join(PRESET_TARGETS)})") from e
+    except ValueError as e:  # peft: a target it cannot adapt (a convolution, an unknown layer)
+        why = str(e).splitlines()[0].rstrip(".")
+        raise ValueError(f"--lora-targets={','.join(given)}: {why}; name linears of the model "
+                         f"({', '.join(_linear_names(model))})") from e
     other = {path.rsplit(".", 1)[-1]: type(layer.get_base_layer()).__name__ for path, layer in _lora_layers(wrapped)
-             if not isinstance(layer.get_base_layer(), torch.nn.Linear)}
+             if isinstance(layer.get_base_layer(), (torch.nn.Embedding, torch.nn.modules.conv._ConvNd))}
     if other:  # peft adapts embeddings too, but their adapters are not lora_A / lora_B: see adapter_init, merged_items
-        raise ValueError(f"--lora-targets={','.join(lora['targets'])}: "
+        raise ValueError(f"--lora-targets={','.join(given)}: "
                          + ", ".join(f"{name} ({kind})" for name, kind in other.items())
                          + " is not a linear layer, and offload trains LoRA adapters of linear layers only; target "
-                         f"linears of this model ({', '.join(linears)}), or train every parameter, "
+                         f"linears of this model ({', '.join(_linear_names(model))}), or train every parameter, "
                          f"{', '.join(other)} included, without --lora")
     return wrapped
-
-
-def linear_names(model: torch.nn.Module) -> list[str]:
-    """The last parts of the names of `model`'s linear layers, each once, in module order (q_proj, ...)."""
-    names = [path.rsplit(".", 1)[-1] for path, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    return list(dict.fromkeys(names))
 
 
 def base_name(name: str) -> str:
@@ -138,7 +180,9 @@ def base_name(name: str) -> str:
     self_attn.q_proj.base_layer.weight' -> 'model.layers.0.self_attn.q_proj.weight'."""
     if name.startswith(PEFT_PREFIX):
         name = name[len(PEFT_PREFIX):]
-    return name.replace(BASE_INFIX, ".")
+    while BASE_INFIX in name:  # nested: an adapter on a parameter of a layer with one on another parameter
+        name = name.replace(BASE_INFIX, ".")
+    return name
 
 
 def _lora_layers(model: torch.nn.Module):
@@ -203,13 +247,15 @@ class LoraWeights:
 # --- saving ----------------------------------------------------------------------------------------------
 
 
-def merged_items(items, scale: float, dtype: torch.dtype | None = None):
+def merged_items(items, scale: float, dtype: torch.dtype | None = None, transposed=()):
     """(base model name, tensor) for every tensor of the merged model, from (peft name, tensor) pairs (the
     engine's state_items(), or a checkpoint's weights): a LoRA layer's weight W + scale B @ A (peft's merge,
-    scale = alpha / r), the adapters themselves left out. Each tensor in `dtype` (None: as it comes), merged
-    as peft's merge_and_unload merges into a base loaded in that dtype: W in `dtype` plus the adapters' product
-    in fp32, rounded once. A layer's three tensors come in one unit (offload.units keeps adapters in their
-    layer's unit); they are held until all three have come."""
+    scale = alpha / r; transposed for the layers in `transposed`, whose weight is stored [in, out]:
+    transformers' Conv1D, GPT-2's, peft's fan_in_fan_out), the adapters themselves left out. Each tensor in
+    `dtype` (None: as it comes), merged as peft's merge_and_unload merges into a base loaded in that dtype: W in
+    `dtype` plus the adapters' product in fp32, rounded once. A layer's three tensors come in one unit
+    (offload.units keeps adapters in their layer's unit); they are held until all three have come."""
+    transposed = set(transposed)
     pending: dict[str, dict] = {}
     for name, value in items:
         layer, part = _lora_part(name)
@@ -221,11 +267,38 @@ def merged_items(items, scale: float, dtype: torch.dtype | None = None):
         if len(got) == 3:
             del pending[layer]
             w, a, b = got["W"] if dtype is None else got["W"].to(dtype), got["A"].float(), got["B"].float()
-            yield base_name(f"{layer}.weight"), (w.float() + scale * (b @ a)).to(w.dtype)  # [out, r] @ [r, in]
+            delta = b @ a                                                     # [out, r] @ [r, in]
+            yield base_name(f"{layer}.weight"), (w.float() + scale * (delta.T if layer in transposed else delta)
+                                                 ).to(w.dtype)
     if pending:
         layer, got = next(iter(pending.items()))
         raise ValueError(f"merging LoRA layer {layer}: it has {', '.join(sorted(got))} of W, A and B; the weights "
-                         "are not those of one LoRA adapter per layer")
+                         "are not those of one LoRA adapter per linear (an adapter on a parameter, as peft puts on an "
+                         "MoE's stacked experts, is not merged); save the adapter with --save instead")
+
+
+def transposed_layers(model: torch.nn.Module) -> list[str]:
+    """The paths of the model's LoRA layers whose base weight is stored [in, out] (peft's fan_in_fan_out)."""
+    return [path for path, layer in _lora_layers(model) if getattr(layer, "fan_in_fan_out", False)]
+
+
+def parameter_adapters(model: torch.nn.Module) -> list[str]:
+    """The paths of adapters peft put on parameters rather than on linears (target_parameters: an MoE's stacked
+    experts, which peft targets for all-linear or for their linears' names), which merged_items does not merge."""
+    from peft.tuners.lora import layer
+
+    wrapper = getattr(layer, "ParamWrapper", None)  # peft >= 0.17
+    return [] if wrapper is None else [path for path, m in model.named_modules() if isinstance(m, wrapper)]
+
+
+def check_mergeable(model: torch.nn.Module) -> None:
+    """--save-merged merges adapters of linears: a model with adapters on parameters is refused before it trains."""
+    params = parameter_adapters(model)
+    if params:
+        raise ValueError(f"--save-merged: peft put {len(params)} adapters on parameters, not linears "
+                         f"({base_name(params[0])}{', ...' if len(params) > 1 else ''}: an MoE's router or stacked "
+                         "experts), which are not merged; save the adapter with --save, or name linears of the model "
+                         "in --lora-targets")
 
 
 def _lora_part(name: str) -> tuple[str | None, str | None]:
@@ -283,20 +356,25 @@ def save_adapter(engine, model: torch.nn.Module, info: dict, lora: dict, directo
     return directory
 
 
+def hf_base(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a peft model (the model itself when it is not one)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def write_run_directory(engine, items, info: dict, directory: str, dtype: torch.dtype) -> str:
     """(name, tensor) `items` of a run's model as a HF directory of `dtype` tensors: rank 0 writes it (a preset's
-    names as transformers' Llama names; the config, saying `dtype`, the tokenizer files and the generation
-    config beside them), the other ranks read the items too, since over ranks reading them gathers every window
-    from its owner."""
-    from offload.integrations.hf_io import copy_companions, save_hf_directory, with_dtype
+    names as transformers' Llama names, a HF model's as save_pretrained writes them, offload.integrations.hf_io's
+    [Note: checkpoint names]; the config, saying `dtype`, the tokenizer files and the generation config beside
+    them), the other ranks read the items too, since over ranks reading them gathers every window from its
+    owner."""
+    from offload.integrations.hf_io import checkpoint_items, copy_companions, save_hf_directory, with_dtype
 
     if engine.rt.rank != 0:
         for _ in items:
             pass
         return directory
     items = ((n, t.to(dtype)) for n, t in items)
-    if info["kind"] == "preset":
-        items = hf_names(items)
+    items = hf_names(items) if info["kind"] == "preset" else checkpoint_items(hf_base(engine.module), items)
     save_hf_directory(items, with_dtype(info["hf_config"], dtype), directory)
     copy_companions(info["source"], directory, info["hf_config"])
     return directory
@@ -331,6 +409,6 @@ def _write_preset_adapter(state: dict, lora: dict, directory: str, base: str) ->
 def save_merged(engine, info: dict, lora: dict, directory: str, dtype: torch.dtype) -> str:
     """--save-merged of a LoRA run ([Note: what a LoRA run saves]) as `dtype` tensors; every rank calls it,
     rank 0 writes."""
-    items = merged_items(engine.state_items(), lora["alpha"] / lora["r"], dtype)
+    items = merged_items(engine.state_items(), lora["alpha"] / lora["r"], dtype, transposed_layers(engine.module))
     return write_run_directory(engine, items, info, directory, dtype)
 

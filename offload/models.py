@@ -270,35 +270,57 @@ def loss_of(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.loss
 
 
-def _hf_llama(path: str, device, dtype, seed: int) -> nn.Module:
-    config_path = os.path.join(path, "config.json")
-    with open(config_path) as f:
-        model_type = json.load(f).get("model_type")
-    if model_type != "llama":
-        raise ValueError(f"model_type={model_type!r} in {config_path}: only Llama models are supported; "
-                         f"use a Llama checkpoint or a preset ({', '.join(PRESETS)})")
+def hf_causal_lm(config, device="meta", dtype=None, seed: int = 0) -> nn.Module:
+    """The model transformers' AutoModelForCausalLM builds from `config` (a local HF directory, its config.json,
+    a config dict or a PretrainedConfig), with transformers' own init under `seed` (none on the meta device,
+    where the weights come from a checkpoint or the Engine's init). One path for every architecture
+    AutoModelForCausalLM knows: no table of them here."""
     try:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PretrainedConfig
     except ImportError as e:
-        raise ValueError(f"--model={path}: a Hugging Face directory needs transformers; "
+        raise ValueError(f"--model={config}: a Hugging Face model needs transformers; "
                          f"pip install 'offload[hf]'") from e
-    config = LlamaConfig.from_pretrained(path)
+    if not isinstance(config, PretrainedConfig):
+        where, raw = "the config", config
+        if isinstance(config, str):
+            where = os.path.join(config, "config.json") if os.path.isdir(config) else config
+            raw = _read_json(where)
+        try:  # the config class of its model_type: never the hub, never a directory's own code (auto_map)
+            config = CONFIG_MAPPING[raw.get("model_type")].from_dict(raw)
+        except KeyError as e:
+            import transformers
+
+            raise ValueError(f"model_type={raw.get('model_type')!r} in {where}: transformers "
+                             f"{transformers.__version__} does not know it; upgrade transformers, or pass a preset "
+                             f"({', '.join(PRESETS)})") from e
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        raise ValueError(f"model_type={config.model_type!r}: not a causal language model (AutoModelForCausalLM "
+                         f"does not build {type(config).__name__}); pass a decoder-only language model (llama, "
+                         f"mistral, qwen2, gpt2, ...)")
     torch.manual_seed(seed)          # transformers' own init, made repeatable
     with torch.device(device):
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     return model.to(dtype) if dtype is not None else model
+
+
+def _read_json(path: str) -> dict:
+    with open(path) as f:  # OSError (a missing file) names the path
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); pass a HF config.json") from e
 
 
 def build_model(name_or_dir: str | ModelConfig, device="cpu", dtype=None, seed: int = 0,
                 checkpoint_activations: bool = False) -> nn.Module:
-    """A preset name, a ModelConfig, or a local HF directory (config.json, model_type llama) -> model.
+    """A preset name, a ModelConfig, or a local HF directory (config.json of a causal LM) -> model.
 
     Our models are initialized with init_weights(model, seed) unless device is "meta" (the Engine then
-    materializes them under the same contract). A HF directory gives transformers' LlamaForCausalLM built
-    from its config with transformers' own init; its weights come from its safetensors (offload.integrations.hf_io).
+    materializes them under the same contract). A HF directory gives the model AutoModelForCausalLM builds
+    from its config (hf_causal_lm); its weights come from its safetensors (offload.integrations.hf_io).
     """
     if isinstance(name_or_dir, str) and os.path.isdir(name_or_dir):
-        return _hf_llama(name_or_dir, device, dtype, seed)
+        return hf_causal_lm(name_or_dir, device, dtype, seed)
     if isinstance(name_or_dir, ModelConfig):
         cfg = name_or_dir
     elif name_or_dir in PRESETS:

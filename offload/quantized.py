@@ -293,12 +293,9 @@ def replace_linears(model: nn.Module, kind: str, compute_dtype: torch.dtype) -> 
     (threshold 6.0, no fp16 weights). The output head (and what transformers leaves out: tied weights, the
     last module) stays in full precision. Returns the paths of the layers replaced."""
     bnb = bitsandbytes()
-    skip = _not_converted(model)
     done = []
-    for path, module in list(model.named_modules()):
-        if (not isinstance(module, nn.Linear) or isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
-                or ".lora_" in f".{path}" or any(path == k or path.endswith("." + k) or path.startswith(k + ".")
-                                                for k in skip)):
+    for path, module in quantizable_linears(model):
+        if isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)):
             continue
         with torch.device("meta"):
             if kind == "int8":
@@ -312,6 +309,15 @@ def replace_linears(model: nn.Module, kind: str, compute_dtype: torch.dtype) -> 
         model.set_submodule(path, new)
         done.append(path)
     return done
+
+
+def quantizable_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(path, module) of the linears replace_linears quantizes: every nn.Linear but the output head, what
+    transformers leaves out and peft's adapters."""
+    skip = _not_converted(model)
+    return [(path, m) for path, m in model.named_modules()
+            if isinstance(m, nn.Linear) and ".lora_" not in f".{path}"
+            and not any(path == k or path.endswith("." + k) or path.startswith(k + ".") for k in skip)]
 
 
 def quantize_base(model: nn.Module, kind: str, compute_dtype: torch.dtype) -> None:

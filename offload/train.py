@@ -3,8 +3,9 @@
 With no arguments it fine-tunes the `small` preset on the bundled corpus with weights and optimizer
 states swapped to NVMe under ./.offload-swap, in the precision "auto" picks for the host (fp32 on a CPU
 without native bf16), for a few minutes on two CPU cores. `--model` also
-takes a local Hugging Face Llama directory, whose weights stream tensor by tensor from its safetensors
-shards into their tiers (the model is built on the meta device and never exists whole in memory).
+takes a local Hugging Face directory of any causal LM that transformers' AutoModelForCausalLM builds (Llama,
+Mistral, Qwen2, an MoE, GPT-2, ...), whose weights stream tensor by tensor from its safetensors shards into
+their tiers (the model is built on the meta device and never exists whole in memory).
 
 [Note: precedence of settings]
 Explicit flags win, then the --offload-config file, then the --deepspeed config, then this recipe's
@@ -34,7 +35,8 @@ from offload.cpu_adam import kernel_backend
 from offload.data import BatchSampler, ByteTokenizer, load_data, load_tokens, make_sampler
 from offload.flags import file_settings, put_flags
 from offload.integrations.hf_io import DTYPES as SAVE_DTYPES
-from offload.lora import LoraWeights, apply_lora, base_name, lora_settings, save_dtype
+from offload.lora import (LoraWeights, apply_lora, base_name, check_mergeable, lora_settings, lora_targets, save_dtype,
+                          transposed_layers)
 from offload.models import PRESETS, build_model, hf_llama_config, hf_name, loss_of
 from offload.ranks import reduced
 from offload.signals import SIGNALS, Stopped, stop_on_signals
@@ -62,8 +64,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     """The `offload train` flags (defaults None: the recipe or the config file decides)."""
     g = parser.add_argument_group("training")
     g.add_argument("--model", default=None, metavar="PRESET|HF_DIR",
-                   help=f"a preset ({', '.join(PRESETS)}) or a local Hugging Face Llama directory "
-                        f"(default {RECIPE['model']})")
+                   help=f"a preset ({', '.join(PRESETS)}) or a local Hugging Face directory of a causal LM that "
+                        f"AutoModelForCausalLM builds (Llama, Mistral, Qwen2, Mixtral, GPT-2, ...; default "
+                        f"{RECIPE['model']})")
     g.add_argument("--data", default=None, metavar="PATH",
                    help="a local .txt file, or .jsonl (a record a line) / .json (an array) of records, all "
                         "{\"text\"}, all {\"prompt\",\"completion\"}, all {\"messages\": [{\"role\",\"content\"}...]} (the "
@@ -108,8 +111,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     lo.add_argument("--lora-alpha", type=float, default=None, metavar="A",
                     help="LoRA alpha: the update is scaled by A / R (default 2R)")
     lo.add_argument("--lora-targets", default=None, metavar="NAMES",
-                    help="comma-separated linears to adapt, transformers' Llama names also for presets "
-                         "(default q_proj,v_proj)")
+                    help="comma-separated linears to adapt in the model's own names (each must name one; a preset "
+                         "takes transformers' Llama names), or all-linear: every linear but the output head "
+                         "(default: peft's default for the model type, q_proj,v_proj for Llama and a preset)")
     lo.add_argument("--quantize", default=None, choices=("nf4", "fp4", "int8"),
                     help="with --lora: the frozen base quantized by bitsandbytes as it is materialized (QLoRA: nf4 with "
                          "double quantization; config quantize_base; pip install 'offload[qlora]', in a source checkout "
@@ -249,31 +253,6 @@ def _check_run(run: dict, data: dict) -> None:
 # --- model and weights --------------------------------------------------------------------------------
 
 
-def _tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
-    names: dict = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(p, []).append(n)
-    return {ns[0]: ns[1:] for ns in names.values()}
-
-
-def _rebuild_buffer_modules(model: torch.nn.Module) -> None:
-    """Modules owning only buffers computed in __init__ (transformers' rotary embeddings' inv_freq) are
-    left on meta by meta construction and no checkpoint holds them: build them again on the CPU."""
-    config = getattr(model, "config", None)
-    for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            direct = list(child.buffers(recurse=False))
-            if not any(b.is_meta for b in direct) or any(True for _ in child.parameters(recurse=False)):
-                continue
-            try:
-                with torch.device("cpu"):
-                    fresh = type(child)(config=config)
-            except Exception as e:
-                raise ValueError(f"module {type(child).__name__} ({child_name}): its buffers are on the meta "
-                                 f"device and it cannot be rebuilt from the model config ({e})") from e
-            setattr(parent, child_name, fresh)
-
-
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -297,18 +276,18 @@ def load_token_ids(path: str | None, tokenizer=None) -> torch.Tensor:
 
 
 def build(run: dict, cfg: Config):
-    """(model, weights source or None, info dict) for a preset or a HF directory (built on meta)."""
+    """(model, weights source or None, info dict) for a preset or a HF directory (built on meta); a LoRA run's
+    run["lora"]["targets"] become the targets used (the model's default when none were given)."""
     name = run["model"]
     if os.path.isdir(name):
-        from offload.integrations.hf_io import SafetensorsWeights, read_config
+        from offload.integrations.hf_io import SafetensorsWeights
 
-        hf_config = read_config(name)
-        model = build_model(name, device="meta")
-        _rebuild_buffer_modules(model)
+        model = build_model(name, device="meta")  # AutoModelForCausalLM's; buffers made by the Engine's init
         saved_config = json.loads(json.dumps(model.config.to_dict(), default=str))  # as the directory has it
         model.config.use_cache = False  # training needs no cache of past keys and values
-        weights = SafetensorsWeights(name, _tied_aliases(model))
-        max_len, vocab = hf_config.get("max_position_embeddings"), hf_config.get("vocab_size")
+        weights = SafetensorsWeights(name, model=model)  # the model's names, tied or converted
+        max_len = getattr(model.config, "max_position_embeddings", None)  # GPT-2: n_positions, by its attribute_map
+        vocab = getattr(model.config, "vocab_size", None)
         tokenizer = _hf_tokenizer(name)
         info = {"kind": "hf", "hf_config": saved_config, "tokenizer": tokenizer, "source": os.path.abspath(name)}
     elif name in PRESETS:
@@ -336,6 +315,7 @@ def build(run: dict, cfg: Config):
         info["quantized"] = {"kind": cfg.quantize_base, "layers": len(replace_linears(model, cfg.quantize_base,
                                                                                       cfg.compute_dtype))}
     if run.get("lora") is not None:  # the frozen base and peft's adapters (offload.lora)
+        run["lora"] = {**run["lora"], "targets": lora_targets(model, info, run["lora"])}  # the model's default
         model = apply_lora(model, info, run["lora"])
         weights = LoraWeights(weights, model, cfg.seed) if weights is not None else None
     info["params"] = sum(p.numel() for p in model.parameters())
@@ -374,6 +354,8 @@ def _train(args: argparse.Namespace, cfg: Config, run: dict) -> dict:
     if world > 1:
         run = {**run, "ranks": world}  # each step trains ranks x batch_size sequences; losses are their mean
     model, weights, info = build(run, cfg)
+    if args.save_merged and run["lora"] is not None:
+        check_mergeable(model)  # before training, not after it
     sampler = _RankSlice(data_sampler("--data", run["data"], info["tokenizer"], run, cfg.seed), rank, world)
     evaluator = Evaluator.from_run(run, cfg, info["tokenizer"])  # every rank: the same batches, the same loss
     checkpoints = Checkpoints.from_args(args, run, cfg, model, info)
@@ -648,8 +630,8 @@ class Checkpoints:
             extra["hf_config"] = info["hf_config"]
             names = [base_name(n) for n, _ in model.named_parameters(remove_duplicate=False) if ".lora_" not in n]
             extra["hf_names"] = {n: hf_name(n) for n in names}
-        if run.get("lora") is not None:
-            extra["lora"] = run["lora"]
+        if run.get("lora") is not None:  # export merges as --save-merged: weights stored [in, out] transposed
+            extra["lora"] = {**run["lora"], "transposed": transposed_layers(model)}
         keep = DEFAULT_KEEP_CHECKPOINTS if args.keep_checkpoints is None else args.keep_checkpoints
         return cls(args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR, args.save_every, keep, run["steps"], extra)
 

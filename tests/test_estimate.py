@@ -5,9 +5,10 @@ import sys
 
 import pytest
 
+import offload
 from offload import cli
-from offload.estimate import (format_bytes, ledger_terms, llama_param_count, model_shape,
-                              model_state_bytes, runtime_bytes, shape_of_model)
+from offload.estimate import format_bytes, ledger_terms, model_shape, model_state_bytes, runtime_bytes, shape_of_model
+from tests import hf_archs
 
 
 def run_json(capsys, *argv):
@@ -84,16 +85,60 @@ LLAMA_CONFIGS = [
 def test_llama_count_equals_transformers_model(tmp_path, capsys, extra):
     transformers = pytest.importorskip("transformers")
     import torch
-    config = dict(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=176,
-                  num_hidden_layers=3, num_attention_heads=4, **extra)
-    hf_config = transformers.LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    config = dict(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+                  **extra)
+    hf_config = transformers.LlamaConfig(**config)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(hf_config)
     expected = sum(p.numel() for p in model.parameters())
-    assert llama_param_count(config)[0] == expected
     hf_config.save_pretrained(tmp_path)                  # the config.json transformers itself writes
     assert run_json(capsys, "--model", str(tmp_path))["params"] == expected
     assert run_json(capsys, "--model", str(tmp_path / "config.json"))["params"] == expected
+
+
+def _units(model):
+    """{unit path: parameters} as the engine splits the model: the embedding, each decoder layer, an untied
+    head; the norms (small) resident."""
+    from offload.units import partition
+
+    return {u.name: sum(s.numel for s in u.slots) for u in partition(model, offload.Config().units.min_numel)}
+
+
+@pytest.mark.parametrize("arch", sorted(hf_archs.ARCHS))
+def test_any_causal_lm_directory_is_counted_as_transformers_builds_it(tmp_path, capsys, arch):
+    """Issue 41 item 2: the count of any architecture AutoModelForCausalLM builds, tied weights once, MoE experts
+    whole, LoRA on all its linears as peft puts them (no formula per architecture)."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    import torch
+    hf_archs.config(arch).save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_archs.config(arch))
+    params = sum(p.numel() for p in model.parameters())
+    units = _units(model)
+    out = run_json(capsys, "--model", str(tmp_path), "--precision", "fp32")
+    assert out["params"] == params and out["largest_unit_numel"] == max(units.values())
+    assert sum(units.values()) == params and len(units) >= 3  # the layers are units of their own
+    lora = run_json(capsys, "--model", str(tmp_path), "--precision", "fp32", "--lora", "4", "--lora-targets",
+                    "all-linear")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
+    trained = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    assert lora["trainable_params"] == trained > 0 and lora["frozen_params"] == params
+    # every weight (fp32), frozen or not; gradients and m, v of the adapters only
+    assert lora["model_states"]["hbm_bytes"] == 4 * (params + trained) + (4 + 8) * trained
+
+
+def test_lora_default_targets_are_peft_s_for_the_model_type(tmp_path, capsys):
+    hf_archs.config("qwen2").save_pretrained(tmp_path / "qwen2")
+    hf_archs.config("phi3").save_pretrained(tmp_path / "phi3")
+    argv = ["--precision", "fp32", "--lora", "4"]
+    default = run_json(capsys, "--model", str(tmp_path / "qwen2"), *argv)
+    named = run_json(capsys, "--model", str(tmp_path / "qwen2"), *argv, "--lora-targets", "q_proj,v_proj")
+    assert default["trainable_params"] == named["trainable_params"] == 2 * 4 * ((64 + 64) + (64 + 32))
+    assert "with LoRA r 4 on q_proj,v_proj" in default["source"]
+    assert cli.main(["estimate", "--model", str(tmp_path / "phi3"), *argv]) == 2  # peft has no default for phi3
+    err = capsys.readouterr().err
+    assert "peft has no default targets for model_type='phi3'" in err and "qkv_proj" in err and "all-linear" in err
 
 
 def test_preset_count_and_largest_unit():
@@ -111,7 +156,7 @@ def test_preset_count_and_largest_unit():
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_shape_of_a_transformers_model_equals_its_config_count(tie):
+def test_shape_of_a_transformers_model_is_its_units(tie):
     transformers = pytest.importorskip("transformers")
     import torch
     config = dict(vocab_size=50, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
@@ -119,8 +164,9 @@ def test_shape_of_a_transformers_model_equals_its_config_count(tie):
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
     shape = shape_of_model(model)
-    assert (shape.params, shape.largest_unit_numel) == llama_param_count(config)
-
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert shape.params == sum(p.numel() for p in model.parameters()) and shape.largest_unit_numel == layer
+    assert shape.trainable is None
 
 
 def _cli(*argv):
@@ -147,13 +193,22 @@ def test_bad_input_is_one_line_and_exit_code_2(argv, message):
     assert message in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
-def test_non_llama_config_is_refused(tmp_path, capsys):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 8}))
+def test_a_lora_target_that_names_no_module_is_refused_as_offload_train_refuses_it(tmp_path, capsys):
+    hf_archs.config("gpt2").save_pretrained(tmp_path)
+    assert cli.main(["estimate", "--model", str(tmp_path), "--lora", "8", "--lora-targets", "c_attn,c_prj"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "c_prj names no module of the model (model_type gpt2); nearest: c_proj" in err[0], err
+
+
+def test_a_config_that_is_not_a_causal_lm_is_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit"}))
     assert cli.main(["estimate", "--model", str(tmp_path)]) == 2
-    assert "model_type='gpt2'" in capsys.readouterr().err
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model_type='vit': not a causal language model" in err[0], err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-model", "hidden_size": 8}))
     assert cli.main(["estimate", "--model", str(tmp_path)]) == 2
-    assert "missing 'vocab_size'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "model_type='no-such-model'" in err and "does not know it" in err
 
 
 def test_resident_units_sets_the_fetch_window(capsys):

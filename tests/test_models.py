@@ -116,8 +116,8 @@ def test_bad_configs_and_names_are_clear_errors(tmp_path):
         ModelConfig(n_heads=4, n_kv_heads=3)
     with pytest.raises(ValueError, match="--model=nope"):
         build_model("nope")
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="model_type='gpt2'"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit"}))  # not a causal LM
+    with pytest.raises(ValueError, match="model_type='vit': not a causal language model"):
         build_model(str(tmp_path))
     with pytest.raises(ValueError, match="max_seq_len"):
         build_model(CFG)(torch.zeros(1, CFG.max_seq_len + 1, dtype=torch.long))

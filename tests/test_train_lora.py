@@ -17,7 +17,7 @@ from offload.cli import main
 from offload.data import load_data, make_sampler
 from offload.lora import base_name
 from offload.pipeline import lr_factor
-from tests.test_train_hf import _save_tokenizer
+from tests.test_train_hf import _probe, _save_tokenizer, _spy_on_saves
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -38,27 +38,6 @@ def model_dir(tmp_path_factory):
     data = path.parent / "data.jsonl"
     data.write_text("".join(json.dumps({"text": TEXT[i:i + 200]}) + "\n" for i in range(0, len(TEXT), 200)))
     return path
-
-
-def _probe():
-    return torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(7))
-
-
-def _spy_on_saves(monkeypatch) -> dict:
-    """Wraps recipe.save: before the first save, the engine's full state and its logits on the probe batch."""
-    seen, real = {}, recipe.save
-
-    def save(engine, info, directory, lora=None, merged=False, **kw):
-        if "state" not in seen:
-            seen["state"] = engine.full_state_dict()
-            engine.eval()
-            with torch.no_grad():
-                out = engine(_probe())
-            seen["logits"] = out if isinstance(out, torch.Tensor) else out.logits
-        return real(engine, info, directory, lora, merged, **kw)
-
-    monkeypatch.setattr(recipe, "save", save)
-    return seen
 
 
 def _auto_peft_logits(adapter, tmp_path) -> torch.Tensor:
@@ -335,3 +314,33 @@ def test_estimate_shows_the_frozen_and_trained_split(capsys):
     assert full["model_states"]["hbm_bytes"] == 12 * full["params"]
     plan = lora["engine_plan"]
     assert plan["hbm_bytes"] < full["engine_plan"]["hbm_bytes"]
+
+
+def test_a_lora_target_that_names_no_module_is_refused_with_the_nearest_names(model_dir, tmp_path, capsys):
+    """Issue 41 item 4: q_prj,v_proj trained v_proj alone and said "on q_prj,v_proj"; now a target that names no
+    module of the model is one line naming it and the nearest names, before anything is built or trained
+    (offload estimate alike: tests/test_estimate.py)."""
+    base = ["--model", str(model_dir), "--lora", "8", "--steps", "1", "--batch-size", "2", "--seq-len", "16",
+            "--nvme-path", str(tmp_path / "swap")]
+    assert main(["train", *base, "--lora-targets", "q_prj,v_proj", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--lora-targets=q_prj,v_proj: q_prj names no module of the model" in err[0], err
+    assert "; nearest: q_proj," in err[0] and "or pass all-linear" in err[0]
+    assert not (tmp_path / "r").exists() and not (tmp_path / "swap").exists()
+    assert main(["train", *base, "--lora-targets", "q_proj,v_proj", "--out", str(tmp_path / "ok"),
+                 "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "parameters: 3,584 trained" in captured.err  # 2 layers x 8 x ((64 + 64) + (64 + 32))
+    assert "LoRA r 8 alpha 16 on q_proj,v_proj" in captured.out
+
+
+@pytest.mark.parametrize("model", ["tiny", "hf"])
+def test_all_linear_adapts_every_linear_but_the_output_head(model_dir, tmp_path, capsys, model):
+    model = str(model_dir) if model == "hf" else model
+    assert main(["train", "--model", model, "--lora", "2", "--lora-targets", "all-linear", "--steps", "1",
+                 "--batch-size", "2", "--seq-len", "16", "--nvme-path", str(tmp_path / "swap"), "--out",
+                 str(tmp_path / "r"), "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    d, kv, ff, layers = (64, 32, 128, 2) if model != "tiny" else (128, 64, 384, 4)
+    per_layer = 2 * ((d + d) + 2 * (d + kv) + (d + d) + 2 * (d + ff) + (ff + d))  # q, k, v, o, gate, up, down
+    assert f"parameters: {layers * per_layer:,} trained" in captured.err and "on all-linear" in captured.out

@@ -93,8 +93,9 @@ def run_export(args) -> int:
     if extra.get("lora"):  # offload train --lora: the adapters merged into their weights, names without peft's
         from offload.lora import merged_items
 
-        items = merged_items(items, extra["lora"]["alpha"] / extra["lora"]["r"])
-    items = ((rename.get(n, n), t) for n, t in items)
+        lora = extra["lora"]
+        items = merged_items(items, lora["alpha"] / lora["r"], transposed=lora.get("transposed", ()))
+    items = ((rename.get(n, n), t) for n, t in items) if rename else _as_saved(config, items)
     files = save_hf_directory(items, config, args.out, max_shard_bytes=args.max_shard_bytes)
     source = extra.get("hf_source")
     missing = source is not None and not os.path.isdir(source)
@@ -104,6 +105,20 @@ def run_export(args) -> int:
           + ("" if config else " (no config.json: the checkpoint's model was not a Hugging Face one)")
           + (f" (the tokenizer files were not copied: {source}, the run's model directory, is gone)" if missing else ""))
     return 0
+
+
+def _as_saved(config: dict | None, items):
+    """A Hugging Face model's tensors under the keys save_pretrained writes for it ([Note: checkpoint names] in
+    offload.integrations.hf_io), from the model AutoModelForCausalLM builds from its config on the meta device;
+    the names as they are for any other model."""
+    from offload.integrations.hf_io import checkpoint_items
+    from offload.models import hf_causal_lm
+
+    try:
+        model = hf_causal_lm(config, device="meta") if config is not None else None
+    except (ValueError, TypeError):  # not a model AutoModelForCausalLM builds (transformers absent, another kind)
+        model = None
+    return items if model is None else checkpoint_items(model, items)
 
 
 def _numel(shape) -> int:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 
 import torch
 
 from offload import estimate as est
 from offload.chunks import planned_chunk_bytes
 from offload.config import Config
-from offload.models import PRESETS
+from offload.lora import target_names
 from offload.precision import resolve_precision
 
 # `offload train`'s placement when no flag or config file names one (offload/train.py, resolve)
@@ -26,7 +25,8 @@ def register(subparsers) -> None:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=str, metavar="N", help="parameter count: 7.5e9, 7.5B, 350M")
     what.add_argument("--model", metavar="HF_CONFIG_OR_DIR",
-                      help="a HF config.json, a directory with one (Llama-style), or a preset name")
+                      help="a HF config.json, a directory with one (any causal LM AutoModelForCausalLM builds: counted "
+                           "from the model built on the meta device), or a preset name")
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
     p.add_argument("--stage", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
     p.add_argument("--offload-param", default=None, choices=("none", "cpu", "nvme"),
@@ -52,18 +52,20 @@ def register(subparsers) -> None:
     p.add_argument("--lora", type=int, default=None, metavar="R",
                    help="with --model: LoRA adapters of rank R trained, the model's own parameters frozen (weights "
                         "only: no gradient, no optimizer state), as `offload train --lora R`")
-    p.add_argument("--lora-targets", default="q_proj,v_proj", metavar="NAMES",
-                   help="with --lora: the adapted linears, transformers' Llama names (default q_proj,v_proj)")
+    p.add_argument("--lora-targets", default=None, metavar="NAMES",
+                   help="with --lora: the adapted linears, in the model's own names, or all-linear (default: as "
+                        "offload train --lora: peft's default for the model type; q_proj,v_proj for a preset)")
     p.add_argument("--quantize", default=None, choices=tuple(est.QUANTIZE_KINDS),
-                   help="with --lora: the frozen base loaded quantized by bitsandbytes, every decoder layer's linear "
-                        "counted at its record's bytes in every tier (nf4: double quantization, blocksize 64, about "
-                        "4.13 bits a parameter; int8: 1 byte and a fp32 scale per row); the embedding, lm_head and "
-                        "norms stay at the compute dtype")
+                   help="with --lora: the frozen base loaded quantized by bitsandbytes, every linear but the output "
+                        "head counted at its record's bytes in every tier (nf4: double quantization, blocksize 64, "
+                        "about 4.13 bits a parameter; int8: 1 byte and a fp32 scale per row); the embedding, lm_head "
+                        "and norms stay at the compute dtype")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
 
-def _shape(args) -> est.ModelShape:
+def _shape(args):
+    """(ModelShape, the model built on the meta device or None for --params): what is estimated."""
     if args.quantize is not None and args.params is not None:
         raise ValueError(f"--quantize={args.quantize}: needs --model (which weights are quantized, and their bytes, "
                          f"come from the layers' shapes, which --params does not give)")
@@ -73,28 +75,28 @@ def _shape(args) -> est.ModelShape:
     if args.quantize is not None and args.unit_numel is not None:
         raise ValueError(f"--unit-numel={args.unit_numel}: with --quantize the largest unit's bytes come from the "
                          f"model's layers; drop --unit-numel")
+    if args.lora is not None and args.model is None:
+        raise ValueError("--lora: needs --model (the adapters' sizes come from the model's layers)")
+    model = None
     if args.params is not None:
         params = est.parse_count(args.params)
         shape = est.ModelShape(params, math.ceil(params / est.DEFAULT_UNITS_FOR_PARAMS),
                                f"--params (largest unit assumed params/{est.DEFAULT_UNITS_FOR_PARAMS}; "
                                f"--unit-numel sets it)")
     else:
-        shape = est.model_shape(args.model)
+        model, source = est.meta_model(args.model)
+        records = est.quantized_weights(model, args.quantize) if args.quantize is not None else None
+        if args.lora is not None:  # as offload train --lora wraps it
+            model, line = est.with_lora(model, args.lora, target_names(args.lora_targets))
+            source = f"{source} {line}"
+        shape = est.shape_of_model(model, source)
+        if records is not None:
+            shape = est.with_quantized_base(shape, model, args.quantize, records)
     if args.unit_numel is not None:
         if args.unit_numel < 1:
             raise ValueError(f"--unit-numel={args.unit_numel}: must be >= 1")
         shape = dataclasses.replace(shape, largest_unit_numel=args.unit_numel)
-    if args.lora is not None:
-        if args.model is None:
-            raise ValueError("--lora: needs --model (the adapters' sizes come from the model's config)")
-        shape = est.with_lora(shape, args.model, args.lora, _targets(args))
-    if args.quantize is not None:
-        shape = est.with_quantized_base(shape, args.model, args.quantize)
-    return shape
-
-
-def _targets(args) -> list[str]:
-    return [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    return shape, model
 
 
 def run(args) -> int:
@@ -105,16 +107,16 @@ def run(args) -> int:
     args.offload_param, args.offload_optimizer = args.offload_param or "none", args.offload_optimizer or "none"
     choice = resolve_precision(args.precision)  # as the engine would resolve it on this host
     args.precision = choice.name
-    shape = _shape(args)
+    shape, model = _shape(args)
     result = est.estimate(shape, dp=args.dp, stage=args.stage, offload_param=args.offload_param,
                           offload_optimizer=args.offload_optimizer, precision=args.precision,
                           hbm_units=args.resident_units, activation_bytes=args.activation_bytes,
                           device_type=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
                           chunk_bytes=planned_chunk_bytes(Config().chunk_bytes, shape.largest_unit_numel))
     result["precision_reason"] = choice.line()
-    plannable = args.model is not None and args.dp == 1 and (args.model in PRESETS or os.path.isdir(args.model))
-    if plannable and args.quantize is None:   # the plan builds the model on the meta device, unquantized
-        result["engine_plan"] = _engine_plan(args)
+    plannable = model is not None and args.dp == 1
+    if plannable and args.quantize is None:   # the model on the meta device, unquantized
+        result["engine_plan"] = _engine_plan(model, args)
     table = est.format_table(result) + "\n" + choice.line()
     if plannable and args.quantize is not None:
         table += "\nthe engine's own plan: not shown with --quantize yet (the formula above counts the records)"
@@ -136,17 +138,9 @@ def _placement_line() -> str:
             f"{flags} for its figures")
 
 
-def _engine_plan(args) -> dict:
+def _engine_plan(model, args) -> dict:
     """The Engine's placement for the model built on the meta device (nothing is allocated)."""
-    from offload.models import build_model
     from offload.placement import engine_plan
 
-    model = build_model(args.model, device="meta")
-    if args.lora is not None:  # as offload train --lora wraps it
-        from offload.lora import apply_lora
-
-        kind = "preset" if args.model in PRESETS and not os.path.isdir(args.model) else "hf"
-        model = apply_lora(model, {"kind": kind}, {"r": args.lora, "alpha": 2.0 * args.lora,
-                                                   "targets": _targets(args), "dropout": 0.0})
     return engine_plan(model, {"precision": args.precision, "offload_param": {"device": args.offload_param},
                                "offload_optimizer": {"device": args.offload_optimizer}, "nvme_path": "."})

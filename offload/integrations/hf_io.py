@@ -2,14 +2,25 @@
 or SafetensorsWeights, a weights source for offload.initialize), write them back (save_hf_directory).
 
 Reading never holds more than one tensor of one open shard (safetensors.safe_open maps the file and
-copies out only the tensor asked for), so a model larger than RAM can stream into its tiers.
-Writing holds at most one shard (max_shard_bytes) in memory. Needs the `safetensors` package
-(the `hf` extra); no network, ever.
+copies out only the tensor asked for; a converted parameter, the few it is made of), so a model larger than
+RAM can stream into its tiers. Writing holds at most one shard (max_shard_bytes) in memory. Needs the
+`safetensors` package (the `hf` extra); no network, ever.
+
+[Note: checkpoint names]
+A Hugging Face directory's safetensors keys are not always its model's parameter names: transformers 5 renames
+some when loading (GPT-NeoX's embed_out is lm_head) and converts others (an MoE layer's experts, stored one
+tensor per expert, are stacked into one 3-D parameter: Mixtral, Qwen2-MoE), by a conversion mapping per
+model type; save_pretrained applies its reverse. We use that mapping, the same for every architecture:
+reading, each model name is made of the checkpoint keys from_pretrained would make it of (load_conversions);
+writing, each tensor goes out under the keys save_pretrained would write (checkpoint_items). Before
+transformers 5 there is no mapping and names are taken as they are.
 """
 
 from __future__ import annotations
 
+import copy
 import errno
+import functools
 import json
 import os
 import re
@@ -73,30 +84,50 @@ def iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 class SafetensorsWeights:
     """`name -> tensor` read lazily from a HF directory's safetensors shards: one open handle per shard,
-    kept until close(); each call copies out one tensor (safe_open maps the file)."""
+    kept until close(); each call copies out one tensor (safe_open maps the file), or the few a converted
+    name is made of. With `model` (the transformers model the directory is loaded into, on the meta device),
+    names are the model's: a checkpoint key that from_pretrained renames or converts ([Note: checkpoint
+    names] below) is found under the model's name, and tied weights under any of their names."""
 
-    def __init__(self, directory: str, aliases: dict[str, list[str]] | None = None):
-        self.directory, self.aliases = directory, aliases or {}
+    def __init__(self, directory: str, aliases: dict[str, list[str]] | None = None, model=None):
+        self.directory = directory
+        self.aliases = aliases if aliases is not None else tied_aliases(model) if model is not None else {}
         self._st = _safetensors()
         self._where: dict[str, str] = {}
         for path in shard_files(directory):
             with self._st.safe_open(path, framework="pt", device="cpu") as f:
                 self._where.update((name, path) for name in f.keys())
         self._open: dict[str, object] = {}
+        self._converted = load_conversions(model, list(self._where)) if model is not None else {}
+        self._config = getattr(model, "config", None)
 
     def __call__(self, name: str) -> torch.Tensor:
         for candidate in [name, *self.aliases.get(name, [])]:  # a tied weight may be stored under another name
-            path = self._where.get(candidate)
-            if path is not None:
-                if path not in self._open:
-                    self._open[path] = self._st.safe_open(path, framework="pt", device="cpu")
-                return self._open[path].get_tensor(candidate)
+            if candidate in self._converted:
+                return self._convert(candidate, *self._converted[candidate])
+            if candidate in self._where:
+                return self._read(candidate)
         if ".lora_" in name or ".base_layer." in name:  # a peft model's name
             raise ValueError(f"weights[{name!r}]: a peft LoRA model's name, not in the safetensors of "
                              f"{self.directory}; pass weights=offload.lora.LoraWeights(this source, model, seed), "
                              "which maps the base's names and gives the adapters peft's init")
         raise ValueError(f"weights[{name!r}]: not in the safetensors of {self.directory}; "
                          f"the checkpoint does not match its config.json")
+
+    def _read(self, key: str) -> torch.Tensor:
+        path = self._where[key]
+        if path not in self._open:
+            self._open[path] = self._st.safe_open(path, framework="pt", device="cpu")
+        return self._open[path].get_tensor(key)
+
+    def _convert(self, name: str, converter, sources: list[tuple[str, str]]) -> torch.Tensor:
+        if converter is None:  # renamed only
+            return self._read(sources[0][1])
+        converter = copy.deepcopy(converter)  # one per model name, as from_pretrained makes them
+        for pattern, key in sources:
+            converter.add_tensor(name, key, pattern, functools.partial(self._read, key))  # read when converting
+        value = converter.convert(name, config=self._config)[name]
+        return value[0] if isinstance(value, list) else value
 
     def close(self) -> None:
         self._open.clear()  # safe_open handles unmap when dropped
@@ -131,6 +162,81 @@ def source_dtype(config: dict, directory: str | None = None) -> torch.dtype:
                     if found is not None:
                         return found
     return torch.float32
+
+
+def tied_aliases(model) -> dict[str, list[str]]:
+    """{the first name of a parameter shared by several modules: its other names} (tied embeddings)."""
+    names: dict = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(p, []).append(n)
+    return {ns[0]: ns[1:] for ns in names.values() if len(ns) > 1}
+
+
+def _transforms():
+    """transformers' conversion machinery, or None before transformers 5."""
+    try:
+        from transformers import conversion_mapping, core_model_loading
+    except ImportError:
+        return None
+    return conversion_mapping, core_model_loading
+
+
+def load_conversions(model, keys: list[str]) -> dict[str, tuple[object, list[tuple[str, str]]]]:
+    """{model name: (transformers' WeightConverter, or None for a renaming; [(source pattern, checkpoint key)])}
+    for every checkpoint key from_pretrained renames or converts for `model`; keys it takes as they are are
+    not in it ([Note: checkpoint names])."""
+    tf = _transforms()
+    if tf is None:
+        return {}
+    mapping, core = tf
+    transforms = mapping.get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, core.WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, core.WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    names = model.state_dict()  # meta tensors: names only
+    plan: dict = {}
+    for key in sorted(keys, key=core.dot_natural_key):  # experts in their order, as from_pretrained stacks them
+        name, pattern = core.rename_source_key(key, renamings, converters, model.base_model_prefix, names)
+        if name not in names and key in names:
+            name, pattern = key, None
+        if name != key or pattern is not None:
+            plan.setdefault(name, (by_pattern.get(pattern), []))[1].append((pattern or key, key))
+    return plan
+
+
+def checkpoint_items(model, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(model name, tensor) pairs -> (checkpoint key, tensor) pairs as save_pretrained writes `model` (a
+    transformers model, on any device): a tied weight once, under its first name; transformers'
+    revert_weight_conversion, streamed ([Note: checkpoint names]). A converted tensor goes out when all the
+    model tensors it is made of have come (one, for the stacked experts of an MoE layer)."""
+    tied = {alias for aliases in tied_aliases(model).values() for alias in aliases}
+    items = ((n, t) for n, t in items if n not in tied)
+    tf = _transforms()
+    if tf is None:
+        yield from items
+        return
+    mapping, core = tf
+    transforms = [t for t in mapping.get_model_conversion_mapping(model, add_legacy=False)
+                  if not isinstance(t, core.PrefixChange)][::-1]  # as revert_weight_conversion, for a built model
+    reverse = [t.reverse_transform() for t in transforms]
+    renamings = [t for t in reverse if isinstance(t, core.WeightRenaming)]
+    converters = [t for t in reverse if isinstance(t, core.WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    pending: dict = {}
+    for name, tensor in items:
+        target, pattern = core.apply_converters(name, converters)
+        if pattern is None:
+            yield core.apply_renamings(name, renamings), tensor
+            continue
+        converter = pending.setdefault(target, copy.deepcopy(by_pattern[pattern]))
+        converter.add_tensor(target, name, pattern, tensor)
+        if set(converter.collected_tensors) == set(converter.source_patterns):
+            del pending[target]
+            for key, value in converter.convert(target, model=model, config=model.config).items():
+                yield core.apply_renamings(key, renamings), value[0] if isinstance(value, list) else value
+    if pending:
+        raise ValueError(f"saving {next(iter(pending))}: transformers converts it from several tensors and not all "
+                         "of them were given")
 
 
 def _atomic_json(obj: dict, path: str) -> None:
