@@ -10,7 +10,7 @@ import pathlib
 from offload.config import DEVICES, PRECISION_CHOICES, Config, load_config, read_settings_file
 from offload.integrations import deepspeed
 
-FLAG_KEYS = ("nvme_path", "zero_stage", "precision", "delayed_update")  # top-level keys set by add_arguments' flags
+FLAG_KEYS = ("nvme_path", "zero_stage", "precision", "delayed_update", "activation_checkpointing")  # top-level keys set by add_arguments' flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -27,6 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "fp32 on other CPUs)")
     g.add_argument("--delayed-update", action="store_true", default=None,
                    help="one-step delayed parameter update (the step overlaps the next backward; weights lag one step)")
+    g.add_argument("--activation-checkpointing", action="store_true", default=None,
+                   help="the engine checkpoints each unit's forward (a transformer block): keeps the unit's input, "
+                        "runs its forward again in its backward; activations then take a block's input per layer "
+                        "instead of everything a block computes, for about a third more compute (presets and "
+                        "Hugging Face models alike; docs/python.md)")
     g.add_argument("--offload-config", default=None, metavar="PATH", help="a .json/.yaml config; flags override it")
     g.add_argument("--deepspeed", default=None, metavar="PATH",
                    help="a DeepSpeed JSON config, read into ours (docs/deepspeed.md); "
