@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload import checkpoint, cpu_adam, hooks, quantized
-from offload.activations import Checkpointing, UnitInputs
+from offload.activations import Checkpointing, UnitInputs, attention_line
 from offload.config import Config, LossScaleConfig, load_config
 from offload.materialize import materialize, unit_values
 from offload.optim import OptimState
@@ -111,10 +111,21 @@ class Engine(nn.Module):
         log.info("%s", self.placement.describe())
         # On stderr, where a user sees it: a training script's logging may show no INFO. Over ranks rank 0
         # prints it alone (the others' differ only in their own budgets; their logs have it at INFO).
-        swap_line = f"\n  {self.store.describe()}" if self.store is not None else ""
+        lines = [self.placement.summary(), *(f"  {line}" for line in self._activation_lines(model))]
+        if self.store is not None:
+            lines.append(f"  {self.store.describe()}")
         if self.rank == 0:
-            print("offload: memory plan (per tier: need of budget; the runtime's parts)\n" + self.placement.summary()
-                  + swap_line, file=sys.stderr, flush=True)
+            print("offload: memory plan (per tier: need of budget; the runtime's parts)\n" + "\n".join(lines),
+                  file=sys.stderr, flush=True)
+
+    def _activation_lines(self, model: nn.Module) -> list[str]:
+        """The plan's lines on what the forward keeps: the checkpointed units, the attention that runs."""
+        lines = []
+        if self._checkpointing is not None:
+            lines.append(f"activations: {len(self._checkpointing.units)} units checkpointed (each keeps its inputs, "
+                         "its forward runs again in its backward)")
+        attention = attention_line(model, self.device, self.dtype)
+        return lines + ([attention] if attention else [])
 
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
