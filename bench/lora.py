@@ -52,14 +52,16 @@ GOAL_RSS_BYTES = 6e9
 WHOLE_WINDOW_S, LAYER_WINDOW_S, MAX_RUNS = 6.0, 20.0, 50  # the compute bound's timing windows (compute_worker)
 
 
-def _model(args, device: str):
-    """The preset (with --layers) wrapped with peft's LoRA, on `device`; and its info dict."""
+def _model(args, device: str, checkpoint_layers: bool = False):
+    """The preset (with --layers) wrapped with peft's LoRA, on `device`; and its info dict. checkpoint_layers: the
+    model calls torch's checkpoint on each decoder layer itself (the in-memory compute bound's, as the engine's
+    activation_checkpointing does for ours)."""
     from offload import models
     from offload.lora import apply_lora
 
     if args.layers:
         models.PRESETS[args.model] = dataclasses.replace(models.PRESETS[args.model], n_layers=args.layers)
-    model = models.build_model(args.model, device="meta", checkpoint_activations=args.checkpoint_activations)
+    model = models.build_model(args.model, device="meta", checkpoint_activations=checkpoint_layers)
     if device != "meta":
         import torch
 
@@ -90,7 +92,8 @@ def worker(args) -> None:
 
     cfg = load_config({"precision": args.precision, "offload_param": {"device": args.base},
                        "offload_optimizer": {"device": "none"}, "nvme_path": args.dir, "optimizer": {"lr": 1e-4},
-                       "budgets": {"hbm_bytes": args.hbm}, "quantize_base": args.quantize})
+                       "budgets": {"hbm_bytes": args.hbm}, "quantize_base": args.quantize,
+                       "activation_checkpointing": args.activation_checkpointing})
     model = _model(args, "meta")
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -137,7 +140,7 @@ def compute_worker(args) -> None:
 
     layers = args.layers or _preset(args).n_layers
     args.layers = 1
-    model = _model(args, "cpu")
+    model = _model(args, "cpu", checkpoint_layers=args.activation_checkpointing)
     ids, labels = BatchSampler(load_tokens(), args.batch, args.seq, seed=0).batch(0)
     block = next(m for name, m in model.named_modules() if name.endswith("layers.0"))
     cfg = _preset(args)
@@ -147,8 +150,8 @@ def compute_worker(args) -> None:
     def whole():
         loss_of(model(ids, labels=labels)).backward()
 
-    def layer():  # with --checkpoint-activations its forward runs again in its backward, as ours does
-        if args.checkpoint_activations:
+    def layer():  # with --activation-checkpointing its forward runs again in its backward, as ours does
+        if args.activation_checkpointing:
             out = torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False)
         else:
             out = block(x, cos, sin)
@@ -189,7 +192,7 @@ def _sub(args, flag: str, extra: list[str]) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), flag, "--model", args.model, "--layers", str(args.layers),
             "--lora", str(args.lora), "--targets", args.targets, "--batch", str(args.batch), "--seq", str(args.seq),
             "--precision", args.precision, "--base", args.base,
-            *(["--checkpoint-activations"] if args.checkpoint_activations else []), *(["--quantize", args.quantize] if args.quantize else []),
+            *(["--activation-checkpointing"] if args.activation_checkpointing else []), *(["--quantize", args.quantize] if args.quantize else []),
             *extra]
 
 
@@ -224,7 +227,7 @@ def _run(args, work: str) -> dict:
     gflops = limits.matmul_gflops(args.precision)
     report = {"model": args.model, "layers": args.layers or _preset(args).n_layers, "lora_r": args.lora,
               "targets": args.targets, "batch": args.batch, "seq": args.seq, "precision": args.precision,
-              "quantize": args.quantize, "base": args.base, "checkpoint_activations": args.checkpoint_activations,
+              "quantize": args.quantize, "base": args.base, "activation_checkpointing": args.activation_checkpointing,
               "hbm_budget_bytes": args.hbm, "matmul_gflops": gflops, **compute, **ours}
     links = [l for l in report.pop("links") if l]
     report["nvme_read_bytes"] = [l["nvme_to_dram"]["bytes"] for l in links]
@@ -291,9 +294,10 @@ def _parse_args() -> argparse.Namespace:
                     help="the frozen base quantized by bitsandbytes (QLoRA; the compute bound then includes the "
                          "dequantization: the in-memory model is quantized too)")
     ap.add_argument("--base", choices=("nvme", "cpu"), default="nvme", help="offload_param: the base on nvme or in dram")
-    ap.add_argument("--checkpoint-activations", action="store_true",
-                    help="the preset checkpoints each decoder layer (keeps its input, recomputes its forward in the "
-                         "backward; the compute bound's layer does the same)")
+    ap.add_argument("--activation-checkpointing", "--checkpoint-activations", action="store_true",
+                    help="the engine checkpoints each decoder layer (config activation_checkpointing: keeps its "
+                         "input, runs its forward again in the backward; the compute bound's layers call torch's "
+                         "checkpoint themselves)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=256)

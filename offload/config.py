@@ -174,6 +174,7 @@ class Config:
     chunk_bytes: int = 32 << 20    # the grain of nvme <-> dram movement and of the CPU Adam pipeline (docs/design.md "Chunks and budgets")
     swap_checksum: bool = True     # per-block checksums of swap files, verified on read (nvme optimizer states: in the CPU Adam pass)
     seed: int = 0                  # seeds meta-device materialization
+    activation_checkpointing: bool = False  # the engine checkpoints each unit's forward: keeps the unit's inputs, runs its forward again in its backward (docs/python.md "Activation checkpointing")
     quantize_base: str | None = None  # "nf4" | "fp4" | "int8": a model built on meta has its base's linears quantized by bitsandbytes as they are materialized (a LoRA run; docs/training.md "QLoRA")
     collective_timeout_s: float = 600.0  # over ranks: a collective not matched by every rank within this raises an error naming it ([Note: collective order] in offload/ranks.py)
 

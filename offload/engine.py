@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload import checkpoint, cpu_adam, hooks, quantized
+from offload.activations import Checkpointing, UnitInputs, attention_line
 from offload.config import Config, LossScaleConfig, load_config
 from offload.materialize import materialize, unit_values
 from offload.optim import OptimState
@@ -42,11 +43,11 @@ class Engine(nn.Module):
 
     Besides its methods and properties, its public fields are PUBLIC_FIELDS: what the modules around it
     (materialize, checkpoint, the integrations) work through: the runtime `rt`, the units and their handles
-    (`weights`, `states`), the step's `pipeline` and `prefetcher`; nothing reaches its other attributes
-    (tests/test_layering.py)."""
+    (`weights`, `states`), the step's `pipeline` and `prefetcher`, the checkpointed units' inputs
+    (`unit_inputs`); nothing reaches its other attributes (tests/test_layering.py)."""
 
     PUBLIC_FIELDS = ("module", "cfg", "device", "precision", "placement", "units", "rt", "weights", "states",
-                     "pipeline", "prefetcher", "weights_source", "checkpoint_run_id")
+                     "pipeline", "prefetcher", "weights_source", "checkpoint_run_id", "unit_inputs")
 
     def __init__(self, model: nn.Module, config: Config | dict | str | None = None, weights=None):
         super().__init__()
@@ -102,15 +103,29 @@ class Engine(nn.Module):
                          for h in hooks.register(self.prefetcher, self.weights[u.index], rt, u, m)]
         self._grad_hooks = [s.param.register_post_accumulate_grad_hook(self.pipeline.grads.hook(u))
                             for u in self.units for s in u.slots if s.trainable]
+        self.unit_inputs = UnitInputs()  # [Note: activation checkpointing] in offload.activations
+        self._checkpointing = (Checkpointing(self.units, self.unit_inputs, lambda: self.pipeline.in_backward)
+                               if cfg.activation_checkpointing else None)
         self._guards = checkpoint.guard_module(model)  # model.state_dict() would read placeholders: kept after close
         _serve_save_pretrained(self, model)
         log.info("%s", self.placement.describe())
         # On stderr, where a user sees it: a training script's logging may show no INFO. Over ranks rank 0
         # prints it alone (the others' differ only in their own budgets; their logs have it at INFO).
-        swap_line = f"\n  {self.store.describe()}" if self.store is not None else ""
+        lines = [self.placement.summary(), *(f"  {line}" for line in self._activation_lines(model))]
+        if self.store is not None:
+            lines.append(f"  {self.store.describe()}")
         if self.rank == 0:
-            print("offload: memory plan (per tier: need of budget; the runtime's parts)\n" + self.placement.summary()
-                  + swap_line, file=sys.stderr, flush=True)
+            print("offload: memory plan (per tier: need of budget; the runtime's parts)\n" + "\n".join(lines),
+                  file=sys.stderr, flush=True)
+
+    def _activation_lines(self, model: nn.Module) -> list[str]:
+        """The plan's lines on what the forward keeps: the checkpointed units, the attention that runs."""
+        lines = []
+        if self._checkpointing is not None:
+            lines.append(f"activations: {len(self._checkpointing.units)} units checkpointed (each keeps its inputs, "
+                         "its forward runs again in its backward)")
+        attention = attention_line(model, self.device, self.dtype)
+        return lines + ([attention] if attention else [])
 
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -272,7 +287,9 @@ class Engine(nn.Module):
             tiers["nvme"]["used_bytes"] = swap["disk_bytes"]
             tiers["nvme"]["peak_bytes"] = max(tiers["nvme"]["peak_bytes"], swap["disk_bytes"])
         return {"step": self.step_count, "tiers": tiers, **snap, "last_step": self.pipeline.stats.last,
-                "loss_scale": self.loss_scale, "skipped_steps": self.skipped_steps, "swap": swap}
+                "loss_scale": self.loss_scale, "skipped_steps": self.skipped_steps, "swap": swap,
+                "activations": {"checkpointed_units": len(self._checkpointing.units) if self._checkpointing else 0,
+                                "inputs_bytes": self.unit_inputs.nbytes, "inputs_peak_bytes": self.unit_inputs.peak_bytes}}
 
     def close(self) -> None:
         """Frees pinned memory, stops the threads and removes the swap files; also after an error (it does
@@ -282,6 +299,8 @@ class Engine(nn.Module):
         self._closed = True
         for h in getattr(self, "_handles", []) + getattr(self, "_grad_hooks", []):
             h.remove()
+        if getattr(self, "_checkpointing", None) is not None:
+            self._checkpointing.close()
         if getattr(self, "pipeline", None) is not None:
             self.pipeline.close()
         if getattr(self, "rt", None) is not None:

@@ -5,9 +5,12 @@ Pre-backward: a hook on every output tensor that requires grad fires when the gr
 arrives, just before the module's own backward runs. Post-backward: the module's tensor inputs that
 require grad pass through `_PostBackward`, an identity whose backward runs once the gradients of all
 those inputs exist, i.e. after every autograd node between the inputs and the outputs ran. A unit
-whose inputs need no gradient (the embedding) is released when backward() ends. Under activation
-checkpointing the recomputed forward fires the forward hooks again; in backward they fetch but do not
-release, since the recomputed forward's own backward follows at once.
+whose inputs need no gradient (the embedding) is released when backward() ends. A model that checkpoints
+around a unit's call (torch.utils.checkpoint.checkpoint(block, ...)) fires the forward hooks again when it
+recomputes the unit in backward: that fetch is part of the unit's backward use (recorded as the backward's,
+after the output hook's fetch: one event in the trace, as without checkpointing), and the recomputed forward
+does not release, since its own backward follows at once. The engine's own checkpointing runs inside the hooks
+and fires none of them again ([Note: activation checkpointing] in offload.activations).
 
 [Note: backward without weights]
 An embedding lookup's backward reads the indices, not the table: a use of a unit by a module whose
@@ -56,7 +59,7 @@ def register(prefetcher, weights, rt, unit, module: torch.nn.Module) -> list:
     lookup = getattr(type(module), "forward", None) is torch.nn.Embedding.forward  # [Note: backward without weights]
 
     def pre_forward(mod, args, kwargs):
-        prefetcher.fetch_for_use(unit)
+        prefetcher.fetch_for_use(unit, backward=prefetcher.in_backward())  # in backward: a recompute (module note)
         starts.append((time.perf_counter(), weights.refs() if lookup else None))
         if not torch.is_grad_enabled():
             return None

@@ -221,6 +221,8 @@ class LlamaLM(nn.Module):
     t+1); -100 is ignored. So the same batches feed this model and transformers' LlamaForCausalLM.
     """
 
+    attn_implementation = "sdpa"  # F.scaled_dot_product_attention, as HF names it ([Note: which attention runs])
+
     def __init__(self, cfg: ModelConfig, device=None, dtype=None):
         super().__init__()
         self.config = cfg

@@ -12,26 +12,34 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, ckpt: bool = False):
+    """ckpt: its forward runs its body under torch's checkpoint (inside the unit, as Hugging Face's layers do);
+    dropout: after the activation."""
+
+    def __init__(self, d: int, ckpt: bool = False, dropout: float = 0.0):
         super().__init__()
         self.fc1, self.fc2, self.ckpt = nn.Linear(d, 2 * d), nn.Linear(2 * d, d), ckpt
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def _f(self, x):
-        return x + self.fc2(torch.relu(self.fc1(x)))
+        return x + self.fc2(self.drop(torch.relu(self.fc1(x))))
 
     def forward(self, x):
         return checkpoint(self._f, x, use_reentrant=False) if self.ckpt and torch.is_grad_enabled() else self._f(x)
 
 
 class MLP(nn.Module):
-    """inp -> blocks (units) -> head; `frozen` freezes the input layer (as a LoRA base would be)."""
+    """inp -> blocks (units) -> head; `frozen` freezes the input layer (as a LoRA base would be); `outer_ckpt`:
+    each block is called under torch's checkpoint (around the unit, as the presets' checkpoint_activations do),
+    "reentrant" for use_reentrant=True; ckpt, dropout: the blocks' (Block)."""
 
-    def __init__(self, d: int = 64, n_blocks: int = 3, ckpt: bool = False, frozen: bool = False):
+    def __init__(self, d: int = 64, n_blocks: int = 3, ckpt: bool = False, frozen: bool = False,
+                 dropout: float = 0.0, outer_ckpt: bool | str = False):
         super().__init__()
         self.inp = nn.Linear(16, d)
-        self.blocks = nn.ModuleList(Block(d, ckpt) for _ in range(n_blocks))
+        self.blocks = nn.ModuleList(Block(d, ckpt, dropout) for _ in range(n_blocks))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, 4)
+        self.outer_ckpt = outer_ckpt
         if frozen:
             self.inp.requires_grad_(False)
             self.blocks[0].fc1.weight.requires_grad_(False)
@@ -39,7 +47,10 @@ class MLP(nn.Module):
     def forward(self, x, y):
         h = self.inp(x)
         for b in self.blocks:
-            h = b(h)
+            if self.outer_ckpt and torch.is_grad_enabled():
+                h = checkpoint(b, h, use_reentrant=self.outer_ckpt == "reentrant")
+            else:
+                h = b(h)
         return nn.functional.mse_loss(self.head(self.norm(h)).float(), y.float())
 
 

@@ -138,16 +138,20 @@ def test_every_unsupported_key_is_named_once_with_what_we_do_instead():
                                     "no_such_knob": 1, "offload_param": {"device": "cpu", "pin_memory": False},
                                     "offload_optimizer": {"device": "cpu", "pin_memory": True}},
               "tensorboard": {"enabled": True}, "communication_data_type": "fp32",
-              "zero_allow_untested_optimizer": True, "ignored_auto": "auto"}
-    _, noted = _load(config)
+              "zero_allow_untested_optimizer": True, "ignored_auto": "auto",
+              "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True}}
+    cfg, noted = _load(config)
     assert sorted(noted) == sorted(["zero_optimization.overlap_comm", "zero_optimization.no_such_knob",
                                     "zero_optimization.offload_param.pin_memory", "tensorboard",
-                                    "communication_data_type", "zero_allow_untested_optimizer"])
+                                    "communication_data_type", "zero_allow_untested_optimizer",
+                                    "activation_checkpointing"])
+    assert cfg.activation_checkpointing is False  # DeepSpeed's section is not our key
     with pytest.warns(ds.DeepSpeedConfigWarning) as record:
         Config.from_deepspeed(config)
     text = str(record[0].message)
     assert "overlap_comm: False: transfers always overlap compute" in text
     assert "no_such_knob: no equivalent here; ignored" in text
+    assert "our activation_checkpointing: true (--activation-checkpointing)" in text
 
 
 def test_a_config_we_follow_entirely_warns_nothing():

@@ -157,3 +157,22 @@ def test_trace_flag_writes_a_perfetto_trace_and_a_timeline_png(tmp_path):
     png = tmp_path / "trace.json.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert report["stats"]["step"] == 2
+
+
+def test_activation_checkpointing_flag_checkpoints_the_presets_blocks(tmp_path):
+    """--activation-checkpointing (config activation_checkpointing; also a training-script flag): the engine
+    checkpoints the preset's 4 blocks, which train to the same losses (the same flag and mechanism for a
+    Hugging Face directory: tests/test_train_hf.py)."""
+    import argparse
+
+    import offload
+
+    cfg, _ = _resolve(activation_checkpointing=True)
+    assert cfg.activation_checkpointing is True and _resolve()[0].activation_checkpointing is False
+    parser = offload.add_arguments(argparse.ArgumentParser())
+    assert offload.config_from_args(parser.parse_args(["--activation-checkpointing"])).activation_checkpointing
+    plain = _run(tmp_path, steps=2, out=str(tmp_path / "plain"))
+    report = _run(tmp_path, steps=2, activation_checkpointing=True)
+    assert report["losses"] == plain["losses"] and report["config"]["activation_checkpointing"] is True
+    assert report["stats"]["activations"]["checkpointed_units"] == 4
+    assert plain["stats"]["activations"]["checkpointed_units"] == 0

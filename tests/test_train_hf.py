@@ -82,6 +82,21 @@ def test_train_hf_dir_and_save_loads_back_into_transformers(hf_dir, tmp_path, ca
         assert torch.isfinite(loaded(input_ids=_ids()).logits).all()
 
 
+def test_activation_checkpointing_flag_on_a_hf_directory(hf_dir, tmp_path, capsys):
+    """--activation-checkpointing checkpoints the decoder layers of a Hugging Face model as the presets' blocks
+    (the engine's mechanism, nothing asked of the model): the same losses as without."""
+    losses = {}
+    for flag in ([], ["--activation-checkpointing"]):
+        rc = main(["train", "--model", hf_dir, "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+                   "--nvme-path", str(tmp_path / "swap"), "--out", str(tmp_path / f"run{len(flag)}"), "--json",
+                   "--no-progress", *flag])
+        assert rc == 0
+        report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert report["stats"]["activations"]["checkpointed_units"] == 2 * len(flag)  # the 2 layers
+        losses[bool(flag)] = report["losses"]
+    assert losses[True] == losses[False]
+
+
 def _save_tokenizer(directory, text: str):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 

@@ -278,8 +278,8 @@ def test_lora_on_an_embedding_is_refused_with_what_the_command_line_can_do(model
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "LoraWeights" not in err[0], err
     assert ("--lora-targets=embed_tokens,q_proj: embed_tokens (Embedding) is not a linear layer, and offload trains "
-            "LoRA adapters of linear layers only; target linears of this model (q_proj, k_proj, v_proj, o_proj, "
-            "gate_proj, up_proj, down_proj, lm_head), or train every parameter, embed_tokens included, without "
+            "LoRA adapters of linear layers only; target linears of this model (down_proj, gate_proj, k_proj, lm_head, "
+            "o_proj, q_proj, up_proj, v_proj), or train every parameter, embed_tokens included, without "
             "--lora") in err[0], err
     assert not list((tmp_path / "swap").glob("offload-swap-*"))
 

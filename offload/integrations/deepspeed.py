@@ -157,6 +157,9 @@ KEYS: dict[str, To | Instead] = {
     "steps_per_print": Instead("`offload train` shows every step in its progress bar; engine.stats() any time"),
     "wall_clock_breakdown": Instead("engine.stats() and `offload train --trace` time every phase", ours=False),
     "zero_allow_untested_optimizer": Instead("the optimizer is always our own Adam"),
+    "activation_checkpointing": Instead("this section sets up deepspeed.checkpointing, which a model calls itself; "
+                                        "the engine checkpoints every unit's forward with our activation_checkpointing: "
+                                        "true (--activation-checkpointing)"),
 }
 SECTIONS = {"zero_optimization", PARAM[:-1], OPT[:-1], "aio", "bf16", "fp16", "optimizer", "optimizer.params",
             "scheduler", "scheduler.params"}

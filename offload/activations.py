@@ -1,0 +1,197 @@
+"""What a forward keeps for its backward: activation checkpointing by the engine (a unit's forward keeps its
+inputs alone and runs again in its backward), and which attention a model runs (the plan says).
+
+[Note: activation checkpointing]
+With `activation_checkpointing`, the forward of every unit made of layers (a root module with children: a
+transformer block; not a lone embedding or linear head, whose own forward keeps no more than its input) runs
+inside torch's non-reentrant checkpoint, `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, as the
+unit's `forward`, so inside the engine's module hooks (offload.hooks). The forward keeps the unit's tensor
+inputs and nothing it computes; when the unit's backward needs what it computed, torch runs the forward again
+with the RNG state of the first run (dropout draws the same masks), so the numbers are bit for bit those of the
+model calling torch's checkpoint on each unit itself. The recompute's weights are the backward's: the hook on
+the unit's outputs fetches the unit before any of its backward runs, so the recompute fetches through the same
+path, is not a use of its own, and the recorded trace (and over ranks, the gathers that follow it) is the trace
+of a run without checkpointing.
+
+torch saves a checkpoint's inputs under the saved-tensor hooks outside it: the engine's are UnitInputs', which
+holds each unit's inputs until autograd frees them after the unit's backward; the one place where the inputs of
+every checkpointed unit are (the place from which they can move to a tier and come back ahead of the backward).
+
+A model that checkpoints inside its units already recomputes each unit once, not twice:
+- a checkpoint around the unit's call (the presets' `checkpoint_activations`: checkpoint(block, ...)) holds the
+  engine's: that one saves the inputs (through UnitInputs) and everything else in its own frame, so the model's
+  checkpoint saves nothing and never recomputes;
+- a checkpoint inside the unit's forward (Hugging Face's `gradient_checkpointing_enable()` checkpoints a layer's
+  forward; a block calling checkpoint on its body): the engine's saves the inputs of the model's, and its
+  recompute stops as soon as it recomputed them (torch's early stop, set for the engine's checkpoint), before
+  the body, which the model's checkpoint then recomputes;
+- a reentrant checkpoint around the unit's call runs the forward under no_grad, then again in the backward: a
+  forward that runs in the backward is not checkpointed by the engine. A reentrant one inside the unit's forward
+  would run the body a third time; use use_reentrant=False there (Hugging Face's default).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from offload.units import Unit
+
+# The fused kernels of F.scaled_dot_product_attention (aten ops): none keeps the T x T scores for the backward.
+SDPA_KERNELS = {"_scaled_dot_product_flash_attention_for_cpu": "torch's flash kernel for the CPU",
+                "_scaled_dot_product_flash_attention": "the flash kernel",
+                "_scaled_dot_product_efficient_attention": "the memory-efficient kernel",
+                "_scaled_dot_product_cudnn_attention": "cuDNN's kernel"}
+
+
+def checkpointed(unit: Unit) -> bool:
+    """Whether the engine checkpoints `unit` (module note): a unit whose root module has children."""
+    return unit.module is not None and next(unit.module.children(), None) is not None
+
+
+class _Kept:
+    """One saved input of a checkpointed unit's forward (what autograd holds in its place)."""
+
+    __slots__ = ("unit", "tensor", "__weakref__")
+
+    def __init__(self, unit: int, tensor: torch.Tensor):
+        self.unit, self.tensor = unit, tensor
+
+
+class UnitInputs:
+    """The tensor inputs of the checkpointed units' forwards, per unit, from each forward until autograd frees
+    them (after that forward's backward, or with its graph): `saving(unit)` around a unit's checkpoint
+    collects them; `nbytes` are those held now, `peak_bytes` the most held at once."""
+
+    def __init__(self):
+        self._kept: dict[int, weakref.WeakSet] = {}
+        self.peak_bytes = 0
+
+    def saving(self, unit: int) -> torch.autograd.graph.saved_tensors_hooks:
+        def pack(t: torch.Tensor) -> _Kept:
+            kept = _Kept(unit, t)
+            self._kept.setdefault(unit, weakref.WeakSet()).add(kept)
+            self.peak_bytes = max(self.peak_bytes, self.nbytes)
+            return kept
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda kept: kept.tensor)
+
+    def kept(self, unit: int) -> list[torch.Tensor]:
+        return [k.tensor for k in self._kept.get(unit, ())]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the storages the kept inputs hold alive, each storage once (the rotary tables every
+        layer takes are one)."""
+        held = {k.tensor.untyped_storage().data_ptr(): k.tensor.untyped_storage().nbytes()
+                for s in self._kept.values() for k in s}
+        return sum(held.values())
+
+
+class Checkpointing:
+    """Runs the forward of each checkpointed unit of `units` under torch's checkpoint, its inputs saved through
+    `inputs` (module note); in_backward(): whether a backward runs (a forward then is a model's own recompute,
+    run as it is). close() gives the modules their forwards back."""
+
+    def __init__(self, units: list[Unit], inputs: UnitInputs, in_backward):
+        self.inputs, self.in_backward = inputs, in_backward
+        self.units = [u for u in units if checkpointed(u)]
+        self._own = {}  # module -> the forward it held as its own attribute (accelerate sets one), or None
+        for u in self.units:
+            self._wrap(u)
+
+    def _wrap(self, unit: Unit) -> None:
+        module = unit.module
+        self._own[module] = module.__dict__.get("forward")
+        inner = module.forward
+
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            if not torch.is_grad_enabled() or self.in_backward():
+                return inner(*args, **kwargs)
+            flat, spec = tree_flatten((args, kwargs))
+            at = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+
+            def run(*tensors):  # every tensor input is passed to checkpoint, so it is saved through `inputs`
+                leaves = list(flat)
+                for i, t in zip(at, tensors):
+                    leaves[i] = t
+                a, k = tree_unflatten(leaves, spec)
+                return inner(*a, **k)
+
+            with self.inputs.saving(unit.index), set_checkpoint_early_stop(True):
+                return checkpoint(run, *(flat[i] for i in at), use_reentrant=False)
+
+        module.forward = forward
+
+    def close(self) -> None:
+        for module, own in self._own.items():
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
+        self._own.clear()
+
+
+# [Note: which attention runs]
+# Attention's activations grow with the sequence squared where the scores are kept: eager attention keeps each
+# layer's batch x heads x T x T weights for its backward, as does SDPA's math path. SDPA's fused kernels (on the
+# CPU, torch's flash kernel) keep the output and a row statistic. A model names its attention: a Hugging Face
+# model's config._attn_implementation, the presets' class attribute attn_implementation ("sdpa"). For "sdpa" the
+# kernel torch picks depends on the device, dtype, head size and dropout, so it is asked: one tiny causal call
+# (the RNG state kept), whose aten op names the kernel. The memory plan prints the answer.
+
+
+def named_attention(model: torch.nn.Module) -> tuple[str, object] | None:
+    """(implementation, the config it is named in) of the attention `model` names, or None ([Note: which
+    attention runs])."""
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        impl = getattr(m, "attn_implementation", None) or getattr(config, "_attn_implementation", None)
+        if isinstance(impl, str):
+            return impl, config
+    return None
+
+
+def sdpa_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, dropout: float) -> str | None:
+    """The fused kernel F.scaled_dot_product_attention runs for a causal training call on `device` (no mask, as
+    a causal LM calls it), in words; None: its math path."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    q = torch.zeros(1, 1, 4, head_dim, device=device, dtype=dtype, requires_grad=True)
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.enable_grad(), Ops():
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=dropout, is_causal=True)
+    return next((SDPA_KERNELS[op] for op in seen if op in SDPA_KERNELS), None)
+
+
+def attention_line(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
+    """The memory plan's line on the attention `model` runs; None when it names none."""
+    named = named_attention(model)
+    if named is None:
+        return None
+    impl, config = named
+    if impl != "sdpa":
+        keeps = (" (keeps each layer's batch x heads x T x T attention weights for its backward; "
+                 'attn_implementation="sdpa" keeps none of them)') if impl == "eager" else ""
+        return f"attention: {impl}{keeps}"
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 64)
+    try:
+        kernel = sdpa_kernel(device, dtype, head_dim, float(getattr(config, "attention_dropout", 0.0) or 0.0))
+    except RuntimeError as e:  # the plan's line only: training goes on
+        return f"attention: sdpa (which kernel it runs here could not be asked: {str(e).splitlines()[0]})"
+    if kernel is None:
+        return "attention: sdpa, its math path on this device (keeps each layer's batch x heads x T x T scores)"
+    return f"attention: sdpa, {kernel} (no T x T scores kept)"
