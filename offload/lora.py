@@ -158,19 +158,20 @@ def apply_lora(model: torch.nn.Module, info: dict, lora: dict) -> torch.nn.Modul
         targets = [PRESET_TARGETS[t] for t in targets]
     config = peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"], bias="none",
                              target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets)
+    linears = _linear_names(model)  # before peft wraps them
     try:
         wrapped = peft.get_peft_model(model, config)
     except ValueError as e:  # peft: a target it cannot adapt (a convolution, an unknown layer)
         why = str(e).splitlines()[0].rstrip(".")
         raise ValueError(f"--lora-targets={','.join(given)}: {why}; name linears of the model "
-                         f"({', '.join(_linear_names(model))})") from e
+                         f"({', '.join(linears)})") from e
     other = {path.rsplit(".", 1)[-1]: type(layer.get_base_layer()).__name__ for path, layer in _lora_layers(wrapped)
              if isinstance(layer.get_base_layer(), (torch.nn.Embedding, torch.nn.modules.conv._ConvNd))}
     if other:  # peft adapts embeddings too, but their adapters are not lora_A / lora_B: see adapter_init, merged_items
         raise ValueError(f"--lora-targets={','.join(given)}: "
                          + ", ".join(f"{name} ({kind})" for name, kind in other.items())
                          + " is not a linear layer, and offload trains LoRA adapters of linear layers only; target "
-                         f"linears of this model ({', '.join(_linear_names(model))}), or train every parameter, "
+                         f"linears of this model ({', '.join(linears)}), or train every parameter, "
                          f"{', '.join(other)} included, without --lora")
     return wrapped
 
