@@ -336,11 +336,11 @@ def train(args_or_config=None) -> dict:
     ([Note: a rank whose launcher is gone] in offload/watchdog.py)."""
     args = _as_namespace(args_or_config)
     cfg, run = resolve(args)
-    with LauncherWatch(label=f"offload train (rank {os.environ.get('RANK', 0)})"):
-        return _train(args, cfg, run)
+    with LauncherWatch(label=f"offload train (rank {os.environ.get('RANK', 0)})") as watch:
+        return _train(args, cfg, run, watch)
 
 
-def _train(args: argparse.Namespace, cfg: Config, run: dict) -> dict:
+def _train(args: argparse.Namespace, cfg: Config, run: dict, watch: LauncherWatch) -> dict:
     """train() once its settings are resolved."""
     from offload import report as rep
 
@@ -390,6 +390,7 @@ def _train(args: argparse.Namespace, cfg: Config, run: dict) -> dict:
                           if args.save_merged else None)
             check_stop()
         except Stopped as stop:  # the engine is closed: its swap files are gone
+            watch.stand_down()  # stopping already (its SIGTERM handler gone): the report is written, not cut off
             stop.report = _stopped(stop, args, run, cfg, info, history, engine, init_s, out_dir)
             raise
         except SaveFailed as failed:  # the steps done are reported; the last good checkpoint is untouched

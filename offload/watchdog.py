@@ -126,6 +126,10 @@ class LauncherWatch:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.stand_down()
+
+    def stand_down(self) -> None:
+        """Stops watching: the process is stopping on its own."""
         self._done.set()
 
     def _watch(self) -> None:
