@@ -15,14 +15,13 @@ from offload.integrations.hf_io import iter_safetensors, source_dtype, with_dtyp
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from tests.test_train_hf import _tiny_llama  # noqa: E402 (after the skips: it needs transformers)
+
 
 @pytest.fixture(scope="module")
 def bf16_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("bf16") / "llama"
-    cfg = transformers.LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, max_shard_size="60KB")
+    _tiny_llama(tied=False).to(torch.bfloat16).save_pretrained(path, max_shard_size="60KB")
     assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
     return path
 

@@ -17,7 +17,7 @@ from offload.cli import main
 from offload.data import load_data, make_sampler
 from offload.lora import base_name
 from offload.pipeline import lr_factor
-from tests.test_train_hf import _probe, _save_tokenizer, _spy_on_saves
+from tests.test_train_hf import _probe, _save_tokenizer, _spy_on_saves, _tiny_llama
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -30,10 +30,7 @@ TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mi
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("lora") / "llama"
-    cfg = transformers.LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size="60KB")
+    _tiny_llama(tied=False).save_pretrained(path, max_shard_size="60KB")
     _save_tokenizer(path, TEXT)
     data = path.parent / "data.jsonl"
     data.write_text("".join(json.dumps({"text": TEXT[i:i + 200]}) + "\n" for i in range(0, len(TEXT), 200)))
