@@ -115,12 +115,18 @@ class GradientPath:
         while not self.hbm.fits(nbytes) or (gradients and sum(n for _, n in self._jobs) + nbytes > self.reserve):
             if not self._jobs:
                 break
-            self._jobs.pop(0)[0].wait()
+            self._wait_oldest()
         return self.hbm.fits(nbytes)
 
     def wait_all(self) -> None:
         while self._jobs:
-            self._jobs.pop(0)[0].wait()
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        """The oldest job leaves the list once finished: if the wait is interrupted (a signal's Stopped),
+        settle() still waits for it before the failure handling touches what it uses."""
+        self._jobs[0][0].wait()
+        self._jobs.pop(0)
 
     def settle(self) -> None:
         """After a failure: every job in flight finished (each refunds its hbm charge), errors ignored."""
