@@ -114,9 +114,9 @@ def _merge(parts: list[dict]) -> dict:
                     where = tensors[name].setdefault(kind, {"dtype": entry[kind]["dtype"], "ranges": []})
                     where["ranges"] += entry[kind]["ranges"]
     for entry in tensors.values():
-        for where in entry.values():
-            if isinstance(where, dict):
-                where["ranges"].sort(key=lambda r: r["begin"])
+        for kind in (*STATES, "grad", "weight"):
+            if kind in entry:
+                entry[kind]["ranges"].sort(key=lambda r: r["begin"])
     return {"tensors": tensors, "buffers": parts[0]["buffers"],
             "files": {k: v for p in parts for k, v in p["files"].items()},
             "rng": {k: v for p in parts for k, v in p["rng"].items()}}
@@ -195,7 +195,8 @@ def _save_parameters(engine, out: fmt.DataFile, accumulator: bool, states: bool 
             meta = entry[s.offset] = tensors[name] = {"shape": list(s.shape), "dtype": fmt.dtype_name(engine.rt.dtype),
                                                       "trainable": s.trainable, "aliases": aliases}
             if s.record is not None:  # its record's bytes as s.numel elements ([Note: quantized weights as records])
-                meta.update(quantized=s.record.kind, quantized_elements=s.numel, quantized_params=s.record.numel)
+                meta.update(quantized=s.record.kind, quantized_elements=s.numel, quantized_params=s.record.numel,
+                            quantization=s.record.spec())
             if s.trainable:
                 meta["step"] = steps[s.offset]
                 if accumulator:

@@ -350,7 +350,7 @@ def check_ranges(what: str, where: dict, numel: int, files: dict) -> list[str]:
 def all_ranges(manifest: dict):
     """(what, range) for every range of the manifest, in file order."""
     found = [(f"{name} {kind} elements [{r['begin']}, {r['end']})", r)
-             for name, e in manifest["tensors"].items() for kind, where in e.items() if isinstance(where, dict)
+             for name, e in manifest["tensors"].items() for kind, where in e.items() if kind in _KINDS
              for r in where["ranges"]]
     found += [(f"buffer {name}", r) for name, e in manifest["buffers"].items() for r in e["ranges"]]
     return sorted(found, key=lambda wr: (wr[1]["file"], wr[1]["offset"]))
@@ -437,18 +437,20 @@ def verify(ckpt: str, manifest: dict) -> None:
         files.verify_all(manifest)
 
 
-def iter_weights(ckpt: str, manifest: dict, dtype: torch.dtype):
+def iter_weights(ckpt: str, manifest: dict, dtype: torch.dtype, dequantize=None):
     """(name, tensor) for every parameter name (tied names too) and persistent buffer of a checkpoint,
     one at a time, checksums verified: masters of trainable parameters, weights of frozen ones, floating
-    values as `dtype` (what `offload checkpoint export` writes)."""
+    values as `dtype` (what `offload checkpoint export` writes). A quantized weight (a QLoRA run's base, kept
+    as its record's bytes) comes as dequantize(its spec, its bytes as uint8), then as `dtype`."""
     with Reader(ckpt, manifest) as files:
         entries = [(n, e, e.get("master") or e.get("weight"), [n, *e["aliases"]]) for n, e in manifest["tensors"].items()]
         entries += [(n, e, e, [n]) for n, e in manifest["buffers"].items()]
         for name, entry, where, names in entries:
-            if "quantized" in entry:
-                raise CheckpointError(f"{ckpt}: {name} is a {entry['quantized']} weight stored as its "
-                                      "quantized bytes (a QLoRA run); exporting those is not built yet: write the "
-                                      "merged model from the run itself with `offload train ... --save-merged DIR`")
+            if "quantized" in entry and (dequantize is None or "quantization" not in entry):
+                raise CheckpointError(f"{ckpt}: {name} is a {entry['quantized']} weight stored as its quantized "
+                                      "bytes (a QLoRA run) without what dequantizes them (a checkpoint saved before "
+                                      "export read them): write the merged model from the run itself with "
+                                      "`offload train ... --save-merged DIR`")
             numel = 1
             for d in entry["shape"]:
                 numel *= d
@@ -457,7 +459,10 @@ def iter_weights(ckpt: str, manifest: dict, dtype: torch.dtype):
             value = torch.empty(numel, dtype=dtype_of(where["dtype"]) if where else dtype)
             if where:
                 files.read_elements(where, 0, numel, value, name)
-            value = value.view(entry["shape"])
+            if "quantized" in entry:
+                value = dequantize(entry["quantization"], value.view(torch.uint8)).to(dtype)
+            else:
+                value = value.view(entry["shape"])
             if value.is_floating_point():
                 value = value.to(dtype)
             for n in names:

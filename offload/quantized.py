@@ -107,6 +107,37 @@ class Record:
         """The weight the record stands for, in full precision, from the record's bytes in `region`."""
         return self._dequantize(self.views(region))
 
+    def spec(self) -> dict:
+        """What dequantize_bytes() needs besides the bytes (a checkpoint keeps it beside them): the kind, the
+        weight's shape and dtype, and for 4-bit the block sizes and whether the absmax is quantized again."""
+        if self.kind == "int8":  # the int8 weight has the layer's shape (unbound, the parameter holds none)
+            return {"kind": "int8", "shape": list(self.pieces[0].shape), "dtype": "float32"}
+        qs = self.param.quant_state
+        spec = {"kind": self.kind, "shape": list(qs.shape), "dtype": str(qs.dtype).removeprefix("torch."),
+                "blocksize": qs.blocksize, "nested": bool(qs.nested)}
+        if qs.nested:
+            spec["nested_blocksize"] = qs.state2.blocksize
+        return spec
+
+
+def dequantize_bytes(spec: dict, region: torch.Tensor) -> torch.Tensor:
+    """The weight a record's bytes (`region`, uint8) stand for, from its spec (Record.spec), dequantized by
+    bitsandbytes in the weight's own dtype as the layer would: what `offload checkpoint export` writes."""
+    bnb = bitsandbytes("exporting a quantized weight")
+    kind, shape = spec["kind"], tuple(spec["shape"])
+    nested = spec.get("nested", False)
+    pieces = [Piece(None, a, d, sh) for a, d, sh in layout(kind, shape, spec.get("blocksize", 64), nested)]
+    views = Record(kind, 0, pieces).views(region)
+    if kind == "int8":
+        return bnb.functional.int8_vectorwise_dequant(views[0], views[1]).view(shape)
+    dtype = getattr(torch, spec["dtype"])
+    state2 = (bnb.functional.QuantState(absmax=views[4], code=views[5], blocksize=spec["nested_blocksize"],
+                                        dtype=torch.float32) if nested else None)
+    state = bnb.functional.QuantState(absmax=views[1], shape=torch.Size(shape), code=views[2],
+                                      blocksize=spec["blocksize"], quant_type=kind, dtype=dtype,
+                                      offset=views[3] if nested else None, state2=state2)
+    return bnb.functional.dequantize_4bit(views[0], state)
+
 
 def layout(kind: str, shape, blocksize: int = 64, nested: bool = True) -> list[tuple[str, torch.dtype, tuple]]:
     """(attribute, dtype, shape) of each tensor bitsandbytes keeps for a weight of `shape` quantized as `kind`
@@ -362,11 +393,11 @@ def _not_converted(model: nn.Module) -> set[str]:
     return skip
 
 
-def bitsandbytes():
-    """bitsandbytes, or one line naming the extra that brings it."""
+def bitsandbytes(what: str = "quantize_base"):
+    """bitsandbytes, or one line naming the extra that brings it (`what` needs it)."""
     try:
         import bitsandbytes as bnb
     except ImportError as e:
-        raise ValueError("quantize_base: needs the bitsandbytes package, which is not installed; "
+        raise ValueError(f"{what}: needs the bitsandbytes package, which is not installed; "
                          "pip install 'offload[qlora]' (in a source checkout: pip install -e '.[qlora]')") from e
     return bnb

@@ -260,8 +260,30 @@ def test_a_checkpoint_holds_the_quantized_bytes_and_resumes_bit_for_bit(tmp_path
     manifest = fmt.read_manifest(path)
     marked = {n: e["quantized"] for n, e in manifest["tensors"].items() if "quantized" in e}
     assert len(marked) == 14 and set(marked.values()) == {"nf4"}
+    for entry in manifest["tensors"].values():  # a checkpoint saved before it kept what dequantizes the bytes
+        entry.pop("quantization", None)
     with pytest.raises(fmt.CheckpointError, match=r"is a nf4 weight stored as its quantized bytes.*--save-merged"):
-        list(fmt.iter_weights(path, manifest, torch.float32))
+        list(fmt.iter_weights(path, manifest, torch.float32, dequantize=quantized.dequantize_bytes))
+
+
+@pytest.mark.parametrize("flag", ["nf4", "int8"])
+def test_the_export_of_a_qlora_checkpoint_is_the_merged_model_save_merged_writes(tmp_path, base_dir, flag):
+    """`offload checkpoint export` of an `offload train --lora --quantize` checkpoint: the base dequantized by
+    bitsandbytes from the checkpoint's bytes, the adapters merged: the tensors --save-merged writes, bit for bit."""
+    from offload.cli import main
+    from offload.integrations.hf_io import iter_safetensors
+
+    merged, ckpts, export = tmp_path / "merged", tmp_path / "ck", tmp_path / "export"
+    args = ["train", "--model", base_dir, "--lora", "4", "--quantize", flag, "--seq-len", str(SEQ), "--batch-size", "2",
+            "--steps", "2", "--lr", "1e-2", "--precision", "fp32", "--nvme-path", str(tmp_path / "nvme"),
+            "--out", str(tmp_path / "run"), "--save-merged", str(merged), "--save-every", "2", "--checkpoint-dir",
+            str(ckpts), "--no-progress"]
+    assert main(args) == 0
+    assert main(["checkpoint", "export", str(ckpts), str(export)]) == 0
+    ours, theirs = dict(iter_safetensors(str(export))), dict(iter_safetensors(str(merged)))
+    assert sorted(ours) == sorted(theirs) and any("q_proj" in n for n in ours)
+    for name, t in theirs.items():
+        assert torch.equal(ours[name], t), name
 
 
 def test_what_cannot_move_as_a_record_is_refused_by_name(base_dir):

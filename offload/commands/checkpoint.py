@@ -89,7 +89,7 @@ def run_export(args) -> int:
     config = extra.get("hf_config")
     if config is not None:
         config = with_dtype(config, dtype)
-    items = ck.iter_weights(path, manifest, dtype)
+    items = ck.iter_weights(path, manifest, dtype, dequantize=_dequantize)
     if extra.get("lora"):  # offload train --lora: the adapters merged into their weights, names without peft's
         from offload.lora import merged_items
 
@@ -105,6 +105,13 @@ def run_export(args) -> int:
           + ("" if config else " (no config.json: the checkpoint's model was not a Hugging Face one)")
           + (f" (the tokenizer files were not copied: {source}, the run's model directory, is gone)" if missing else ""))
     return 0
+
+
+def _dequantize(spec: dict, record: torch.Tensor) -> torch.Tensor:
+    """A QLoRA run's quantized base weight from its record's bytes, by bitsandbytes (the qlora extra)."""
+    from offload.quantized import dequantize_bytes
+
+    return dequantize_bytes(spec, record)
 
 
 def _as_saved(config: dict | None, items):
