@@ -236,7 +236,8 @@ def quantized_weights(model, kind: str) -> dict:
     _check_choice("--quantize", kind, tuple(QUANTIZE_KINDS))
     from offload.quantized import quantizable_linears, record_bytes   # local import: it needs torch
 
-    return {m.weight: record_bytes(kind, tuple(m.weight.shape)) for _, m in quantizable_linears(model)}
+    linears = quantizable_linears(model, f"--quantize={kind}")
+    return {m.weight: record_bytes(kind, tuple(m.weight.shape)) for _, m in linears}
 
 
 def with_quantized_base(shape: ModelShape, model, kind: str, records: dict) -> ModelShape:

@@ -325,7 +325,7 @@ def replace_linears(model: nn.Module, kind: str, compute_dtype: torch.dtype) -> 
     last module) stays in full precision. Returns the paths of the layers replaced."""
     bnb = bitsandbytes()
     done = []
-    for path, module in quantizable_linears(model):
+    for path, module in quantizable_linears(model, f"quantize_base={kind!r}"):
         if isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)):
             continue
         with torch.device("meta"):
@@ -342,10 +342,19 @@ def replace_linears(model: nn.Module, kind: str, compute_dtype: torch.dtype) -> 
     return done
 
 
-def quantizable_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+def quantizable_linears(model: nn.Module, what: str) -> list[tuple[str, nn.Linear]]:
     """(path, module) of the linears replace_linears quantizes: every nn.Linear but the output head, what
-    transformers leaves out and peft's adapters."""
+    transformers leaves out and peft's adapters. Transformers' Conv1D layers (GPT-2's, the weight stored
+    [in, out]) are refused, for `what`: offload does not quantize them yet, and a base left half in full
+    precision is not what was asked for."""
     skip = _not_converted(model)
+    conv1d = [path for path, m in model.named_modules() if type(m).__name__ == "Conv1D"
+              and not any(path == k or path.endswith("." + k) for k in skip)]
+    if conv1d:
+        raise ValueError(f"{what}: {len(conv1d)} of the model's layers are transformers' Conv1D (GPT-2's; "
+                         f"{conv1d[0]}, ...), which offload does not quantize yet; load the model with "
+                         "from_pretrained(..., quantization_config=BitsAndBytesConfig(...)) and pass it to "
+                         "offload.initialize, or train without quantizing the base")
     return [(path, m) for path, m in model.named_modules()
             if isinstance(m, nn.Linear) and ".lora_" not in f".{path}"
             and not any(path == k or path.endswith("." + k) or path.startswith(k + ".") for k in skip)]

@@ -332,3 +332,18 @@ def test_offload_trainer_trains_a_qlora_model_as_stock_trainer_does(tmp_path, ba
         trainer.close()
     losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (trainer, stock)]
     assert len(losses[0]) == 4 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_quantize_refuses_a_model_of_conv1d_layers_by_name():
+    """GPT-2's linears are transformers' Conv1D: --quantize would leave the whole base in full precision."""
+    from tests import hf_archs
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_archs.config("gpt2"))
+    with pytest.raises(ValueError, match=r"quantize_base='nf4': 8 of the model's layers are transformers' Conv1D "
+                                         r"\(GPT-2's; transformer.h.0.attn.c_attn, ...\).*from_pretrained"):
+        quantized.replace_linears(model, "nf4", torch.float32)
+    from offload import estimate
+
+    with pytest.raises(ValueError, match=r"--quantize=int8: 8 of the model's layers are transformers' Conv1D"):
+        estimate.quantized_weights(model, "int8")
