@@ -449,6 +449,19 @@ def test_offload_train_under_torchrun_with_stages_2_and_3_trains_like_stage_0(tm
     assert reports["3"]["stats"]["collectives"]["all_gather"]["bytes"] > 0
 
 
+def test_a_qlora_run_with_its_quantized_base_partitioned_over_ranks_trains_like_stage_0(tmp_path):
+    """--lora --quantize nf4 at ZeRO stage 3 over 2 ranks: each rank holds a slice of the base's quantized bytes
+    and gathers the records for each use; the losses are stage 0's, bit for bit (fp32)."""
+    pytest.importorskip("bitsandbytes")
+    flags = ("--lora", "4", "--quantize", "nf4", "--precision", "fp32")
+    runs = {stage: _torchrun(tmp_path / f"s{stage}", "--zero-stage", stage, *flags) for stage in ("0", "3")}
+    for proc in runs.values():
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    reports = {k: json.loads(next(x for x in p.stdout.splitlines() if x.startswith("{"))) for k, p in runs.items()}
+    assert reports["3"]["losses"] == reports["0"]["losses"]
+    assert reports["3"]["stats"]["collectives"]["all_gather"]["bytes"] > 0
+
+
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_offload_train_under_torchrun_saves_and_resumes_with_states_partitioned(tmp_path, stage):
     ckpts = str(tmp_path / "ckpts")
