@@ -63,7 +63,8 @@ class Runtime:
                       hbm_pool_sizes=placement.shared_sizes, reuse_bytes=placement.reuse_bytes)
         staging = ChunkPool(tiers, placement.chunk_bytes, placement.pool_chunks)
         try:
-            store = cls.open_store(cfg, rank) if placement.uses_nvme else None
+            swaps = placement.uses_nvme or cfg.offload_activations.device == "nvme"  # (offload.activation_tier)
+            store = cls.open_store(cfg, rank) if swaps else None
         except BaseException:
             staging.close()
             raise
