@@ -211,7 +211,7 @@ class InputTier:
     def _fetch_ahead(self, rec: KeptInput | None) -> None:
         """Starts fetching the records packed before `rec` (all: None), its own unit's and the next `ahead`
         units' in backward order, while hbm has room."""
-        hbm, units = self.rt.tiers.acct["hbm"], []
+        hbm, dram, units = self.rt.tiers.acct["hbm"], self.rt.tiers.acct["dram"], []
         for other in reversed(list(self.live.values())):
             if rec is not None and other.seq > rec.seq:
                 continue
@@ -219,7 +219,8 @@ class InputTier:
                 if len(units) == self.ahead:
                     return
                 units.append(other.unit)
-            if other.state in (S.DRAM, S.NVME) and hbm.fits(other.nbytes):
+            room = hbm.fits(other.nbytes) and (other.state is S.DRAM or dram.fits(other.nbytes))
+            if other.state in (S.DRAM, S.NVME) and room:
                 self._fetch(other)
 
     def _fetch(self, rec: KeptInput, urgent: bool = False) -> None:
@@ -239,13 +240,14 @@ class InputTier:
         rec.done, rec.state = self.rt.h2d.copy(rec.hbm, rec.dram.view(rec.shape)), S.IN
 
     def _dram(self, rec: KeptInput, what: str) -> torch.Tensor:
-        """A dram tensor for `rec`; while the budget has no room for it, the oldest write to nvme is waited for."""
+        """A dram tensor for `rec`; while the budget has no room for it, the oldest transfer of a record holding
+        dram is waited for (a write to nvme, or a copy back to hbm, frees its dram when it completed)."""
         acct = self.rt.tiers.acct["dram"]
         while not acct.fits(rec.nbytes):
-            writing = [r for r in self.live.values() if r.state in (S.OUT, S.TO_NVME)] if self.where == "nvme" else []
-            if not writing:
+            moving = [r for r in self.live.values() if r.done is not None and r.dram is not None]
+            if not moving:
                 break  # the tiers' error names the tier, the bytes and the budget
-            self._advance(writing[0], wait=True)
+            self._advance(moving[0], wait=True)
         t = self.rt.tiers.empty("dram", rec.shape.numel(), rec.dtype, what)
         self._hold("dram", rec.nbytes)
         return t

@@ -289,6 +289,7 @@ class Engine(nn.Module):
         self.telemetry.save_trace(path)
 
     def stats(self) -> dict:
+        activations = self.unit_inputs.stats()  # first: it frees the kept inputs autograd let go of
         snap = self.telemetry.snapshot()
         tiers = self.tiers.stats()
         swap = None
@@ -299,7 +300,7 @@ class Engine(nn.Module):
         return {"step": self.step_count, "tiers": tiers, **snap, "last_step": self.pipeline.stats.last,
                 "loss_scale": self.loss_scale, "skipped_steps": self.skipped_steps, "swap": swap,
                 "activations": {"checkpointed_units": len(self._checkpointing.units) if self._checkpointing else 0,
-                                **self.unit_inputs.stats()}}
+                                **activations}}
 
     def close(self) -> None:
         """Frees pinned memory, stops the threads and removes the swap files; also after an error (it does
