@@ -201,3 +201,24 @@ def test_the_flag_sets_the_key_and_implies_nothing_else():
     assert cfg.offload_activations.device == "cpu" and cfg.offload_param.device == "none"
     with pytest.raises(ValueError, match="activation_checkpointing is off"):
         offload.config_from_args(parser.parse_args(["--offload-activations", "cpu"]))
+
+
+@pytest.mark.parametrize("stage,place", [(0, "cpu"), (3, "nvme")])
+def test_over_ranks_the_kept_inputs_in_a_tier_train_bit_for_bit_as_in_hbm(tmp_path, stage, place):
+    """2 ranks, dropout, stage 0 with weights and inputs in dram, stage 3 with weights and inputs on nvme: each
+    rank's losses and the final weights equal those with the inputs in hbm; each rank's [4, 256] fp32 block
+    inputs (4 KiB) left hbm and came back."""
+    from tests.test_zero import run_ranks
+
+    cfg = {**config(tmp_path, "none", param=place), "zero_stage": stage, "chunk_bytes": 8192,
+           "_model": {"d": 256, "dropout": 0.2}}
+    theirs = run_ranks(2, {**cfg, "nvme_path": str(tmp_path / "b")}, str(tmp_path / "b"), STEPS)
+    ours = run_ranks(2, {**cfg, "offload_activations": {"device": place}, "nvme_path": str(tmp_path / "a")},
+                     str(tmp_path / "a"), STEPS)
+    assert [r["losses"] for r in ours] == [r["losses"] for r in theirs]
+    sd_a, sd_b = torch.load(str(tmp_path / "a.pt")), torch.load(str(tmp_path / "b.pt"))
+    assert sd_a.keys() == sd_b.keys() and all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
+    for r in ours:
+        act = r["activations"]
+        assert act["moved_out_bytes"] == act["moved_in_bytes"] == STEPS * 3 * 4 * 256 * 4
+        assert act["dram_bytes"] == act["nvme_bytes"] == 0
