@@ -26,13 +26,14 @@ non-contiguous one (a contiguous copy would change its strides, so the recompute
 and one whose storage an input of another unit still holds (the rotary tables every layer takes: moving it
 frees nothing). An input sharing its storage with a tensor alive elsewhere (the batch, the residual stream a
 layer norm outside the units saves too) is moved all the same: correct, only it frees no hbm.
-Records are touched by the compute thread (and on CUDA by autograd's device thread, while the compute thread
-waits in backward), never by two threads at once: finalizers only queue.
+One lock serializes the hooks (the compute thread; on CUDA autograd's device thread in the backward) and
+stats() (a sampler thread of `offload train`); finalizers, which run on whatever thread collects, only queue.
 """
 
 from __future__ import annotations
 
 import enum
+import threading
 import time
 import weakref
 
@@ -56,7 +57,8 @@ class S(enum.Enum):
 class KeptInput:
     """One moved input: where it is (`state`), the transfer in flight (`done`) and what holds its bytes."""
 
-    __slots__ = ("seq", "unit", "shape", "dtype", "nbytes", "state", "done", "src", "dram", "hbm", "on_disk", "t0")
+    __slots__ = ("seq", "unit", "shape", "dtype", "nbytes", "state", "done", "src", "dram", "hbm", "on_disk", "t0",
+                 "error")
 
     def __init__(self, seq: int, unit: int, t: torch.Tensor):
         self.seq, self.unit, self.shape, self.dtype = seq, unit, t.shape, t.dtype
@@ -64,6 +66,7 @@ class KeptInput:
         self.state, self.done, self.t0 = S.OUT, None, time.perf_counter()
         self.src = self.dram = self.hbm = None
         self.on_disk = False
+        self.error: BaseException | None = None  # its transfer failed: raised again by its unpack
 
     @property
     def key(self) -> str:
@@ -80,6 +83,7 @@ class InputTier:
         self._dead: list[KeptInput] = []      # let go by autograd, to free at the next safe point
         self._holders: dict[int, tuple[int, weakref.ref]] = {}  # storage address -> (unit, an input holding it)
         self._seq = 0
+        self._lock = threading.RLock()
         self.held = {"hbm": 0, "dram": 0, "nvme": 0}  # bytes of moved inputs in each tier now (hbm: source or back)
         self.peak = dict(self.held)
         self.out_bytes = self.in_bytes = 0    # moved out of hbm, and back into it
@@ -89,8 +93,12 @@ class InputTier:
     # -- the saved-tensor hooks' side --------------------------------------------------------------------
     def pack(self, unit: int, t: torch.Tensor) -> KeptInput | None:
         """Starts moving `t` out of hbm; None: it stays (module note)."""
-        self.collect()
-        self.advance()
+        with self._lock:
+            return self._pack(unit, t)
+
+    def _pack(self, unit: int, t: torch.Tensor) -> KeptInput | None:
+        self._collect()
+        self._advance_all()
         if not self._worth_moving(unit, t):
             self.stayed_bytes += t.numel() * t.element_size()
             return None
@@ -105,10 +113,17 @@ class InputTier:
 
     def unpack(self, rec: KeptInput) -> torch.Tensor:
         """`rec`'s input back in hbm, fetching it and the next units' ahead (module note)."""
+        with self._lock:
+            return self._unpack(rec)
+
+    def _unpack(self, rec: KeptInput) -> torch.Tensor:
+        if rec.error is not None:
+            raise RuntimeError(f"offload: a kept input of unit {rec.unit} could not be moved ({type(rec.error).__name__}: "
+                               f"{rec.error}); run the forward again") from rec.error
         if rec.state is S.DROPPED:
             raise RuntimeError(f"offload: a kept input of unit {rec.unit} was freed (its backward failed, or the "
                                "engine was closed); run the forward again")
-        self.collect()
+        self._collect()
         self._advance(rec)
         if rec.state is not S.HBM:
             t0 = time.perf_counter()
@@ -122,7 +137,7 @@ class InputTier:
             self.wait_s += waited
             self.rt.telemetry.stall(waited, f"kept input of unit {rec.unit}")
         self._fetch_ahead(rec)
-        self.advance()
+        self._advance_all()
         return rec.hbm.view(rec.shape)
 
     def forget(self, rec: KeptInput) -> None:
@@ -132,32 +147,41 @@ class InputTier:
     # -- the engine's side ----------------------------------------------------------------------------
     def ahead_of_backward(self) -> None:
         """A backward begins: the inputs of its first units start back now."""
-        self.collect()
-        self.advance()
-        self._fetch_ahead(None)
+        with self._lock:
+            self._collect()
+            self._advance_all()
+            self._fetch_ahead(None)
 
-    def collect(self) -> None:
+    def drop_all(self, after: int = 0) -> None:
+        """Frees every record packed after `after` (mark()'s; all: a failed backward, close()): their transfers
+        settled, their bytes returned."""
+        with self._lock:
+            self._collect()
+            for rec in list(self.live.values()):
+                if rec.seq > after:
+                    self._drop(rec)
+
+    def mark(self) -> int:
+        """Where the records packed from now on begin (drop_all(after=) frees them: a failed forward)."""
+        return self._seq
+
+    def stats(self) -> dict:
+        with self._lock:
+            self._collect()
+            return {"where": self.where, "dram_bytes": self.held["dram"], "dram_peak_bytes": self.peak["dram"],
+                    "nvme_bytes": self.held["nvme"], "nvme_peak_bytes": self.peak["nvme"],
+                    "moved_out_bytes": self.out_bytes, "moved_in_bytes": self.in_bytes,
+                    "stayed_bytes": self.stayed_bytes, "unpack_wait_s": self.wait_s}
+
+    def _collect(self) -> None:
         """Frees the records autograd let go of."""
         while self._dead:
             self._drop(self._dead.pop())
 
-    def drop_all(self) -> None:
-        """Frees every record (a failed backward, close()): their transfers settled, their bytes returned."""
-        self.collect()
-        for rec in list(self.live.values()):
-            self._drop(rec)
-
-    def advance(self) -> None:
+    def _advance_all(self) -> None:
         """Moves every record along whose transfer completed, without waiting."""
         for rec in list(self.live.values()):
             self._advance(rec)
-
-    def stats(self) -> dict:
-        self.collect()
-        return {"where": self.where, "dram_bytes": self.held["dram"], "dram_peak_bytes": self.peak["dram"],
-                "nvme_bytes": self.held["nvme"], "nvme_peak_bytes": self.peak["nvme"],
-                "moved_out_bytes": self.out_bytes, "moved_in_bytes": self.in_bytes,
-                "stayed_bytes": self.stayed_bytes, "unpack_wait_s": self.wait_s}
 
     # -- the records' transitions ---------------------------------------------------------------------
     def _worth_moving(self, unit: int, t: torch.Tensor) -> bool:
@@ -177,7 +201,11 @@ class InputTier:
         """Takes `rec` through its completed transfers (wait: waits for the one in flight first)."""
         while rec.done is not None and (wait or rec.done.done()):
             done, rec.done = rec.done, None
-            done.wait()  # its error, if it failed
+            try:
+                done.wait()
+            except BaseException as e:
+                rec.error = e  # its unpack raises it again; _drop frees what it holds
+                raise
             self._completed(rec)
             wait = False
 

@@ -115,10 +115,14 @@ class UnitInputs:
         if self.tier is not None:
             self.tier.ahead_of_backward()
 
-    def drop_all(self) -> None:
-        """Frees what the moved inputs hold (a failed backward, close()); their unpack raises from then on."""
+    def mark(self) -> int:
+        return self.tier.mark() if self.tier is not None else 0
+
+    def drop_all(self, after: int = 0) -> None:
+        """Frees what the moved inputs packed after `after` (mark()'s) hold: those of a failed forward; all of
+        them on a failed backward and close(). Their unpack raises from then on."""
         if self.tier is not None:
-            self.tier.drop_all()
+            self.tier.drop_all(after)
 
 
 class Checkpointing:

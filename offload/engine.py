@@ -139,9 +139,11 @@ class Engine(nn.Module):
         if before is not Phase.BACKWARD:
             self.trace.begin_step()
         args, kwargs = self._cast_inputs(args, kwargs)
+        mark = self.unit_inputs.mark()
         try:
             out = self.module(*args, **kwargs)
         except BaseException:
+            self.unit_inputs.drop_all(after=mark)  # its graph is spent, however long its traceback lives
             self.pipeline.forward_failed(before)  # [Note: failure semantics] in offload.pipeline
             raise
         if not self.placement.trainable_numel:  # a frozen model: no backward follows ([Note: phases])
