@@ -251,3 +251,13 @@ def test_a_failed_write_to_nvme_fails_the_forward_and_leaves_nothing(tmp_path):
         assert eng.unit_inputs.tier.live == {}
         eng.store.write = write
         assert len(train(eng, batches(1))) == 1
+
+
+def test_inputs_on_nvme_beside_weights_in_dram_check_the_swap_directory_first(tmp_path):
+    """Only the inputs on nvme: nvme_path is checked as for weights on nvme, with the same one-line error."""
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(OSError, match=r"nvme_path=.*file/swap: .*pass a writable directory"):
+        offload.initialize(_mlp(), config(tmp_path, "nvme", nvme_path=str(f / "swap")))
+    with offload.initialize(_mlp(), config(tmp_path, "nvme")) as eng:
+        assert eng.placement.uses_nvme is False and eng.store is not None
