@@ -203,10 +203,10 @@ class InputTier:
             done, rec.done = rec.done, None
             try:
                 done.wait()
+                self._completed(rec)  # may start the next transfer, which may fail as it starts
             except BaseException as e:
-                rec.error = e  # its unpack raises it again; _drop frees what it holds
+                rec.error = e  # the record moves no further: its unpack raises it again, _drop frees it
                 raise
-            self._completed(rec)
             wait = False
 
     def _completed(self, rec: KeptInput) -> None:
