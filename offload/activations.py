@@ -39,6 +39,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from offload.activation_tier import InputTier, KeptInput
 from offload.units import Unit
 
 # The fused kernels of F.scaled_dot_product_attention (aten ops): none keeps the T x T scores for the backward.
@@ -54,42 +55,74 @@ def checkpointed(unit: Unit) -> bool:
 
 
 class _Kept:
-    """One saved input of a checkpointed unit's forward (what autograd holds in its place)."""
+    """One saved input of a checkpointed unit's forward (what autograd holds in its place): the tensor, or its
+    record in a tier ([Note: kept inputs in a tier] in offload.activation_tier)."""
 
-    __slots__ = ("unit", "tensor", "__weakref__")
+    __slots__ = ("unit", "tensor", "moved", "__weakref__")
 
-    def __init__(self, unit: int, tensor: torch.Tensor):
-        self.unit, self.tensor = unit, tensor
+    def __init__(self, unit: int, tensor: torch.Tensor | None, moved: KeptInput | None = None):
+        self.unit, self.tensor, self.moved = unit, tensor, moved
 
 
 class UnitInputs:
     """The tensor inputs of the checkpointed units' forwards, per unit, from each forward until autograd frees
     them (after that forward's backward, or with its graph): `saving(unit)` around a unit's checkpoint
-    collects them; `nbytes` are those held now, `peak_bytes` the most held at once."""
+    collects them; `tier` (offload_activations cpu or nvme) moves them out of hbm as they are saved and back
+    ahead of their backward. `nbytes` are the hbm bytes they hold now, `peak_bytes` the most at once."""
 
-    def __init__(self):
+    def __init__(self, tier: InputTier | None = None):
+        self.tier = tier
         self._kept: dict[int, weakref.WeakSet] = {}
         self.peak_bytes = 0
 
     def saving(self, unit: int) -> torch.autograd.graph.saved_tensors_hooks:
         def pack(t: torch.Tensor) -> _Kept:
-            kept = _Kept(unit, t)
+            moved = self.tier.pack(unit, t) if self.tier is not None else None
+            kept = _Kept(unit, None if moved else t, moved)
+            if moved is not None:  # autograd lets go of it: its bytes are freed ([Note: kept inputs in a tier])
+                weakref.finalize(kept, self.tier.forget, moved).atexit = False
             self._kept.setdefault(unit, weakref.WeakSet()).add(kept)
-            self.peak_bytes = max(self.peak_bytes, self.nbytes)
+            self._note_peak()
             return kept
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda kept: kept.tensor)
+        def unpack(kept: _Kept) -> torch.Tensor:
+            if kept.moved is None:
+                return kept.tensor
+            t = self.tier.unpack(kept.moved)
+            self._note_peak()
+            return t
 
-    def kept(self, unit: int) -> list[torch.Tensor]:
-        return [k.tensor for k in self._kept.get(unit, ())]
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def _note_peak(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.nbytes)
 
     @property
     def nbytes(self) -> int:
-        """The bytes of the storages the kept inputs hold alive, each storage once (the rotary tables every
-        layer takes are one)."""
+        """The hbm bytes of the kept inputs: the storages those that stay hold alive, each storage once (the
+        rotary tables every layer takes are one), and the moved ones' while in hbm (on their way out: their
+        source; back for their backward)."""
         held = {k.tensor.untyped_storage().data_ptr(): k.tensor.untyped_storage().nbytes()
-                for s in self._kept.values() for k in s}
-        return sum(held.values())
+                for s in self._kept.values() for k in s if k.tensor is not None}
+        return sum(held.values()) + (self.tier.held["hbm"] if self.tier is not None else 0)
+
+    def stats(self) -> dict:
+        """engine.stats()["activations"]' part on the kept inputs."""
+        tier = self.tier.stats() if self.tier is not None else {"where": "hbm"}  # first: frees what autograd let go
+        return {"inputs_bytes": self.nbytes, "inputs_peak_bytes": self.peak_bytes, **tier}
+
+    def ahead_of_backward(self) -> None:
+        if self.tier is not None:
+            self.tier.ahead_of_backward()
+
+    def mark(self) -> int:
+        return self.tier.mark() if self.tier is not None else 0
+
+    def drop_all(self, after: int = 0) -> None:
+        """Frees what the moved inputs packed after `after` (mark()'s) hold: those of a failed forward; all of
+        them on a failed backward and close(). Their unpack raises from then on."""
+        if self.tier is not None:
+            self.tier.drop_all(after)
 
 
 class Checkpointing:

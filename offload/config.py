@@ -175,6 +175,7 @@ class Config:
     swap_checksum: bool = True     # per-block checksums of swap files, verified on read (nvme optimizer states: in the CPU Adam pass)
     seed: int = 0                  # seeds meta-device materialization
     activation_checkpointing: bool = False  # the engine checkpoints each unit's forward: keeps the unit's inputs, runs its forward again in its backward (docs/python.md "Activation checkpointing")
+    offload_activations: OffloadConfig = field(default_factory=OffloadConfig)
     quantize_base: str | None = None  # "nf4" | "fp4" | "int8": a model built on meta has its base's linears quantized by bitsandbytes as they are materialized (a LoRA run; docs/training.md "QLoRA")
     collective_timeout_s: float = 600.0  # over ranks: a collective not matched by every rank within this raises an error naming it ([Note: collective order] in offload/ranks.py)
 
@@ -224,7 +225,12 @@ class Config:
         if self.nvme_path is not None and not all(isinstance(p, str) and p for p in paths):
             _fail("nvme_path", self.nvme_path, "expected a directory, or a non-empty list of directories",
                   'for example "/mnt/nvme0/offload" or ["/mnt/nvme0/offload", "/mnt/nvme1/offload"]')
-        if "nvme" in (self.offload_param.device, self.offload_optimizer.device) and not self.nvme_path:
+        if self.offload_activations.device != "none" and not self.activation_checkpointing:
+            _fail("offload_activations.device", self.offload_activations.device,
+                  "places the inputs the engine's checkpoints keep, and activation_checkpointing is off",
+                  "set activation_checkpointing to true (--activation-checkpointing) or the device to \"none\"")
+        homes = (self.offload_param.device, self.offload_optimizer.device, self.offload_activations.device)
+        if "nvme" in homes and not self.nvme_path:
             _fail("nvme_path", self.nvme_path, "required when a device is \"nvme\"",
                   "set nvme_path to a directory on a fast local drive (--nvme-path DIR)")
         # offload_optimizer none beside offloaded weights (a LoRA run's adapters beside a base on nvme): the

@@ -44,6 +44,10 @@ HELP = {
     "offload_param.device": '"none" (hbm, the accelerator), "cpu" (dram) or "nvme" (swap files under nvme_path)',
     "offload_optimizer": "where the fp32 optimizer states (master, exp_avg, exp_avg_sq, gradient accumulator) live",
     "offload_optimizer.device": '"none" (hbm), "cpu" (dram) or "nvme"; must be offloaded when the weights are',
+    "offload_activations": "where the inputs kept by the engine's activation checkpoints live between a unit's "
+                           "forward and its backward",
+    "offload_activations.device": '"none" (hbm, where they are made), "cpu" (dram) or "nvme"; needs '
+                                  "activation_checkpointing",
     "nvme_path": 'directory for swap files; required when a device is "nvme" (use a fast local drive); or a '
                  'list of several, one per drive: each local rank takes its turn',
     "budgets.hbm_bytes": 'accelerator memory budget, e.g. "2.5G" (null: derived from the free memory with a safety '

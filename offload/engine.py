@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload import checkpoint, cpu_adam, hooks, quantized
+from offload.activation_tier import InputTier
 from offload.activations import Checkpointing, UnitInputs, attention_line
 from offload.config import Config, LossScaleConfig, load_config
 from offload.materialize import materialize, unit_values
@@ -103,7 +104,9 @@ class Engine(nn.Module):
                          for h in hooks.register(self.prefetcher, self.weights[u.index], rt, u, m)]
         self._grad_hooks = [s.param.register_post_accumulate_grad_hook(self.pipeline.grads.hook(u))
                             for u in self.units for s in u.slots if s.trainable]
-        self.unit_inputs = UnitInputs()  # [Note: activation checkpointing] in offload.activations
+        tier = cfg.offload_activations.device  # [Note: kept inputs in a tier] in offload.activation_tier
+        self.unit_inputs = UnitInputs(InputTier(rt, tier, self.placement.knobs.prefetch_units) if tier != "none"
+                                      else None)  # [Note: activation checkpointing] in offload.activations
         self._checkpointing = (Checkpointing(self.units, self.unit_inputs, lambda: self.pipeline.in_backward)
                                if cfg.activation_checkpointing else None)
         self._guards = checkpoint.guard_module(model)  # model.state_dict() would read placeholders: kept after close
@@ -122,8 +125,10 @@ class Engine(nn.Module):
         """The plan's lines on what the forward keeps: the checkpointed units, the attention that runs."""
         lines = []
         if self._checkpointing is not None:
+            tier = self.unit_inputs.tier
+            where = (f"; the inputs wait in {tier.where}, back ahead of their backward" if tier is not None else "")
             lines.append(f"activations: {len(self._checkpointing.units)} units checkpointed (each keeps its inputs, "
-                         "its forward runs again in its backward)")
+                         f"its forward runs again in its backward){where}")
         attention = attention_line(model, self.device, self.dtype)
         return lines + ([attention] if attention else [])
 
@@ -134,9 +139,11 @@ class Engine(nn.Module):
         if before is not Phase.BACKWARD:
             self.trace.begin_step()
         args, kwargs = self._cast_inputs(args, kwargs)
+        mark = self.unit_inputs.mark()
         try:
             out = self.module(*args, **kwargs)
         except BaseException:
+            self.unit_inputs.drop_all(after=mark)  # its graph is spent, however long its traceback lives
             self.pipeline.forward_failed(before)  # [Note: failure semantics] in offload.pipeline
             raise
         if not self.placement.trainable_numel:  # a frozen model: no backward follows ([Note: phases])
@@ -160,7 +167,12 @@ class Engine(nn.Module):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("loss: backward() needs a scalar tensor that requires grad (the output of "
                              "the engine's forward reduced to one number)")
-        self.pipeline.backward(loss)
+        self.unit_inputs.ahead_of_backward()
+        try:
+            self.pipeline.backward(loss)
+        except BaseException:
+            self.unit_inputs.drop_all()  # the graph is spent: the kept inputs it still holds are freed now
+            raise
 
     def step(self) -> bool:
         """The optimizer step at the accumulation boundary (a no-op between boundaries); clears grads.
@@ -279,6 +291,7 @@ class Engine(nn.Module):
         self.telemetry.save_trace(path)
 
     def stats(self) -> dict:
+        activations = self.unit_inputs.stats()  # first: it frees the kept inputs autograd let go of
         snap = self.telemetry.snapshot()
         tiers = self.tiers.stats()
         swap = None
@@ -289,7 +302,7 @@ class Engine(nn.Module):
         return {"step": self.step_count, "tiers": tiers, **snap, "last_step": self.pipeline.stats.last,
                 "loss_scale": self.loss_scale, "skipped_steps": self.skipped_steps, "swap": swap,
                 "activations": {"checkpointed_units": len(self._checkpointing.units) if self._checkpointing else 0,
-                                "inputs_bytes": self.unit_inputs.nbytes, "inputs_peak_bytes": self.unit_inputs.peak_bytes}}
+                                **activations}}
 
     def close(self) -> None:
         """Frees pinned memory, stops the threads and removes the swap files; also after an error (it does
@@ -301,6 +314,8 @@ class Engine(nn.Module):
             h.remove()
         if getattr(self, "_checkpointing", None) is not None:
             self._checkpointing.close()
+        if getattr(self, "unit_inputs", None) is not None:
+            self.unit_inputs.drop_all()
         if getattr(self, "pipeline", None) is not None:
             self.pipeline.close()
         if getattr(self, "rt", None) is not None:

@@ -13,7 +13,8 @@ from offload.swap.measure import parse_size
 
 FLAG_KEYS = ("nvme_path", "zero_stage", "precision", "delayed_update",  # top-level keys set by add_arguments' flags
              "activation_checkpointing")
-FLAG_PATHS = {"hbm": "budgets.hbm_bytes", "dram": "budgets.dram_bytes"}  # flag dest -> the nested key it sets
+FLAG_PATHS = {"hbm": "budgets.hbm_bytes", "dram": "budgets.dram_bytes",  # flag dest -> the nested key it sets
+              "offload_activations": "offload_activations.device"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -40,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "runs its forward again in its backward; activations then take a block's input per layer "
                         "instead of everything a block computes, for about a third more compute (presets and "
                         "Hugging Face models alike; docs/python.md)")
+    g.add_argument("--offload-activations", choices=DEVICES, default=None,
+                   help="where the inputs the checkpoints keep wait for their backward (needs "
+                        "--activation-checkpointing): none (hbm), cpu (dram) or nvme; they leave hbm as the forward "
+                        "makes them and come back ahead of the backward, for a copy each way (docs/training.md)")
     g.add_argument("--offload-config", default=None, metavar="PATH", help="a .json/.yaml config; flags override it")
     g.add_argument("--deepspeed", default=None, metavar="PATH",
                    help="a DeepSpeed JSON config, read into ours (docs/deepspeed.md); "

@@ -234,6 +234,12 @@ def summary_table(report: dict) -> str:
         s = st["links"][link]
         rate = f"{s['bytes'] / s['seconds'] / 1e9:.2f}" if s["seconds"] > 0 else "-"
         lines.append(f"  {link:13s} {_mib(s['bytes']):>10s} {s['seconds']:8.2f} {rate:>7s}")
+    act = st.get("activations", {})
+    if act.get("where") in ("dram", "nvme"):  # the checkpoints' kept inputs in a tier (offload.activation_tier)
+        nvme = f"{_mib(act['nvme_peak_bytes'])} nvme, " if act["where"] == "nvme" else ""
+        lines.append(f"  activations kept inputs in {act['where']}: {_mib(act['moved_out_bytes'])} out of hbm, "
+                     f"{_mib(act['moved_in_bytes'])} back; peak {nvme}{_mib(act['dram_peak_bytes'])} dram, "
+                     f"{_mib(act['inputs_peak_bytes'])} hbm; backward waited {act['unpack_wait_s']:.2f} s for them")
     lines.append(f"  report      {report['files']['report']}, {report['files']['plot']}")
     for key, label in (("saved", "saved"), ("saved_merged", "merged")):  # --save, --save-merged
         if report.get(key):

@@ -16,7 +16,7 @@ import torch
 from offload import cpu_adam
 from offload.chunks import ChunkPool
 from offload.config import Config
-from offload.placement import Placement
+from offload.placement import Placement, check_nvme_path
 from offload.ranks import Ranks
 from offload.tiers import Tiers
 from offload.scheduler.streams import CopyStream, Worker
@@ -63,7 +63,10 @@ class Runtime:
                       hbm_pool_sizes=placement.shared_sizes, reuse_bytes=placement.reuse_bytes)
         staging = ChunkPool(tiers, placement.chunk_bytes, placement.pool_chunks)
         try:
-            store = cls.open_store(cfg, rank) if placement.uses_nvme else None
+            activations = cfg.offload_activations.device == "nvme"  # (offload.activation_tier)
+            if activations and not placement.uses_nvme:  # the preflight checked nvme_path for weights and states
+                check_nvme_path(cfg.swap_dir(rank))
+            store = cls.open_store(cfg, rank) if placement.uses_nvme or activations else None
         except BaseException:
             staging.close()
             raise

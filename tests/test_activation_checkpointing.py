@@ -66,7 +66,7 @@ def test_engine_checkpointing_equals_torch_checkpoint_per_unit(tmp_path, param, 
     assert max_state_err(sd, ref.state()) == 0.0
     assert runs[0] == 2 * STEPS
     itemsize = torch.finfo(ref.dtype).bits // 8
-    assert act == {"checkpointed_units": 3, "inputs_bytes": 0, "inputs_peak_bytes": 3 * 8 * 64 * itemsize}
+    assert act == {"checkpointed_units": 3, "inputs_bytes": 0, "inputs_peak_bytes": 3 * 8 * 64 * itemsize, "where": "hbm"}
     assert (8, 128) not in hidden and (8, 64) in hidden  # the norm's input is kept: it is no unit's
 
 

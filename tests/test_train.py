@@ -176,3 +176,21 @@ def test_activation_checkpointing_flag_checkpoints_the_presets_blocks(tmp_path):
     assert report["losses"] == plain["losses"] and report["config"]["activation_checkpointing"] is True
     assert report["stats"]["activations"]["checkpointed_units"] == 4
     assert plain["stats"]["activations"]["checkpointed_units"] == 0
+
+
+def test_offload_activations_flag_keeps_the_inputs_on_nvme_and_the_summary_says_so(tmp_path, capsys):
+    """--offload-activations nvme (with --activation-checkpointing; alone the config refuses it): the same
+    losses as with the inputs in hbm; the plan, the report's stats and the summary say where they waited."""
+    from offload import report as rep
+
+    with pytest.raises(ValueError, match="activation_checkpointing is off"):
+        _resolve(offload_activations="nvme")
+    inputs_in_hbm = _run(tmp_path, steps=2, activation_checkpointing=True, out=str(tmp_path / "hbm"))
+    capsys.readouterr()
+    report = _run(tmp_path, steps=2, activation_checkpointing=True, offload_activations="nvme")
+    assert "the inputs wait in nvme, back ahead of their backward" in capsys.readouterr().err
+    assert report["losses"] == inputs_in_hbm["losses"]
+    act = report["stats"]["activations"]
+    assert act["where"] == "nvme" and act["moved_out_bytes"] == act["moved_in_bytes"] > 0
+    assert "activations kept inputs in nvme: " in rep.summary_table(report)
+    assert "activations kept inputs" not in rep.summary_table(inputs_in_hbm)

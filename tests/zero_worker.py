@@ -80,7 +80,8 @@ def main() -> None:
                        "chunk_numel": eng.chunk_numel, "shard_numel": shard_numel, "sharded_equal": sharded_equal,
                        "skipped_steps": eng.skipped_steps, "loss_scale": eng.loss_scale,
                        "trainable": sum(u.trainable_numel for u in eng.units),
-                       "params": sum(p.numel() for p in MLP().parameters()), "events": events, "evals": evals, "ahead_bytes": ahead_bytes}, f)
+                       "params": sum(p.numel() for p in MLP().parameters()), "events": events, "evals": evals, "ahead_bytes": ahead_bytes,
+                       "activations": stats["activations"]}, f)
     finally:
         dist.destroy_process_group()
 
