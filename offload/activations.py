@@ -33,6 +33,7 @@ A model that checkpoints inside its units already recomputes each unit once, not
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 
 import torch
@@ -73,6 +74,7 @@ class UnitInputs:
     def __init__(self, tier: InputTier | None = None):
         self.tier = tier
         self._kept: dict[int, weakref.WeakSet] = {}
+        self._lock = threading.Lock()  # the forward adds while stats() reads (offload train samples on a thread)
         self.peak_bytes = 0
 
     def saving(self, unit: int) -> torch.autograd.graph.saved_tensors_hooks:
@@ -81,7 +83,8 @@ class UnitInputs:
             kept = _Kept(unit, None if moved else t, moved)
             if moved is not None:  # autograd lets go of it: its bytes are freed ([Note: kept inputs in a tier])
                 weakref.finalize(kept, self.tier.forget, moved).atexit = False
-            self._kept.setdefault(unit, weakref.WeakSet()).add(kept)
+            with self._lock:
+                self._kept.setdefault(unit, weakref.WeakSet()).add(kept)
             self._note_peak()
             return kept
 
@@ -102,8 +105,9 @@ class UnitInputs:
         """The hbm bytes of the kept inputs: the storages those that stay hold alive, each storage once (the
         rotary tables every layer takes are one), and the moved ones' while in hbm (on their way out: their
         source; back for their backward)."""
-        held = {k.tensor.untyped_storage().data_ptr(): k.tensor.untyped_storage().nbytes()
-                for s in self._kept.values() for k in s if k.tensor is not None}
+        with self._lock:
+            held = {k.tensor.untyped_storage().data_ptr(): k.tensor.untyped_storage().nbytes()
+                    for s in self._kept.values() for k in s if k.tensor is not None}
         return sum(held.values()) + (self.tier.held["hbm"] if self.tier is not None else 0)
 
     def stats(self) -> dict:
