@@ -5,14 +5,14 @@ tokens, by formula from the model's shape, in the tier where they live.
 N = B x T tokens, s = the compute dtype's itemsize, H hidden, I intermediate, A = heads x head_dim, Akv = the
 k and v heads attention keeps x head_dim, V vocab, L layers. What autograd keeps of a Llama-style block
 (pre-norm attention and SwiGLU MLP), per layer:
-    layer = N (2 (4 + s) H  +  s (3 A + 2 Akv)  +  4 s I)  +  4 B heads T  [+ B heads T^2 (4 + s if s < 4)]
-        the two RMSNorms: each keeps its input in fp32 and its normalized output (2 (4 + s) H); attention: q,
-        k, v, its output and that output made contiguous for o_proj (3 A + 2 Akv; a model that repeats k, v to
-        every query head before attention keeps them at A); the MLP: gate's output, its activation, up's
-        output and their product (4 I); the fused attention kernels' row statistic (4 B heads T); eager
-        attention and SDPA's math path also keep the softmax's B x heads x T x T weights, in fp32 and, below
-        fp32, in the compute dtype too.
-    head = N ((4 + s) H + (s + 16) V): the final norm, and at the loss's backward the logits in the compute
+    layer = N (2 (4 + 2 s) H  +  s (2 A + 2 Akv)  +  4 s I)  +  4 B heads T  [+ B heads T^2 (4 + s if s < 4)]
+        the two RMSNorms: each keeps its input in fp32, its normalized input before the weight and its output
+        (the next linears' input; 2 (4 + 2 s) H); attention: q, k, v and its output, which is o_proj's input
+        too (2 A + 2 Akv; a model that repeats k, v to every query head before attention keeps them at A); the
+        MLP: gate's output, its activation, up's output and their product (4 I); the fused attention kernels'
+        row statistic (4 B heads T); eager attention and SDPA's math path also keep the softmax's B x heads x
+        T x T weights, in fp32 and, below fp32, in the compute dtype too.
+    head = N ((4 + 2 s) H + (s + 16) V): the final norm, and at the loss's backward the logits in the compute
         dtype, their fp32 copy for the loss, the log-probabilities, their gradient and the logits' gradient
         (often the largest single term at long T).
     backward = N 2 s I: a layer's backward holds two N x I gradients (the MLP's) beside what it keeps.
@@ -74,23 +74,23 @@ def activation_parts(dims: ModelDims, batch: int, seq: int, itemsize: int, score
     T x T weights (eager, SDPA's math path). tier: where the kept inputs live (offload_activations)."""
     d, s, n = dims, itemsize, batch * seq
     tt = f" + B heads T^2 x {4 + (s if s < 4 else 0)}" if scores else ""
-    layer = (n * (2 * (4 + s) * d.hidden + s * (3 * d.heads + 2 * d.kv_heads) * d.head_dim + 4 * s * d.intermediate)
+    layer = (n * (2 * (4 + 2 * s) * d.hidden + s * (2 * d.heads + 2 * d.kv_heads) * d.head_dim + 4 * s * d.intermediate)
              + 4 * batch * d.heads * seq + (batch * d.heads * seq * seq * (4 + (s if s < 4 else 0)) if scores else 0))
-    head = n * ((4 + s) * d.hidden + (s + 16) * d.vocab)
+    head = n * ((4 + 2 * s) * d.hidden + (s + 16) * d.vocab)
     backward = n * 2 * s * d.intermediate
     shape = (f"B {batch} x T {seq}, s {s} B, H {d.hidden}, I {d.intermediate}, A {d.heads}x{d.head_dim}, "
              f"Akv {d.kv_heads}x{d.head_dim}, V {d.vocab}, L {d.layers}")
-    layer_f = f"layer = N (2 (4 + s) H + s (3 A + 2 Akv) + 4 s I) + 4 B heads T{tt}"
+    layer_f = f"layer = N (2 (4 + 2 s) H + s (2 A + 2 Akv) + 4 s I) + 4 B heads T{tt}"
     mib = lambda x: f"{x / 2**20:.1f} MiB"  # noqa: E731
     shape += f"; layer {mib(layer)}, head {mib(head)}, backward {mib(backward)}"
     if not checkpointing:
         return [{"name": "activations", "tier": "hbm", "bytes": d.layers * layer + max(head, backward),
-                 "formula": f"L x layer + max(head, backward); {layer_f}; head = N ((4 + s) H + (s + 16) V); "
+                 "formula": f"L x layer + max(head, backward); {layer_f}; head = N ((4 + 2 s) H + (s + 16) V); "
                             f"backward = N 2 s I; {shape}"}]
     unit_inputs = n * s * d.hidden
     parts = [{"name": "activations: one unit's recompute and the head", "tier": "hbm",
               "bytes": unit_inputs + max(head, layer + backward),
-              "formula": f"N s H (its kept input) + max(head, layer + backward); {layer_f}; head = N ((4 + s) H + "
+              "formula": f"N s H (its kept input) + max(head, layer + backward); {layer_f}; head = N ((4 + 2 s) H + "
                          f"(s + 16) V); backward = N 2 s I; {shape}"}]
     rest = (d.layers - 1) * unit_inputs
     if rest:
@@ -122,6 +122,7 @@ class ActivationModel:
     scores: bool
     checkpointing: bool
     tier: str = "hbm"
+    notes: tuple[str, ...] = ()  # what the formula leaves out for this model, said in the plan
 
     def parts(self, batch: int, seq: int) -> list[dict]:
         if self.dims is None:
@@ -135,7 +136,8 @@ class ActivationModel:
         if batch is None:
             return ("activations: not planned until the first forward shows the batch's shape (config activations: "
                     "{\"batch\", \"seq\"} plans them up front); that forward is refused if they do not fit")
-        return f"activations: planned for batch {batch} x seq {seq} from {self.source} (docs/design.md: the formula)"
+        return (f"activations: planned for batch {batch} x seq {seq} from {self.source} (docs/design.md: the formula)"
+                + "".join(f"; {n}" for n in self.notes))
 
 
 def attention_keeps_scores(model, device, dtype) -> bool:
@@ -172,8 +174,15 @@ def activation_model(model, cfg, device) -> ActivationModel:
     dims, source = model_dims(model)
     dtype = cfg.compute_dtype
     scores = dims is not None and attention_keeps_scores(model, device, dtype)
+    notes = ()
+    config = getattr(model, "config", None)
+    if cfg.activation_checkpointing and getattr(config, "use_cache", False) is True:
+        # a Hugging Face model builds a cache of past keys and values in its output, and each recompute appends
+        # to it: held through the backward, beyond the checkpoints' inputs
+        notes = ("not counted: the keys and values its output caches (config.use_cache is true; each recompute "
+                 "adds to them): set model.config.use_cache = False to train, as offload train does",)
     return ActivationModel(dims, source, dtype.itemsize, scores, cfg.activation_checkpointing,
-                           OFFLOAD_TIER[cfg.offload_activations.device])
+                           OFFLOAD_TIER[cfg.offload_activations.device], notes)
 
 
 def batch_shape(args, kwargs) -> tuple[int, int] | None:
