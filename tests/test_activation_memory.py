@@ -133,6 +133,9 @@ def test_a_cache_of_keys_and_values_left_on_with_checkpointing_is_named_in_the_p
     assert "config.use_cache is true" in line and "model.config.use_cache = False" in line
     model.config.use_cache = False
     assert "use_cache" not in activation_model(model, cfg, torch.device("cpu")).line(1, 64)
+    assert not activation_model(model, cfg, torch.device("cpu")).scores  # sdpa: torch's flash kernel on the CPU
+    model.config._attn_implementation = "eager"  # keeps the T x T weights: counted
+    assert activation_model(model, cfg, torch.device("cpu")).scores
 
 
 def test_dims_of_a_hugging_face_config_and_of_a_model_without_one():
@@ -146,3 +149,15 @@ def test_dims_of_a_hugging_face_config_and_of_a_model_without_one():
     assert model_dims(init_weights(LlamaLM(SHAPE), 0))[0] == ModelDims(128, 384, 4, 4, 32, 257, 4)
     dims, why = model_dims(torch.nn.Sequential(torch.nn.Linear(4, 4)))
     assert dims is None and "no config" in why
+
+
+def test_a_model_whose_shape_cannot_be_read_is_planned_without_activations_and_says_so():
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(3)))
+    cfg = {"precision": "fp32", "units": {"min_numel": 1024}, "activations": {"batch": 2, "seq": 8}}
+    with offload.initialize(model, cfg) as eng:
+        assert eng.placement.activation_shape is None
+        assert not [p for p in eng.placement.parts if p["name"].startswith("activations")]
+        [line] = [x for x in eng.placement.summary().splitlines() if "activations" in x]
+        assert "activations: not planned (the model has no config (hidden size, layers, heads, vocab)" in line
+        x = torch.zeros(2, 8, 64)
+        eng.backward(eng(x).sum())  # nothing to check the batch against: it runs

@@ -374,3 +374,12 @@ def test_activations_by_formula_in_their_tier(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "hbm activations: " in table and "L x layer + max(head, backward)" in table and "T 4096" in table
     assert "Not included: allocator slack." in table
+
+
+def test_a_model_whose_shape_cannot_be_read_is_estimated_without_activations_and_says_so(tmp_path, capsys):
+    hf_archs.config("gpt2").save_pretrained(tmp_path)  # GPT-2's config names no intermediate_size
+    result = run_json(capsys, "--model", str(tmp_path), "--seq", "64", "--batch", "1")
+    assert not [p for p in result["runtime"]["parts"] if p["name"].startswith("activations")]
+    assert cli.main(["estimate", "--model", str(tmp_path), "--seq", "64", "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "activations: not counted (its config has no intermediate_size)" in out
