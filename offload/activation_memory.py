@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+from torch.utils._pytree import tree_leaves
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelDims:
@@ -80,23 +83,26 @@ def activation_parts(dims: ModelDims, batch: int, seq: int, itemsize: int, score
     backward = n * 2 * s * d.intermediate
     shape = (f"B {batch} x T {seq}, s {s} B, H {d.hidden}, I {d.intermediate}, A {d.heads}x{d.head_dim}, "
              f"Akv {d.kv_heads}x{d.head_dim}, V {d.vocab}, L {d.layers}")
-    layer_f = f"layer = N (2 (4 + 2 s) H + s (2 A + 2 Akv) + 4 s I) + 4 B heads T{tt}"
-    mib = lambda x: f"{x / 2**20:.1f} MiB"  # noqa: E731
-    shape += f"; layer {mib(layer)}, head {mib(head)}, backward {mib(backward)}"
+    terms = (f"layer = N (2 (4 + 2 s) H + s (2 A + 2 Akv) + 4 s I) + 4 B heads T{tt}; head = N ((4 + 2 s) H + "
+             f"(s + 16) V); backward = N 2 s I; {shape}; layer {_mib(layer)}, head {_mib(head)}, backward "
+             f"{_mib(backward)}")
     if not checkpointing:
         return [{"name": "activations", "tier": "hbm", "bytes": d.layers * layer + max(head, backward),
-                 "formula": f"L x layer + max(head, backward); {layer_f}; head = N ((4 + 2 s) H + (s + 16) V); "
-                            f"backward = N 2 s I; {shape}"}]
+                 "formula": f"L x layer + max(head, backward); {terms}"}]
     unit_inputs = n * s * d.hidden
     parts = [{"name": "activations: one unit's recompute and the head", "tier": "hbm",
               "bytes": unit_inputs + max(head, layer + backward),
-              "formula": f"N s H (its kept input) + max(head, layer + backward); {layer_f}; head = N ((4 + 2 s) H + "
-                         f"(s + 16) V); backward = N 2 s I; {shape}"}]
+              "formula": f"N s H (its kept input) + max(head, layer + backward); {terms}"}]
     rest = (d.layers - 1) * unit_inputs
     if rest:
         parts.append({"name": "activations: kept unit inputs", "tier": tier, "bytes": rest,
-                      "formula": f"(L - 1) x N s H, the checkpointed units' inputs (activation_checkpointing); {shape}"})
+                      "formula": f"(L - 1) x N s H, the checkpointed units' inputs (activation_checkpointing); "
+                                 f"{shape}"})
     return parts
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def longest_seq(fits, limit: int) -> int:
@@ -134,10 +140,12 @@ class ActivationModel:
         if self.dims is None:
             return f"activations: not planned ({self.source}); the first forward's are not checked either"
         if batch is None:
-            return ("activations: not planned until the first forward shows the batch's shape (config activations: "
+            line = ("activations: not planned until the first forward shows the batch's shape (config activations: "
                     "{\"batch\", \"seq\"} plans them up front); that forward is refused if they do not fit")
-        return (f"activations: planned for batch {batch} x seq {seq} from {self.source} (docs/design.md: the formula)"
-                + "".join(f"; {n}" for n in self.notes))
+        else:
+            line = (f"activations: planned for batch {batch} x seq {seq} from {self.source} (docs/design.md: the "
+                    f"formula)")
+        return line + "".join(f"; {n}" for n in self.notes)
 
 
 def attention_keeps_scores(model, device, dtype) -> bool:
@@ -151,7 +159,7 @@ def attention_keeps_scores(model, device, dtype) -> bool:
     impl, config = named
     if impl == "eager":
         return True
-    if impl != "sdpa" or device.type != "cpu" and not _cuda_here():
+    if impl != "sdpa" or (device.type != "cpu" and not torch.cuda.is_available()):
         return False  # other kernels (flex, flash_attention_2) keep no scores; a device not here: its fused kernel
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_heads", None)
     head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 64)
@@ -159,12 +167,6 @@ def attention_keeps_scores(model, device, dtype) -> bool:
         return sdpa_kernel(device, dtype, head_dim, float(getattr(config, "attention_dropout", 0.0) or 0.0)) is None
     except RuntimeError:
         return False
-
-
-def _cuda_here() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def activation_model(model, cfg, device) -> ActivationModel:
@@ -188,9 +190,6 @@ def activation_model(model, cfg, device) -> ActivationModel:
 def batch_shape(args, kwargs) -> tuple[int, int] | None:
     """(B, T) of a forward's inputs: the first tensor of two or more dimensions (input_ids [B, T], or
     inputs_embeds [B, T, H]) among its arguments; None if there is none."""
-    import torch
-    from torch.utils._pytree import tree_leaves
-
     for x in tree_leaves((args, kwargs)):
         if isinstance(x, torch.Tensor) and x.dim() >= 2:
             return int(x.shape[0]), int(x.shape[1])

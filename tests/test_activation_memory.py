@@ -66,8 +66,8 @@ def test_planned_hbm_peak_is_the_measured_one_within_15_percent(monkeypatch, kin
             measured = [_measured_hbm_peak(eng, ids) for _ in range(2)][-1]  # the second: steady state
             planned = eng.placement.need["hbm"]
             acts = sum(p["bytes"] for p in eng.placement.parts if p["name"].startswith("activations"))
-        print(f"{kind} checkpointing {ckpt} T {seq}: measured {measured} of planned {planned} ({measured / planned:.1%}), "
-              f"activations {acts}")
+        print(f"{kind} checkpointing {ckpt} T {seq}: measured {measured} of planned {planned} "
+              f"({measured / planned:.1%}), activations {acts}")
         assert acts >= 0.6 * planned  # so that the formula off by 2x puts the plan out of the 15%
         assert abs(measured - planned) <= 0.15 * planned, (seq, measured, planned, eng.placement.summary())
 

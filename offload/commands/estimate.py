@@ -192,7 +192,9 @@ def _engine_plan(model, args) -> dict:
     from offload.placement import engine_plan
 
     activations = {} if args.seq is None or args.activation_bytes else {
-        "activations": {"batch": args.batch, "seq": args.seq}, "activation_checkpointing": args.activation_checkpointing,
+        "activations": {"batch": args.batch, "seq": args.seq},
+        "activation_checkpointing": args.activation_checkpointing,
         "offload_activations": {"device": args.offload_activations}}
     return engine_plan(model, {"precision": args.precision, "offload_param": {"device": args.offload_param},
-                               "offload_optimizer": {"device": args.offload_optimizer}, "nvme_path": ".", **activations})
+                               "offload_optimizer": {"device": args.offload_optimizer}, "nvme_path": ".",
+                               **activations})
