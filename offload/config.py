@@ -118,6 +118,25 @@ class UnitsConfig:
 
 
 @dataclass(frozen=True)
+class ActivationsConfig:
+    """The batch the memory plan sizes activations for (docs/python.md "Planning a long sequence"): both or
+    neither; null: the plan counts no activations until the first forward shows the batch's shape."""
+
+    batch: int | None = None   # sequences per micro-batch
+    seq: int | None = None     # tokens per sequence
+
+    def validate(self, path: str) -> None:
+        for name in ("batch", "seq"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                _fail(f"{path}.{name}", v, "must be a positive integer", "for example 4 (batch) or 2048 (seq)")
+        if (self.batch is None) != (self.seq is None):
+            given = "batch" if self.seq is None else "seq"
+            _fail(f"{path}.{given}", getattr(self, given), "the plan needs both the batch and the sequence length",
+                  f"set {path}.{'seq' if given == 'batch' else 'batch'} too, or neither")
+
+
+@dataclass(frozen=True)
 class LossScaleConfig:
     """Dynamic loss scaling for fp16 (ignored, with a warning, for bf16/fp32)."""
 
@@ -176,6 +195,7 @@ class Config:
     seed: int = 0                  # seeds meta-device materialization
     activation_checkpointing: bool = False  # the engine checkpoints each unit's forward: keeps the unit's inputs, runs its forward again in its backward (docs/python.md "Activation checkpointing")
     offload_activations: OffloadConfig = field(default_factory=OffloadConfig)
+    activations: ActivationsConfig = field(default_factory=ActivationsConfig)
     quantize_base: str | None = None  # "nf4" | "fp4" | "int8": a model built on meta has its base's linears quantized by bitsandbytes as they are materialized (a LoRA run; docs/training.md "QLoRA")
     collective_timeout_s: float = 600.0  # over ranks: a collective not matched by every rank within this raises an error naming it ([Note: collective order] in offload/ranks.py)
 

@@ -48,6 +48,10 @@ HELP = {
                            "forward and its backward",
     "offload_activations.device": '"none" (hbm, where they are made), "cpu" (dram) or "nvme"; needs '
                                   "activation_checkpointing",
+    "activations": "the micro-batch the memory plan counts activations for, by formula from the model's shape "
+                   '(docs/python.md "Planning a long sequence"): batch and seq, both or neither; null: none until the '
+                   "first forward, which is refused if its activations do not fit; `offload train` sets its "
+                   "--batch-size and --seq-len",
     "nvme_path": 'directory for swap files; required when a device is "nvme" (use a fast local drive); or a '
                  'list of several, one per drive: each local rank takes its turn',
     "budgets.hbm_bytes": 'accelerator memory budget, e.g. "2.5G" (null: derived from the free memory with a safety '

@@ -19,13 +19,14 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload import checkpoint, cpu_adam, hooks, quantized
+from offload.activation_memory import activation_model, batch_shape
 from offload.activation_tier import InputTier
 from offload.activations import Checkpointing, UnitInputs, attention_line
 from offload.config import Config, LossScaleConfig, load_config
 from offload.materialize import materialize, unit_values
 from offload.optim import OptimState
 from offload.pipeline import Phase, StepPipeline
-from offload.placement import Placement, plan_placement
+from offload.placement import Placement, PlacementError, activations_advice, fits_with_activations, plan_placement
 from offload.precision import resolve_precision
 from offload.prefetch import agreed_policy
 from offload.residency import WeightHandle
@@ -74,7 +75,9 @@ class Engine(nn.Module):
         self.units: list[Unit] = partition(model, cfg.units.min_numel, cfg.units.classes,
                                                itemsize=self.dtype.itemsize)
         self.placement: Placement = plan_placement(self.units, cfg, self.device, order=forward_order(model, self.units),
-                                                   world=self.world, rank=self.rank, precision=self.precision)
+                                                   world=self.world, rank=self.rank, precision=self.precision,
+                                                   activations=activation_model(model, cfg, self.device))
+        self._activations_checked = self.placement.activation_shape  # the largest batch shape known to fit
         self.rt = rt = Runtime.open(cfg, self.device, self.placement, self.rank, self.world)
         agree = (lambda values, op: rt.ranks.agree(values, op, "all_reduce: the trace to replay")
                  ) if self.placement.weight_owners else None  # [Note: collective order] in offload.ranks
@@ -132,9 +135,28 @@ class Engine(nn.Module):
         attention = attention_line(model, self.device, self.dtype)
         return lines + ([attention] if attention else [])
 
+    def _check_activations(self, args, kwargs) -> None:
+        """Refuses, before it runs, a batch whose activations by formula (offload.activation_memory) do not fit
+        beside the rest of the plan; a shape no larger than one already checked or planned is not checked again,
+        nor a forward without grad (it keeps nothing for a backward)."""
+        p, shape = self.placement, batch_shape(args, kwargs)
+        if shape is None or p.activations is None or p.activations.dims is None or not torch.is_grad_enabled():
+            return
+        checked = self._activations_checked
+        if checked is not None and shape[0] <= checked[0] and shape[1] <= checked[1]:
+            return
+        if not fits_with_activations(p, p.base_need, p.activations, *shape):
+            plan = ("set activations: {\"batch\", \"seq\"} in the config to plan them (the plan gives up optional "
+                    "parts to make room), " if p.activation_shape is None else "")
+            raise PlacementError(f"batch {shape[0]} x seq {shape[1]}: does not fit the memory plan; "
+                                 f"{activations_advice(p, *shape, p.base_need)}; {plan}use shorter or fewer "
+                                 f"sequences, or raise the budgets")
+        self._activations_checked = shape if checked is None else (max(shape[0], checked[0]), max(shape[1], checked[1]))
+
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self._check_devices(args, kwargs)
+        self._check_activations(args, kwargs)
         before = self.pipeline.begin_forward()
         if before is not Phase.BACKWARD:
             self.trace.begin_step()

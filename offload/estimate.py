@@ -16,7 +16,8 @@ offload.memory.runtime_parts, the function the engine's placement checks (its fo
 every unit as large as the largest (a unit is a module subtree such as one transformer block): the
 fetched units' weights in hbm, the gradients in flight before they leave hbm, and the dram pool of
 fixed-size chunks through which everything moves to and from NVMe. Activations depend on batch and
-sequence and are added only when given (activation_bytes).
+sequence: counted by formula for a model at --batch x --seq (offload.activation_memory, [Note: the activations
+formula]), or as given (--activation-bytes).
 
 [Note: a quantized base]
 With LoRA on a quantized base (`--quantize nf4|int8`, as bitsandbytes loads it through transformers) every
@@ -92,13 +93,14 @@ def model_state_bytes(params: int, dp: int, terms: list[Term], trainable: int | 
 
 
 def runtime_bytes(unit_numel: int, terms: list[Term], device_type: str = "cuda",
-                  chunk_bytes: int = 32 << 20, activation_bytes: int = 0, hbm_units: int | None = None,
+                  chunk_bytes: int = 32 << 20, activations: list[dict] = (), hbm_units: int | None = None,
                   trainable_unit_numel: int | None = None, unit_bytes: int | None = None) -> dict:
     """The runtime's buffers and working set per rank, on top of the ledger: offload.memory.runtime_parts,
     the function the engine's placement checks, with every unit as large as the largest (unit_numel).
     hbm_units: fetched units in hbm at once (None: the engine's default, 1 + prefetch_units + reuse_distance).
     trainable_unit_numel: the trained parameters of the largest unit, when not all of them are (LoRA).
     unit_bytes: the largest unit's bytes as fetched, when not unit_numel x the weight's bytes (a quantized base).
+    activations: their parts (offload.activation_memory.activation_parts, or one "given"), added as they are.
     Returns {"hbm_bytes", "dram_bytes", "nvme_bytes", "parts": [{"name", "tier", "bytes", "formula"}]}."""
     w, _, opt = terms
     knobs = Knobs()
@@ -111,8 +113,7 @@ def runtime_bytes(unit_numel: int, terms: list[Term], device_type: str = "cuda",
                           hbm_trained=w.tier == "hbm" or trainable_unit_numel is None)  # all trained: the rest too
     if unit_bytes is not None:
         _fetch_bytes(parts, n_fetched, unit_bytes, knobs)
-    if activation_bytes:
-        parts.append({"name": "activations", "tier": "hbm", "bytes": int(activation_bytes), "formula": "given"})
+    parts += [dict(p) for p in activations]
     out = {f"{t}_bytes": sum(p["bytes"] for p in parts if p["tier"] == t) for t in TIERS}
     out["parts"] = parts
     return out
@@ -308,7 +309,8 @@ def formula(terms: list[Term], runtime: dict, frozen: bool = False, quantized: b
         ledger = [(_weights_formula(t, quantized) if t.name == "weights" else
                    f"{t.bytes_per_param}{'T' if frozen else 'P'}{'/D' if t.partitioned else ''}") + f" ({t.name})"
                   for t in terms if t.tier == tier]
-        extra = [f"{p['formula']} ({p['name']})" for p in runtime["parts"] if p["tier"] == tier]
+        extra = [f"{p['formula']} ({p['name']})" if not p["name"].startswith("activations") else
+                 f"{p['name']} (runtime.parts: by formula)" for p in runtime["parts"] if p["tier"] == tier]
         lines.append(f"{tier} = " + (" + ".join(ledger + extra) or "0"))
     return "; ".join(lines)
 
@@ -356,8 +358,11 @@ def format_table(result: dict) -> str:
     q = result.get("frozen_base") if result.get("quantize") else None
     quantized = (f"Q = {q['quantized_bytes']:,} B, the records of the Pq = {q['quantized_params']:,} quantized "
                  f"parameters, " if q else "")
-    return "\n".join([head, *base, *rows, f"formula (P = params, {'T = trained params, ' if trained else ''}"
+    acts = [p for p in result["runtime"]["parts"] if p["name"].startswith("activations")]
+    lines = [f"{p['tier']} {p['name']}: {format_bytes(p['bytes'])} = {p['formula']}" for p in acts]
+    missing = "allocator slack" if acts else "activations (--seq and --batch, or --activation-bytes), allocator slack"
+    return "\n".join([head, *base, *rows, *lines, f"formula (P = params, {'T = trained params, ' if trained else ''}"
                       f"{quantized}D = ranks, U = {result['largest_unit_numel']:,}, "
                       f"the largest unit's numel): {result['formula']}",
-                      "Not included unless given: activations (--activation-bytes), allocator slack."])
+                      f"Not included: {missing}."])
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 import psutil
 import torch
 
+from offload.activation_memory import ActivationModel, activation_model, longest_seq
 from offload.chunks import planned_chunk_bytes, weight_chunks, window_owners, windows
 from offload.config import load_config
 from offload.memory import (MINIMUM, OFFLOAD_TIER, STATE_KINDS, TIERS, Knobs, free_holds, grad_reserve,
@@ -57,6 +58,10 @@ class Placement:
     trainable_numel: int = 0         # parameters trained (weights + optimizer states + gradient)
     frozen_numel: int = 0            # parameters frozen (weights only: no master, moments or gradient I/O)
     quantized: dict = field(default_factory=dict)  # kind (nf4, fp4, int8) -> [parameters, record bytes]
+    activations: ActivationModel | None = None  # the model's activations by formula (offload.activation_memory)
+    activation_shape: tuple[int, int] | None = None  # (batch, seq) the plan counts activations for; None: none
+    base_need: dict = field(default_factory=dict)   # need without activations, at the knobs that run
+    least_need: dict = field(default_factory=dict)  # need without activations, at the least working set (MINIMUM)
 
     @property
     def uses_nvme(self) -> bool:
@@ -93,6 +98,8 @@ class Placement:
             lines.append(f"  {tier}: needs {self.need[tier] / 2**20:.1f} MiB of a {budget / 2**20:.1f} MiB budget")
         for p in self.parts:
             lines.append(f"    {p['tier']} {p['name']}: {p['bytes'] / 2**20:.1f} MiB = {p['formula']}")
+        if self.activations is not None:
+            lines.append(f"  {self.activations.line(*(self.activation_shape or (None, None)))}")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
@@ -106,13 +113,16 @@ def _default_budgets(device: torch.device) -> tuple[int, int]:
 
 def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = True,
                    order: list[int] | None = None, world: int = 1, rank: int = 0,
-                   precision: PrecisionChoice | None = None) -> Placement:
+                   precision: PrecisionChoice | None = None, activations: ActivationModel | None = None) -> Placement:
     """Homes per unit and the bytes each tier needs (on `rank` of `world`); `check` runs the preflight
     (raises PlacementError). order: the units of a forward (offload.units.forward_order), for hbm's working
     set (offload.memory). With zero_stage 1-3 over several ranks a rank holds the states of the windows it
     owns (offload.chunks.window_owners) and two more pool chunks (the gradient reduce, offload.optim); with
     stage 3 also only the weights of its chunks of every unit that is fetched (not the persistent ones).
-    precision: the engine's choice for cfg.precision on `device`; resolved here when not given ("auto")."""
+    precision: the engine's choice for cfg.precision on `device`; resolved here when not given ("auto").
+    activations: the model's activations by formula, counted for cfg.activations' batch and seq when given
+    (offload.activation_memory; the preflight then refuses activations that do not fit, naming the longest
+    sequence that would)."""
     precision = precision or resolve_precision(cfg.precision, device)
     cfg = replace(cfg, precision=precision.name)  # the plan follows the precision that runs
     itemsize = cfg.compute_dtype.itemsize
@@ -148,6 +158,9 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     p = Placement(weight_home, state_home, dict(states), cfg.budgets.hbm_bytes or default_hbm,
                   cfg.budgets.dram_bytes or default_dram, _free_disk(cfg.swap_dir(rank)) if cfg.nvme_path else 0, rows)
     p.swap_dir, p.precision = cfg.swap_dir(rank), precision
+    p.activations = activations
+    if activations is not None and activations.dims is not None and cfg.activations.batch is not None:
+        p.activation_shape = (cfg.activations.batch, cfg.activations.seq)
     p.trainable_numel = sum(s.numel for u in units for s in u.slots if s.trainable)
     p.frozen_numel = sum(s.numel if s.record is None else s.record.numel for u in units for s in u.slots
                          if not s.trainable)
@@ -166,7 +179,7 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     # new weights of a trained unit resident in hbm (the rest's norms, whatever w_home) pass through a chunk
     hbm_trained = any(weight_home[u.index] == "hbm" and u.trainable_numel for u in units)
 
-    def plan(knobs: Knobs) -> tuple[list[dict], dict[str, int]]:
+    def plan(knobs: Knobs, shape: tuple[int, int] | None = p.activation_shape) -> tuple[list[dict], dict[str, int]]:
         parts = runtime_parts(fetched, trainable, itemsize, fetch_home, s_home, device.type, p.chunk_bytes, knobs,
                               order, [u.numel for u in units], [u.trainable_numel for u in units], hbm_trained)
         if world > 1 and not sharded and itemsize < 4:  # offload.pipeline.average_over_ranks
@@ -177,6 +190,8 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
             parts.append({"name": "gradient reduce chunks", "tier": "dram", "bytes": 2 * p.chunk_bytes,
                           "formula": f"2 pool chunks x chunk_bytes {p.chunk_bytes} (zero_stage {cfg.zero_stage}, "
                                      f"{world} ranks)"})
+        if shape is not None:
+            parts += activations.parts(*shape)
         need = totals(parts)
         return parts, {t: states[t] + need[t] for t in states}
 
@@ -200,8 +215,9 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
         shared = [u.numel if u.numel * itemsize in p.shared_sizes and weight_home[u.index] != "hbm" else 0
                   for u in units]
         p.fetched_peak = working_set_peak(order, shared, [0] * len(units), itemsize, p.knobs, 0, bool(trainable))
-    if check:
-        preflight(p, device, cfg, plan(MINIMUM)[1])
+    p.base_need, p.least_need = plan(p.knobs, None)[1], plan(MINIMUM, None)[1]
+    if check:  # the least it can train with: the activations' parts apart (activations_advice)
+        preflight(p, device, cfg, p.least_need)
     return p
 
 
@@ -212,7 +228,10 @@ def engine_plan(model, config=None) -> dict:
     `model` may live on the meta device. A measured run stays within this plan (tests/test_estimate_engine.py)."""
     cfg = load_config(config)
     units = partition(model, cfg.units.min_numel, cfg.units.classes, itemsize=cfg.compute_dtype.itemsize)
-    need = plan_placement(units, cfg, torch.device("cpu"), check=False, order=forward_order(model, units)).need
+    device = torch.device("cpu")
+    activations = activation_model(model, replace(cfg, precision=resolve_precision(cfg.precision, device).name), device)
+    need = plan_placement(units, cfg, device, check=False, order=forward_order(model, units),
+                          activations=activations).need
     return {f"{t}_bytes": need[t] for t in TIERS}
 
 
@@ -311,7 +330,8 @@ def preflight(p: Placement, device: torch.device, cfg, minimum: dict[str, int]) 
         if p.need[tier] > budget:
             what = "free disk under nvme_path" if tier == "nvme" else f"budget (budgets.{tier}_bytes)"
             kept = f", {p.reuse_bytes} of them reuse_bytes," if tier == "hbm" and p.reuse_bytes else ""
-            least = "" if tier == "nvme" else f"; the least it can train with is {minimum[tier]} bytes " \
+            besides = " besides activations" if p.activation_shape else ""
+            least = "" if tier == "nvme" else f"; the least it can train with{besides} is {minimum[tier]} bytes " \
                 f"({minimum[tier] / 2**30:.2f} GiB: the largest unit's weights and gradient, one optimizer window)"
             problems.append(f"{tier} needs {p.need[tier]} bytes ({p.need[tier] / 2**30:.2f} GiB){kept} but the "
                             f"{what} is {budget} bytes ({budget / 2**30:.2f} GiB){least}")
@@ -320,6 +340,9 @@ def preflight(p: Placement, device: torch.device, cfg, minimum: dict[str, int]) 
     if host > avail:
         problems.append(f"host memory: needs {host} bytes ({host / 2**30:.2f} GiB) but only {avail} bytes "
                         f"({avail / 2**30:.2f} GiB) are available")
+    over = {t for t in TIERS if p.need[t] > getattr(p, f"{t}_budget")}
+    if over and p.activation_shape is not None and over & {q["tier"] for q in p.activations.parts(*p.activation_shape)}:
+        problems.append(activations_advice(p, *p.activation_shape, p.least_need))
     if problems:
         raise PlacementError("the model does not fit: " + "; ".join(problems) +
                              "; offload more (offload_param / offload_optimizer = nvme), raise the budgets, "
@@ -330,3 +353,33 @@ def owned_numel(spans: list[tuple[int, int]], owners: list[int] | None, rank: in
     """Elements of a unit's buffer (its windows or chunks `spans`) that `rank` holds: all of them, or those
     of the spans it owns."""
     return sum(e - b for (b, e), r in zip(spans, owners or [rank] * len(spans)) if r == rank)
+
+
+def fits_with_activations(p: Placement, base: dict[str, int], activations: ActivationModel, batch: int,
+                          seq: int) -> bool:
+    """Whether `base` (a need without activations) and the activations of batch x seq fit the hbm and dram
+    budgets and the free disk."""
+    parts = activations.parts(batch, seq)
+    return all(base[t] + sum(q["bytes"] for q in parts if q["tier"] == t) <= getattr(p, f"{t}_budget")
+               for t in TIERS)
+
+
+def activations_advice(p: Placement, batch: int, seq: int, base: dict[str, int]) -> str:
+    """The refusal's line on activations: what batch x seq needs, the longest sequence that fits at this batch
+    beside `base` (the rest of the need), and how far activation_checkpointing and offload_activations would
+    take it."""
+    act = p.activations
+    need = {t: sum(q["bytes"] for q in act.parts(batch, seq) if q["tier"] == t) for t in TIERS}
+    held = ", ".join(f"{t} {n} bytes ({n / 2**30:.2f} GiB)" for t, n in need.items() if n)
+    line = (f"activations of batch {batch} x seq {seq} need {held}; at batch {batch} the longest sequence that "
+            f"fits is {longest_seq(lambda t: fits_with_activations(p, base, act, batch, t), seq)}")
+    tries = [] if act.checkpointing else [("activation_checkpointing", replace(act, checkpointing=True))]
+    if act.tier == "hbm":
+        tries.append(("activation_checkpointing and offload_activations cpu",
+                      replace(act, checkpointing=True, tier="dram")))
+    for what, other in tries:
+        longest = longest_seq(lambda t: fits_with_activations(p, base, other, batch, t), 1 << 24)
+        if longest > 0:
+            line += f" ({longest} with {what})"
+            break
+    return line

@@ -207,6 +207,8 @@ def resolve(args: argparse.Namespace) -> tuple[Config, dict]:
         if value is not None or _get(file, path) is None:
             set_dotted(data, path, default if value is None else value)
     _check_run(run, data)
+    # the memory plan counts the activations of a micro-batch of the run (offload.activation_memory)
+    data.setdefault("activations", {"batch": run["batch_size"], "seq": run["seq_len"]})
     if "type" not in data.get("lr_schedule", {}):  # cosine over the run, down to 10%
         data["lr_schedule"].update(type="cosine", total_steps=run["steps"], min_ratio=0.1)
     return load_config(data), run

@@ -186,6 +186,11 @@ def test_help_works():
     (["estimate", "--params", "1e9", "--dp", "0"], "dp=0: must be >= 1"),
     (["estimate", "--model", "/no/such/dir/config.json"], "/no/such/dir/config.json"),
     (["estimate", "--model", "no-such-preset"], "--model=no-such-preset: no such file, directory or preset"),
+    (["estimate", "--model", "tiny", "--seq", "512"], "--seq=512: activations need both --seq and --batch; add --batch"),
+    (["estimate", "--params", "1B", "--seq", "512", "--batch", "1"], "--seq=512: needs --model"),
+    (["estimate", "--model", "tiny", "--seq", "0", "--batch", "1"], "--seq=0: must be a positive integer"),
+    (["estimate", "--model", "tiny", "--seq", "64", "--batch", "1", "--offload-activations", "cpu"],
+     "--offload-activations=cpu: places the inputs the engine's checkpoints keep; add --activation-checkpointing"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(argv, message):
     res = _cli(*argv)
@@ -332,3 +337,49 @@ def test_quantize_kind_is_a_choice(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["estimate", "--model", "7b", "--lora", "8", "--quantize", "fp8"])
     assert e.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+# -- activations (--seq, --batch, --activation-checkpointing) -------------------------------------------------
+
+def test_activations_by_formula_in_their_tier(tmp_path, capsys):
+    """--seq and --batch add the activations of offload.activation_memory's formula, read from the model's
+    config, to hbm (with --offload-activations cpu the kept unit inputs to dram), in the ledger and in the
+    engine's own plan; --activation-bytes replaces them."""
+    from offload.activation_memory import ModelDims, activation_parts
+
+    hf_archs.config("llama").save_pretrained(tmp_path)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    dims = ModelDims(conf["hidden_size"], conf["intermediate_size"], conf["num_attention_heads"],
+                     conf["num_key_value_heads"], conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"],
+                     conf["vocab_size"], conf["num_hidden_layers"])
+    argv = ["--model", str(tmp_path), "--precision", "fp32", "--device", "cpu", "--offload-param", "cpu",
+            "--offload-optimizer", "cpu"]
+    none = run_json(capsys, *argv)
+    plain = run_json(capsys, *argv, "--seq", "2048", "--batch", "2")
+    [part] = [p for p in plain["runtime"]["parts"] if p["name"].startswith("activations")]
+    [expected] = activation_parts(dims, 2, 2048, 4, scores=False, checkpointing=False)
+    assert part == expected and part["tier"] == "hbm"
+    assert plain["per_rank"]["hbm_bytes"] == none["per_rank"]["hbm_bytes"] + part["bytes"]
+    assert plain["engine_plan"]["hbm_bytes"] == none["engine_plan"]["hbm_bytes"] + part["bytes"]
+    ckpt = run_json(capsys, *argv, "--seq", "2048", "--batch", "2", "--activation-checkpointing",
+                    "--offload-activations", "cpu")
+    parts = {p["name"]: p for p in ckpt["runtime"]["parts"] if p["name"].startswith("activations")}
+    kept = parts["activations: kept unit inputs"]
+    assert kept["tier"] == "dram" and kept["bytes"] == (dims.layers - 1) * 2 * 2048 * 4 * dims.hidden
+    assert ckpt["per_rank"]["dram_bytes"] == none["per_rank"]["dram_bytes"] + kept["bytes"]
+    assert sum(p["bytes"] for p in parts.values()) < part["bytes"]
+    given = run_json(capsys, *argv, "--seq", "2048", "--batch", "2", "--activation-bytes", "1000")
+    assert given["per_rank"]["hbm_bytes"] == none["per_rank"]["hbm_bytes"] + 1000
+    assert cli.main(["estimate", *argv, "--seq", "4096", "--batch", "1"]) == 0
+    table = capsys.readouterr().out
+    assert "hbm activations: " in table and "L x layer + max(head, backward)" in table and "T 4096" in table
+    assert "Not included: allocator slack." in table
+
+
+def test_a_model_whose_shape_cannot_be_read_is_estimated_without_activations_and_says_so(tmp_path, capsys):
+    hf_archs.config("gpt2").save_pretrained(tmp_path)  # GPT-2's config names no intermediate_size
+    result = run_json(capsys, "--model", str(tmp_path), "--seq", "64", "--batch", "1")
+    assert not [p for p in result["runtime"]["parts"] if p["name"].startswith("activations")]
+    assert cli.main(["estimate", "--model", str(tmp_path), "--seq", "64", "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "activations: not counted (its config has no intermediate_size)" in out

@@ -44,7 +44,17 @@ def register(subparsers) -> None:
     p.add_argument("--resident-units", type=int, default=None,
                    help="units whose full weights are in hbm at once (default 4: the one in use, 2 prefetched, "
                         "1 kept for its next use; the engine's defaults)")
-    p.add_argument("--activation-bytes", type=int, default=0, help="activations in hbm, if known")
+    p.add_argument("--seq", type=int, default=None, metavar="T",
+                   help="with --model and --batch: tokens per sequence; activations are counted by formula from the "
+                        "model's shape (hidden size, layers, heads, vocab; docs/design.md \"Activations\")")
+    p.add_argument("--batch", type=int, default=None, metavar="B", help="with --seq: sequences per micro-batch")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="the engine checkpoints each unit: activations are each unit's kept input and one unit's "
+                        "recompute (as `offload train --activation-checkpointing`)")
+    p.add_argument("--offload-activations", default="none", choices=("none", "cpu", "nvme"),
+                   help="with --activation-checkpointing: where the kept unit inputs live (default none: hbm)")
+    p.add_argument("--activation-bytes", type=int, default=0,
+                   help="activations in hbm, if known: replaces the formula of --seq and --batch")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="the compute device the runtime buffers are for (default: this machine's, cuda when a GPU "
                         "is visible, else cpu: on the CPU backend an nvme fetch reads straight into the hbm copy, "
@@ -99,19 +109,58 @@ def _shape(args):
     return shape, model
 
 
+def _check_activation_flags(args) -> None:
+    for flag in ("seq", "batch"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag}={value}: must be a positive integer")
+    if (args.seq is None) != (args.batch is None):
+        given = "seq" if args.batch is None else "batch"
+        raise ValueError(f"--{given}={getattr(args, given)}: activations need both --seq and --batch; add "
+                         f"--{'batch' if given == 'seq' else 'seq'}")
+    if args.seq is not None and args.model is None:
+        raise ValueError(f"--seq={args.seq}: needs --model (the activations' formula reads the hidden size, layers, "
+                         f"heads and vocab from the model); or pass --activation-bytes")
+    if args.offload_activations != "none" and not args.activation_checkpointing:
+        raise ValueError(f"--offload-activations={args.offload_activations}: places the inputs the engine's "
+                         f"checkpoints keep; add --activation-checkpointing")
+
+
+def _activation_parts(model, args, device_type: str) -> list[dict]:
+    """The activations' parts for --batch x --seq by formula (offload.activation_memory), or those given by
+    --activation-bytes, or none; a model whose shape cannot be read: none, and one line says so."""
+    if args.activation_bytes:
+        return [{"name": "activations", "tier": "hbm", "bytes": args.activation_bytes, "formula": "given"}]
+    if args.seq is None:
+        return []
+    from offload.activation_memory import ActivationModel, attention_keeps_scores, model_dims
+    from offload.memory import OFFLOAD_TIER
+
+    dims, source = model_dims(model)
+    if dims is None:
+        print(f"activations: not counted ({source})")
+        return []
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]
+    scores = attention_keeps_scores(model, torch.device(device_type), dtype)
+    return ActivationModel(dims, source, dtype.itemsize, scores, args.activation_checkpointing,
+                           OFFLOAD_TIER[args.offload_activations]).parts(args.batch, args.seq)
+
+
 def run(args) -> int:
     if (args.resident_units is not None and args.resident_units < 1) or args.activation_bytes < 0:
         raise ValueError(f"--resident-units={args.resident_units}, --activation-bytes={args.activation_bytes}: "
                          f"need at least 1 resident unit and non-negative bytes")
+    _check_activation_flags(args)
     placement_given = args.offload_param is not None or args.offload_optimizer is not None
     args.offload_param, args.offload_optimizer = args.offload_param or "none", args.offload_optimizer or "none"
     choice = resolve_precision(args.precision)  # as the engine would resolve it on this host
     args.precision = choice.name
     shape, model = _shape(args)
+    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     result = est.estimate(shape, dp=args.dp, stage=args.stage, offload_param=args.offload_param,
                           offload_optimizer=args.offload_optimizer, precision=args.precision,
-                          hbm_units=args.resident_units, activation_bytes=args.activation_bytes,
-                          device_type=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+                          hbm_units=args.resident_units, activations=_activation_parts(model, args, device_type),
+                          device_type=device_type,
                           chunk_bytes=planned_chunk_bytes(Config().chunk_bytes, shape.largest_unit_numel))
     result["precision_reason"] = choice.line()
     plannable = model is not None and args.dp == 1
@@ -142,5 +191,10 @@ def _engine_plan(model, args) -> dict:
     """The Engine's placement for the model built on the meta device (nothing is allocated)."""
     from offload.placement import engine_plan
 
+    activations = {} if args.seq is None or args.activation_bytes else {
+        "activations": {"batch": args.batch, "seq": args.seq},
+        "activation_checkpointing": args.activation_checkpointing,
+        "offload_activations": {"device": args.offload_activations}}
     return engine_plan(model, {"precision": args.precision, "offload_param": {"device": args.offload_param},
-                               "offload_optimizer": {"device": args.offload_optimizer}, "nvme_path": "."})
+                               "offload_optimizer": {"device": args.offload_optimizer}, "nvme_path": ".",
+                               **activations})
