@@ -29,12 +29,20 @@ from typing import Callable, Iterator
 from offload.swap.pending import defer
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_STOPPING = threading.Event()  # a Stopped was raised: the process is stopping on a signal's account
+
+
+def stopping() -> bool:
+    """Whether this process is stopping on a signal's account (a Stopped was raised): what a watch that would
+    stop it leaves alone (offload.watchdog.LauncherWatch)."""
+    return _STOPPING.is_set()
 
 
 class Stopped(KeyboardInterrupt):
     """Raised by `stop_on_signals` when one of its signals arrives; `signum`, `name`, `exit_code` (128 + signum)."""
 
     def __init__(self, signum: int):
+        _STOPPING.set()
         self.signum = int(signum)
         self.name = signal.Signals(signum).name
         super().__init__(f"stopped by {self.name}")

@@ -40,6 +40,7 @@ import time
 
 import psutil
 
+from offload.signals import stopping
 from offload.swap import remove_run_dirs
 
 GRACE_S = 10.0  # longer than any one op of a training step: a frozen frame this long is stuck, not busy
@@ -135,7 +136,8 @@ class LauncherWatch:
     def _watch(self) -> None:
         while not self._done.wait(self.poll_s):
             if not _intact(self.chain):
-                self._stop()
+                if not stopping():  # stopping already (a Stopped raised, its handler gone): it ends on its own
+                    self._stop()
                 return
 
     def _stop(self) -> None:

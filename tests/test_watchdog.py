@@ -111,8 +111,18 @@ if mode == "handled":  # as offload train: SIGTERM raises, the with-blocks close
     signal.signal(signal.SIGTERM, lambda s, f: sys.exit(143))
 if mode == "deaf":  # a handler that does not stop the process
     signal.signal(signal.SIGTERM, lambda s, f: print("SIGTERM taken, ignored", file=sys.stderr, flush=True))
+if mode == "stopping":  # as offload train after an agreed SIGTERM: Stopped raised, its handler gone
+    from offload.signals import Stopped
+    try:
+        raise Stopped(signal.SIGTERM)
+    except Stopped:
+        pass
 with store, LauncherWatch(label="rank", poll_s=0.2, kill_after_s=2.0):
     print(f"ready {os.getpid()}", file=sys.stderr, flush=True)
+    if mode == "stopping":  # closing its engine and writing its report, past the launcher's end
+        time.sleep(2.0)
+        print("report written", file=sys.stderr, flush=True)
+        sys.exit(143)
     while True:
         time.sleep(0.05)
 """
@@ -177,6 +187,14 @@ def test_a_rank_that_does_not_stop_on_its_sigterm_is_ended_kill_after_s_later(tm
     assert 2 <= seconds < 7, (seconds, err)
     assert "SIGTERM taken, ignored" in err and "still running 2 s after that SIGTERM; exiting now with 137" in err, err
     assert list_runs(tmp_path / "nvme") == []
+
+
+def test_a_rank_stopping_on_its_own_when_its_launcher_goes_is_left_to_finish(tmp_path):
+    """A rank already stopping on a signal's account (a Stopped raised: over ranks, another rank's SIGTERM agreed;
+    its handler gone) is not ended by the watch halfway through closing its engine and writing its report."""
+    seconds, err = _orphan(tmp_path, "stopping")
+    assert "report written" in err and "exiting now" not in err, err
+    assert seconds < 5, (seconds, err)
 
 
 def test_outside_torchrun_the_launcher_is_not_watched(monkeypatch):
