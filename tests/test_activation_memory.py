@@ -143,12 +143,17 @@ def test_formula_terms():
     assert longest_seq(lambda t: t * t <= 50, 100) == 7 and longest_seq(lambda t: False, 100) == 0
 
 
-def test_a_cache_of_keys_and_values_left_on_with_checkpointing_is_named_in_the_plan():
+def _meta_llama(intermediate: int, layers: int):
+    """A Hugging Face Llama on the meta device: hidden 128, 4 heads, 2 k/v heads, vocabulary 512."""
     transformers = pytest.importorskip("transformers")
-    conf = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2)
+    conf = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=intermediate,
+                                    num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(conf)
+        return transformers.AutoModelForCausalLM.from_config(conf)
+
+
+def test_a_cache_of_keys_and_values_left_on_with_checkpointing_is_named_in_the_plan():
+    model = _meta_llama(384, 2)
     cfg = offload.load_config(_config(True, activations={"batch": 1, "seq": 64}))
     line = activation_model(model, cfg, torch.device("cpu")).line(1, 64)
     assert "config.use_cache is true" in line and "model.config.use_cache = False" in line
@@ -160,12 +165,7 @@ def test_a_cache_of_keys_and_values_left_on_with_checkpointing_is_named_in_the_p
 
 
 def test_dims_of_a_hugging_face_config_and_of_a_model_without_one():
-    transformers = pytest.importorskip("transformers")
-    conf = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                                    num_attention_heads=4, num_key_value_heads=2)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(conf)
-    dims, _ = model_dims(model)
+    dims, _ = model_dims(_meta_llama(256, 3))
     assert dims == ModelDims(128, 256, 4, 2, 32, 512, 3)
     assert model_dims(init_weights(LlamaLM(SHAPE), 0))[0] == ModelDims(128, 384, 4, 4, 32, 257, 4)
     dims, why = model_dims(torch.nn.Sequential(torch.nn.Linear(4, 4)))
