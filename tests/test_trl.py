@@ -91,18 +91,25 @@ def closing():
         t.close()
 
 
-@pytest.mark.parametrize("kind", ["full", "lora"])
-def test_sft_losses_equal_stock_sft_trainer(tmp_path, closing, kind):
-    lr, extra = (1e-2, {"peft_config": lora()}) if kind == "lora" else (1e-3, {})
-    runs = {}
-    for cls in (trl.SFTTrainer, OffloadSFTTrainer):
-        more = {"offload_config": nvme(tmp_path)} if cls is OffloadSFTTrainer else {}
-        t = cls(model=tiny_llama(), args=config(trl.SFTConfig, tmp_path, learning_rate=lr), train_dataset=sft_data(),
-                processing_class=TOKENIZER, **extra, **more)
-        if cls is OffloadSFTTrainer:
+def train_both(stock, ours, tmp_path, closing, build):
+    """({class: its losses}, our trainer): the stock trainer and ours, each built by build(cls, its extra
+    keyword arguments: ours gets an nvme offload_config) and trained."""
+    runs, t = {}, None
+    for cls in (stock, ours):
+        t = build(cls, {"offload_config": nvme(tmp_path)} if cls is ours else {})
+        if cls is ours:
             closing(t)
         t.train()
         runs[cls] = losses(t)
+    return runs, t
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_sft_losses_equal_stock_sft_trainer(tmp_path, closing, kind):
+    lr, extra = (1e-2, {"peft_config": lora()}) if kind == "lora" else (1e-3, {})
+    runs, _ = train_both(trl.SFTTrainer, OffloadSFTTrainer, tmp_path, closing, lambda cls, more: cls(
+        model=tiny_llama(), args=config(trl.SFTConfig, tmp_path, learning_rate=lr), train_dataset=sft_data(),
+        processing_class=TOKENIZER, **extra, **more))
     assert len(runs[OffloadSFTTrainer]) == STEPS
     assert runs[OffloadSFTTrainer] == pytest.approx(runs[trl.SFTTrainer], rel=1e-5)
     assert runs[OffloadSFTTrainer][-1] < runs[OffloadSFTTrainer][0]  # it trained
@@ -114,19 +121,16 @@ def test_dpo_losses_equal_stock_dpo_trainer_with_the_reference_on_a_frozen_engin
     forward, no optimizer state, no gradient; they stay as they were."""
     directory = tmp_path / "policy"
     tiny_llama().save_pretrained(directory)
-    runs = {}
-    for cls in (trl.DPOTrainer, OffloadDPOTrainer):
-        more = {"offload_config": nvme(tmp_path)} if cls is OffloadDPOTrainer else {}
+
+    def build(cls, more):
         if reference == "loaded from the model's directory":
             models = {"model": str(directory)}
         else:
             models = {"model": tiny_llama(), "ref_model": tiny_llama()}
         args = config(trl.DPOConfig, tmp_path, precompute_ref_log_probs=reference == "precomputed")
-        t = cls(**models, args=args, train_dataset=dpo_data(), processing_class=TOKENIZER, **more)
-        if cls is OffloadDPOTrainer:
-            closing(t)
-        t.train()
-        runs[cls] = losses(t)
+        return cls(**models, args=args, train_dataset=dpo_data(), processing_class=TOKENIZER, **more)
+
+    runs, t = train_both(trl.DPOTrainer, OffloadDPOTrainer, tmp_path, closing, build)
     assert len(runs[OffloadDPOTrainer]) == STEPS
     assert runs[OffloadDPOTrainer] == pytest.approx(runs[trl.DPOTrainer], rel=1e-5)
     assert runs[OffloadDPOTrainer][-1] < runs[OffloadDPOTrainer][0]
