@@ -519,8 +519,8 @@ def test_a_sigterm_that_reaches_one_rank_saves_every_rank_at_the_same_step(tmp_p
 @pytest.mark.parametrize("checkpoints", [False, True])
 def test_ranks_whose_torchrun_is_killed_stop_and_leave_no_swap(tmp_path, checkpoints):
     """kill -9 of torchrun's process group does not reach its ranks (each in a session of its own); each rank
-    notices its launcher is gone and stops as torchrun's SIGTERM would have stopped it (with --save-every: after
-    saving the same step), its swap removed: `offload clean --list` shows no run ([Note: a rank whose launcher
+    notices its launcher is gone (or stops first on the SIGTERM another rank that noticed agreed over the ranks)
+    and stops as torchrun's SIGTERM would have stopped it (with --save-every: after saving the same step), its swap removed: `offload clean --list` shows no run ([Note: a rank whose launcher
     is gone] in offload/watchdog.py)."""
     import psutil
 
@@ -553,7 +553,8 @@ def test_ranks_whose_torchrun_is_killed_stop_and_leave_no_swap(tmp_path, checkpo
                 r.kill()
     stderr = (tmp_path / "stderr").read_text()
     assert seconds < 20, (seconds, stderr[-3000:])  # on 2 shared cores; most of it is the partial report's plot
-    assert stderr.count(f"its launcher (pid {proc.pid}) is gone") == 2, stderr[-3000:]
+    # a rank notices its launcher is gone, or first stops on the SIGTERM agreed with a rank that noticed it
+    assert stderr.count(f"its launcher (pid {proc.pid}) is gone") in (1, 2), stderr[-3000:]
     assert stderr.count("offload train: stopped by SIGTERM after step") == 2, stderr[-3000:]
     assert stderr.count("SIGTERM: saved") == (2 if checkpoints else 0), stderr[-3000:]
     assert list_runs(nvme) == [] and not list(nvme.iterdir())
