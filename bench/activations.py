@@ -10,8 +10,9 @@ batch --batch; weights and optimizer states where --weights puts them (default d
 what differs). Per run: the median step of --steps after --warmup, peak RSS, the hbm tier's accounted peak
 (what the engine charges: fetched weights, gradients, kept inputs back for their backward) and the kept
 inputs' hbm peak (engine.stats()["activations"]), the bytes moved and the time the backward waited for them.
-Beside each step: the compute bound, (6, or 8 with the recompute) x params x tokens / the matmul GFLOP/s
-measured before and after the runs (bench/limits.py), which ignores attention's sequence-squared products.
+Beside each step: the compute bound, (6, or 8 with the recompute) x params x tokens plus attention's causal
+products, (3, or 4 with the recompute) x 2 x batch x seq^2 x d_model x layers (QK^T and PV over the half below
+the diagonal), over the matmul GFLOP/s measured before and after the runs (bench/limits.py).
 A run that fails (out of memory: killed) is reported with its error and the others go on.
 
 python bench/activations.py [--preset bench-200m] [--seqs 2048,4096,8192,16384] [--batch 1]
@@ -69,7 +70,8 @@ def run_one(args) -> dict:
                 times.append(time.perf_counter() - t0)
         stats = engine.stats()
     acts = stats["activations"]
-    return {"params": params, "step_s": statistics.median(times),
+    mc = PRESETS[args.preset]
+    return {"params": params, "d_model": mc.d_model, "n_layers": mc.n_layers, "step_s": statistics.median(times),
             "losses": losses, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "hbm_tier_peak_bytes": stats["tiers"]["hbm"]["peak_bytes"],
             "inputs_hbm_peak_bytes": acts.get("inputs_peak_bytes", 0),
@@ -112,6 +114,14 @@ def main() -> None:
         print(json.dumps(report))
 
 
+def compute_flops(run: dict, batch: int, seq: int, recompute: bool) -> float:
+    """The step's matmul work (module docstring): the linears' 6 (8 with the recompute) x params x tokens and
+    attention's causal QK^T and PV, 2 x batch x seq^2 x d_model per layer forward, 3 (4) times."""
+    passes = 4 if recompute else 3
+    linears = (limits.FLOPS_PER_PARAM_TOKEN + (2 if recompute else 0)) * run["params"] * batch * seq
+    return linears + passes * 2 * batch * seq * seq * run["d_model"] * run["n_layers"]
+
+
 def _compare(args, base: str, seqs: list[int], modes: list[str]) -> dict:
     gflops = [limits.matmul_gflops(args.precision)]
     runs: dict[str, dict] = {}
@@ -133,8 +143,7 @@ def _compare(args, base: str, seqs: list[int], modes: list[str]) -> dict:
         if "error" in r:
             continue
         seq, mode = key.split("/")
-        flops = (limits.FLOPS_PER_PARAM_TOKEN + (2 if mode != "none" else 0)) * r["params"] * args.batch * int(seq)
-        r["compute_bound_s"] = flops / (mean * 1e9)
+        r["compute_bound_s"] = compute_flops(r, args.batch, int(seq), recompute=mode != "none") / (mean * 1e9)
         r["step_vs_bound"] = r["step_s"] / r["compute_bound_s"]
     for seq in seqs:  # the goal of issue 42: the step with the inputs on nvme against the step with them in hbm
         hbm, nvme = runs.get(f"{seq}/hbm", {}), runs.get(f"{seq}/nvme", {})
