@@ -128,7 +128,6 @@ class ActivationModel:
     scores: bool
     checkpointing: bool
     tier: str = "hbm"
-    notes: tuple[str, ...] = ()  # what the formula leaves out for this model, said in the plan
 
     def parts(self, batch: int, seq: int) -> list[dict]:
         if self.dims is None:
@@ -140,12 +139,9 @@ class ActivationModel:
         if self.dims is None:
             return f"activations: not planned ({self.source}); the first forward's are not checked either"
         if batch is None:
-            line = ("activations: not planned until the first forward shows the batch's shape (config activations: "
+            return ("activations: not planned until the first forward shows the batch's shape (config activations: "
                     "{\"batch\", \"seq\"} plans them up front); that forward is refused if they do not fit")
-        else:
-            line = (f"activations: planned for batch {batch} x seq {seq} from {self.source} (docs/design.md: the "
-                    f"formula)")
-        return line + "".join(f"; {n}" for n in self.notes)
+        return f"activations: planned for batch {batch} x seq {seq} from {self.source} (docs/design.md: the formula)"
 
 
 def attention_keeps_scores(model, device, dtype) -> bool:
@@ -176,15 +172,8 @@ def activation_model(model, cfg, device) -> ActivationModel:
     dims, source = model_dims(model)
     dtype = cfg.compute_dtype
     scores = dims is not None and attention_keeps_scores(model, device, dtype)
-    notes = ()
-    config = getattr(model, "config", None)
-    if cfg.activation_checkpointing and getattr(config, "use_cache", False) is True:
-        # a Hugging Face model builds a cache of past keys and values in its output, and each recompute appends
-        # to it: held through the backward, beyond the checkpoints' inputs
-        notes = ("not counted: the keys and values its output caches (config.use_cache is true; each recompute "
-                 "adds to them): set model.config.use_cache = False to train, as offload train does",)
     return ActivationModel(dims, source, dtype.itemsize, scores, cfg.activation_checkpointing,
-                           OFFLOAD_TIER[cfg.offload_activations.device], notes)
+                           OFFLOAD_TIER[cfg.offload_activations.device])
 
 
 def batch_shape(args, kwargs) -> tuple[int, int] | None:

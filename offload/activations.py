@@ -17,6 +17,12 @@ torch saves a checkpoint's inputs under the saved-tensor hooks outside it: the e
 holds each unit's inputs until autograd frees them after the unit's backward; the one place where the inputs of
 every checkpointed unit are (the place from which they can move to a tier and come back ahead of the backward).
 
+A Hugging Face model left with `config.use_cache` on would build a cache of past keys and values in a
+training forward, and each unit's recompute would append its keys and values to it again (twice the length,
+held through the backward, right only where attention aligns a causal mask to the first keys): the engine
+passes `use_cache=False` to a checkpointed training forward of a model whose config has it (`no_cache`), as
+Hugging Face's own gradient checkpointing does, with a warning where the caller asked for the cache.
+
 A model that checkpoints inside its units already recomputes each unit once, not twice:
 - a checkpoint around the unit's call (the presets' `checkpoint_activations`: checkpoint(block, ...)) holds the
   engine's: that one saves the inputs (through UnitInputs) and everything else in its own frame, so the model's
@@ -33,6 +39,7 @@ A model that checkpoints inside its units already recomputes each unit once, not
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import weakref
 
@@ -42,6 +49,8 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from offload.activation_tier import InputTier, KeptInput
 from offload.units import Unit
+
+log = logging.getLogger("offload")
 
 # The fused kernels of F.scaled_dot_product_attention (aten ops): none keeps the T x T scores for the backward.
 SDPA_KERNELS = {"_scaled_dot_product_flash_attention_for_cpu": "torch's flash kernel for the CPU",
@@ -127,6 +136,17 @@ class UnitInputs:
         them on a failed backward and close(). Their unpack raises from then on."""
         if self.tier is not None:
             self.tier.drop_all(after)
+
+
+def no_cache(model, kwargs: dict) -> dict:
+    """The kwargs of a training forward the engine checkpoints, with use_cache=False where `model` is one that
+    caches past keys and values (module note: a config with a boolean use_cache)."""
+    if not isinstance(getattr(getattr(model, "config", None), "use_cache", None), bool):
+        return kwargs
+    if kwargs.get("use_cache"):
+        log.warning("offload: use_cache=True is of no use to a training forward the engine checkpoints (each "
+                    "recompute would append to the cache); running it with use_cache=False")
+    return {**kwargs, "use_cache": False}
 
 
 class Checkpointing:

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from offload import checkpoint, cpu_adam, hooks, quantized
 from offload.activation_memory import activation_model, batch_shape
 from offload.activation_tier import InputTier
-from offload.activations import Checkpointing, UnitInputs, attention_line
+from offload.activations import Checkpointing, UnitInputs, attention_line, no_cache
 from offload.config import Config, LossScaleConfig, load_config
 from offload.materialize import materialize, unit_values
 from offload.optim import OptimState
@@ -161,6 +161,8 @@ class Engine(nn.Module):
         if before is not Phase.BACKWARD:
             self.trace.begin_step()
         args, kwargs = self._cast_inputs(args, kwargs)
+        if self._checkpointing is not None and torch.is_grad_enabled():
+            kwargs = no_cache(self.module, kwargs)  # [Note: activation checkpointing] in offload.activations
         mark = self.unit_inputs.mark()
         try:
             out = self.module(*args, **kwargs)

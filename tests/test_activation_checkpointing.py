@@ -135,6 +135,35 @@ def test_a_model_that_checkpoints_its_units_recomputes_them_once(tmp_path, build
     assert max_state_err(out[True][1], out[False][1]) == 0.0
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_hugging_face_models_cache_is_off_in_the_training_forwards_it_checkpoints(tmp_path, caplog, attention):
+    """A Hugging Face model with config.use_cache on (its default) under the engine's checkpointing: its training
+    forwards run with use_cache=False (each recompute would append its keys and values to the cache again, held
+    through the backward), as Hugging Face's gradient checkpointing does, with a warning where the caller asked
+    for the cache; the numbers are those of the model without checkpointing; a forward without grad keeps it."""
+    out = {}
+    for key in (False, True):
+        lm = llama()
+        lm.config._attn_implementation = attention
+        assert lm.config.use_cache
+        with offload.initialize(lm, config(tmp_path / str(key), "cpu", "cpu", "fp32",
+                                           activation_checkpointing=key)) as eng:
+            losses, caches = [], []
+            for s, (ids, labels) in enumerate(llama_batches(STEPS)):
+                got = eng(input_ids=ids, labels=labels, **({"use_cache": True} if s == 0 else {}))
+                caches.append(got.past_key_values)
+                eng.backward(got.loss)
+                eng.step()
+                losses.append(got.loss.item())
+            with torch.no_grad():
+                kept = eng(input_ids=ids).past_key_values
+            out[key] = losses, eng.full_state_dict(), caches, kept
+    assert out[True][0] == out[False][0] and max_state_err(out[True][1], out[False][1]) == 0.0
+    assert all(c is None for c in out[True][2]) and all(c.get_seq_length() == 16 for c in out[False][2])
+    assert out[True][3].get_seq_length() == 16
+    assert caplog.text.count("use_cache=True is of no use to a training forward the engine checkpoints") == 1
+
+
 def test_the_recorded_trace_is_the_same_with_and_without_checkpointing(tmp_path):
     """The fetch for a recompute is part of the unit's backward use: the engine's own recompute fetches
     nothing more, a model's own (the presets' checkpoint_activations) fetches the unit its backward fetched
