@@ -26,6 +26,10 @@ non-contiguous one (a contiguous copy would change its strides, so the recompute
 and one whose storage an input of another unit still holds (the rotary tables every layer takes: moving it
 frees nothing). An input sharing its storage with a tensor alive elsewhere (the batch, the residual stream a
 layer norm outside the units saves too) is moved all the same: correct, only it frees no hbm.
+A dram buffer an input no longer needs (its write to nvme or its copy back to hbm completed) is kept, still
+charged to dram, for the next input of its size (`spare`): on CUDA a page-locked buffer costs a registration
+and on the CPU a fresh one its page faults, every input of every step. The spare buffers hold at most the most
+bytes the moved inputs held in dram at once (the oldest go first); drop_all() of everything returns them.
 One lock serializes the hooks (the compute thread; on CUDA autograd's device thread in the backward) and
 stats() (a sampler thread of `offload train`); finalizers, which run on whatever thread collects, only queue.
 """
@@ -89,6 +93,8 @@ class InputTier:
         self.out_bytes = self.in_bytes = 0    # moved out of hbm, and back into it
         self.stayed_bytes = 0                 # kept in hbm, not worth moving (module note)
         self.wait_s = 0.0                     # unpack waiting for its input
+        self._spare: dict[int, list[torch.Tensor]] = {}  # nbytes -> dram buffers (uint8) kept for reuse
+        self.spare_bytes = 0
 
     # -- the saved-tensor hooks' side --------------------------------------------------------------------
     def pack(self, unit: int, t: torch.Tensor) -> KeptInput | None:
@@ -160,6 +166,8 @@ class InputTier:
             for rec in list(self.live.values()):
                 if rec.seq > after:
                     self._drop(rec)
+            if not after:
+                self._release_spares(0)
 
     def mark(self) -> int:
         """Where the records packed from now on begin (drop_all(after=) frees them: a failed forward)."""
@@ -171,7 +179,8 @@ class InputTier:
             return {"where": self.where, "dram_bytes": self.held["dram"], "dram_peak_bytes": self.peak["dram"],
                     "nvme_bytes": self.held["nvme"], "nvme_peak_bytes": self.peak["nvme"],
                     "moved_out_bytes": self.out_bytes, "moved_in_bytes": self.in_bytes,
-                    "stayed_bytes": self.stayed_bytes, "unpack_wait_s": self.wait_s}
+                    "stayed_bytes": self.stayed_bytes, "unpack_wait_s": self.wait_s,
+                    "dram_spare_bytes": self.spare_bytes}
 
     def _collect(self) -> None:
         """Frees the records autograd let go of."""
@@ -268,22 +277,40 @@ class InputTier:
         rec.done, rec.state = self.rt.h2d.copy(rec.hbm, rec.dram.view(rec.shape)), S.IN
 
     def _dram(self, rec: KeptInput, what: str) -> torch.Tensor:
-        """A dram tensor for `rec`; while the budget has no room for it, the oldest transfer of a record holding
-        dram is waited for (a write to nvme, or a copy back to hbm, frees its dram when it completed)."""
+        """A dram tensor for `rec`, a spare of its size if there is one; while the budget has no room for a new
+        one, the spares of other sizes are freed, then the oldest transfer of a record holding dram is waited for
+        (a write to nvme, or a copy back to hbm, leaves its buffer spare when it completed)."""
         acct = self.rt.tiers.acct["dram"]
-        while not acct.fits(rec.nbytes):
+        while not self._spare.get(rec.nbytes) and not acct.fits(rec.nbytes):
             moving = [r for r in self.live.values() if r.done is not None and r.dram is not None]
-            if not moving:
+            if self.spare_bytes:  # of other sizes
+                self._release_spares(0)
+            elif moving:
+                self._advance(moving[0], wait=True)  # its buffer becomes a spare
+            else:
                 break  # the tiers' error names the tier, the bytes and the budget
-            self._advance(moving[0], wait=True)
-        t = self.rt.tiers.empty("dram", rec.shape.numel(), rec.dtype, what)
+        if self._spare.get(rec.nbytes):
+            self.spare_bytes -= rec.nbytes
+            t = self._spare[rec.nbytes].pop().view(rec.dtype)
+        else:
+            t = self.rt.tiers.empty("dram", rec.shape.numel(), rec.dtype, what)
         self._hold("dram", rec.nbytes)
         return t
 
     def _free_dram(self, rec: KeptInput) -> None:
-        self.rt.tiers.free("dram", rec.dram)
+        """`rec`'s dram buffer, its transfers settled, kept as a spare (module note)."""
         self._hold("dram", -rec.nbytes)
+        self._release_spares(self.peak["dram"] - rec.nbytes)
+        self._spare.setdefault(rec.nbytes, []).append(rec.dram.view(torch.uint8))
+        self.spare_bytes += rec.nbytes
         rec.dram = None
+
+    def _release_spares(self, keep: int) -> None:
+        """Frees spare dram buffers, the oldest of a size first, until they hold at most `keep` bytes."""
+        while self.spare_bytes > max(keep, 0):
+            nbytes = next(n for n, bufs in self._spare.items() if bufs)
+            self.rt.tiers.free("dram", self._spare[nbytes].pop(0))
+            self.spare_bytes -= nbytes
 
     def _delete(self, rec: KeptInput) -> None:
         if rec.on_disk:
