@@ -24,6 +24,13 @@ CUDA: the refusal is that case's error). Ran on one H200 (bench/RESULTS.md).
 QLoRA: a tiny Llama quantized by bitsandbytes (nf4, double quantization) with LoRA adapters, the engine with
 the base in hbm, dram and nvme against the plain loop on the device (fp32 losses, rtol PARITY_RTOL).
 
+Long sequence (skip with --no-long): a 1B-class Llama (TinyLlama-1.1B's shape, or --long-preset) at --long-seq
+tokens, batch 1, bf16, weights and states in dram, trained --long-steps steps after one warm-up in four ways:
+no checkpointing, the engine's activation checkpointing with the kept inputs in hbm, dram and nvme
+(offload_activations). Per way: the median step, its ratio to the hbm way's, the device's allocated peak
+(torch.cuda.max_memory_allocated) and the hbm tier's accounted peak, the kept inputs' hbm peak; parity: each
+way's losses against no checkpointing's (rtol LONG_RTOL).
+
 Also records the precision "auto" picks on the device and its matmul GFLOP/s per dtype (offload.doctor).
 Writes the result to --out (default gpu-check.json) and prints one JSON line last with --json. Without a
 visible GPU and without --device cpu it refuses in one line (exit 2).
@@ -61,6 +68,12 @@ MODES = {  # name -> (offload_param, offload_optimizer, extra config, checkpoint
 PARITY = {"hbm/hbm": ("none", "none"), "hbm/cpu": ("none", "cpu"), "cpu/cpu": ("cpu", "cpu"),
           "nvme/nvme": ("nvme", "nvme")}
 PARITY_RTOL = 1e-4  # fp32 losses, device against CPU: matmul kernels differ in summation order only
+
+
+LONG_MODES = {"no ckpt": {}, "ckpt, inputs hbm": {"activation_checkpointing": True},
+              "ckpt, inputs dram": {"activation_checkpointing": True, "offload_activations": {"device": "cpu"}},
+              "ckpt, inputs nvme": {"activation_checkpointing": True, "offload_activations": {"device": "nvme"}}}
+LONG_RTOL = 1e-3  # bf16 losses; the attention backward's kernels on CUDA accumulate in no fixed order
 
 
 def _sync(device: torch.device) -> None:
@@ -266,6 +279,82 @@ def qlora_parity(args, device: torch.device) -> dict:
     return result
 
 
+def long_model(name: str):
+    """`1b`: TinyLlama-1.1B's shape (1.10B parameters, untied 32000-row embedding and head); else a preset."""
+    from offload.models import PRESETS, ModelConfig
+
+    if name == "1b":
+        return ModelConfig(vocab_size=32000, d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, d_ff=5632,
+                           max_seq_len=2048, tie_embeddings=False)
+    return PRESETS[name]
+
+
+def long_sequence(args, device: torch.device) -> dict:
+    """Each LONG_MODES way at --long-seq: step, peaks and losses; parity against no checkpointing's losses."""
+    import offload
+    from offload.models import build_model, loss_of
+
+    mc = dataclasses.replace(long_model(args.long_preset), max_seq_len=args.long_seq)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, mc.vocab_size, (1, args.long_seq + 1), generator=g) for _ in range(args.long_steps + 1)]
+    result = {}
+    for way, extra in LONG_MODES.items():
+        cfg = {"precision": "bf16", "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"},
+               "nvme_path": os.path.join(args.dir, "long"), "optimizer": {"lr": 1e-4},
+               "activations": {"batch": 1, "seq": args.long_seq}, **extra}
+        try:
+            times, losses = [], []
+            with offload.initialize(build_model(mc, seed=0), cfg) as eng:
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                for i, tokens in enumerate(batches):
+                    ids, labels = tokens[:, :-1].to(eng.device), tokens[:, 1:].to(eng.device)
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    loss = loss_of(eng(ids, labels))
+                    eng.backward(loss)
+                    eng.step()
+                    _sync(device)
+                    losses.append(loss.item())
+                    del loss
+                    if i:
+                        times.append(time.perf_counter() - t0)
+                st = eng.stats()
+            result[way] = {"step_s": sorted(times)[len(times) // 2], "losses": losses,
+                           "allocated_peak_gb": torch.cuda.max_memory_allocated(device) / 1e9
+                           if device.type == "cuda" else None,
+                           "hbm_tier_peak_gb": st["tiers"]["hbm"]["peak_bytes"] / 1e9,
+                           "inputs_hbm_peak_gb": st["activations"].get("inputs_peak_bytes", 0) / 1e9}
+        except Exception as e:  # recorded: a failure on the device (out of memory included) is this way's result
+            result[way] = {"error": f"{type(e).__name__}: {str(e)[:300]}", "ok": False}
+    ref, hbm = result["no ckpt"], result["ckpt, inputs hbm"]
+    for way, r in result.items():
+        if "error" in r:
+            continue
+        if "error" in ref:
+            r.update(max_rel_diff=None, ok=way != "no ckpt")
+        else:
+            r["max_rel_diff"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"], ref["losses"]))
+            r["ok"] = r["max_rel_diff"] <= LONG_RTOL
+        r["vs_ckpt_hbm"] = r["step_s"] / hbm["step_s"] if "step_s" in hbm else None
+    return result
+
+
+def print_long(res: dict, args) -> None:
+    print(f"long sequence: {args.long_preset} at {args.long_seq} tokens, batch 1, bf16, weights and states in dram "
+          f"(losses against no ckpt, rtol {LONG_RTOL:g})")
+    print(f"{'way':20s} {'step s':>8s} {'x ckpt hbm':>10s} {'alloc GB':>9s} {'hbm tier GB':>11s} {'inputs GB':>9s} "
+          f"{'loss diff':>9s}")
+    for way, r in res.items():
+        if "error" in r:
+            print(f"{way:20s} FAILED: {r['error']}")
+            continue
+        fmt = lambda v, w, p: f"{v:{w}.{p}f}" if v is not None else f"{'-':>{w}s}"  # noqa: E731
+        diff = f"{r['max_rel_diff']:9.1e}" if r["max_rel_diff"] is not None else f"{'-':>9s}"
+        print(f"{way:20s} {r['step_s']:8.3f} {fmt(r['vs_ckpt_hbm'], 10, 2)} {fmt(r['allocated_peak_gb'], 9, 2)} "
+              f"{r['hbm_tier_peak_gb']:11.2f} {r['inputs_hbm_peak_gb']:9.3f} {diff}{'' if r['ok'] else '  FAILED'}")
+
+
 def ranks(args, device: torch.device) -> dict:
     """bench/zero_ranks_check.py's cases on `device`: 2 gloo ranks against one process; a case that raises
     here is recorded as its error too."""
@@ -328,6 +417,10 @@ def main() -> None:
     ap.add_argument("--no-ranks", action="store_true", help="skip the 2-rank ZeRO stages 1-3 check")
     ap.add_argument("--ranks-steps", type=int, default=4,
                     help="optimizer steps of each ranks case (default %(default)s)")
+    ap.add_argument("--no-long", action="store_true", help="skip the long-sequence activations case")
+    ap.add_argument("--long-preset", default="1b", help="its model: 1b (TinyLlama-1.1B's shape) or a preset")
+    ap.add_argument("--long-seq", type=int, default=16384, help="its sequence length (default %(default)s)")
+    ap.add_argument("--long-steps", type=int, default=2, help="its timed steps, after one warm-up")
     ap.add_argument("--out", default="gpu-check.json", help="the JSON result is written here (default %(default)s)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -368,6 +461,9 @@ def main() -> None:
     print("nf4 QLoRA, fp32, the engine against the plain loop on the device: " + (ql["skipped"] if "skipped" in ql else
           ", ".join(f"base {k} " + (f"{v['max_rel_diff']:.1e}" if "error" not in v else v["error"])
                     + ("" if v["ok"] else " FAILED") for k, v in ql.items())))
+    if not args.no_long:
+        result["long"] = long_sequence(args, device)
+        print_long(result["long"], args)
     if not args.no_ranks:
         result["ranks"] = ranks(args, device)
         print_ranks(result["ranks"], device, args.ranks_steps)
@@ -386,6 +482,9 @@ def main() -> None:
     if failed:
         failures.append(f"nf4 QLoRA differs from the plain loop beyond {PARITY_RTOL:g}, or failed, with the base in "
                         f"{', '.join(failed)}")
+    failed = [k for k, v in result.get("long", {}).items() if not v["ok"]]
+    if failed:
+        failures.append(f"at a long sequence, {', '.join(failed)} failed or differs from no ckpt beyond {LONG_RTOL:g}")
     failed = [k for k, v in result.get("ranks", {}).items() if not v["ok"]]
     if failed:
         failures.append(f"2 ranks differ from one process beyond the tolerance, or failed, in {', '.join(failed)}")

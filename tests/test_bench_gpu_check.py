@@ -19,7 +19,8 @@ import zero_ranks_check  # noqa: E402  (bench/zero_ranks_check.py)
 def test_gpu_check_smoke_run_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_check.py"), "--device", "cpu",
                            "--preset", "tiny", "--batch", "1", "--seq", "32", "--steps", "1", "--no-tests",
-                           "--parity-steps", "2", "--ranks-steps", "2",
+                           "--parity-steps", "2", "--ranks-steps", "2", "--long-preset", "tiny", "--long-seq", "128",
+                           "--long-steps", "1",
                            "--dir", str(tmp_path / "swap"), "--out", str(tmp_path / "out.json"), "--json"],
                           capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": REPO}, timeout=300)
@@ -38,6 +39,13 @@ def test_gpu_check_smoke_run_on_cpu(tmp_path):
     for place, r in result["qlora"].items():
         assert r["ok"] and r["max_rel_diff"] <= 1e-6 and len(r["losses"]) == 2, (place, r)
     assert "nf4 QLoRA, fp32, the engine against the plain loop on the device: base none" in proc.stdout
+    long = result["long"]  # the long-sequence case: the four ways train to the same losses on the CPU
+    assert list(long) == ["no ckpt", "ckpt, inputs hbm", "ckpt, inputs dram", "ckpt, inputs nvme"], long
+    assert all(r["ok"] and r["max_rel_diff"] == 0.0 and len(r["losses"]) == 2 for r in long.values()), long
+    assert long["no ckpt"]["inputs_hbm_peak_gb"] == 0 < long["ckpt, inputs hbm"]["inputs_hbm_peak_gb"]
+    assert long["ckpt, inputs nvme"]["inputs_hbm_peak_gb"] < long["ckpt, inputs hbm"]["inputs_hbm_peak_gb"]
+    assert long["ckpt, inputs hbm"]["vs_ckpt_hbm"] == 1.0 and long["no ckpt"]["allocated_peak_gb"] is None
+    assert "long sequence: tiny at 128 tokens" in proc.stdout
     picked = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
     assert result["precision_auto"] == picked and set(result["matmul_gflops"]) == {"bf16", "fp16", "fp32"}
     assert set(result["ranks"]) == set(zero_ranks_check.CASES)
