@@ -2,7 +2,8 @@
 It knows manifests, files and tensors, not the engine: offload.checkpoint fills them from the units'
 homes and writes them back; `offload checkpoint inspect|export` read them alone.
 
-[Note: the format] (format_version 1)
+[Note: the format]
+format_version 1:
     <dir>/<name>/manifest.json   describes every tensor, below
     <dir>/<name>/rank<r>.bin     raw little-endian bytes, one data file per rank that saved
     <dir>/latest                 the name of the newest complete checkpoint

@@ -88,7 +88,7 @@ class AioConfig:
     """The swap layer's I/O engine (`offload tune nvme` prints the best section for a drive)."""
 
     engine: str = "auto"
-    block_bytes: int = 8 << 20     # bytes per I/O request: 8 MiB trains ~10% faster than 1 MiB (bench/RESULTS.md)
+    block_bytes: int = 8 << 20     # bytes per I/O request: 8 MiB trains faster than 1 MiB (bench/RESULTS.md)
     queue_depth: int = 32
     threads: int = 4
     background_bytes: int = 64 << 20  # libaio: bytes in flight of transfers no compute waits on (states, writes): a weight fetch waits behind at most this; 0: no limit

@@ -53,7 +53,7 @@ _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
 # [Note: fallback tile size] 256 Ki elements = 1 MiB per fp32 array: the tile's gradient cast, the fused
 # step and the weight cast run back to back while the tile is still in L2/L3, and the per-tile Python
-# overhead (~30 us) stays small next to the tile's work.
+# overhead stays small next to the tile's work.
 _TILE_NUMEL = 1 << 18
 _VEC_PAD = 64  # elements: a multiple of every vector width torch's kernel uses (see _torch_adam_step)
 _MASK64 = (1 << 64) - 1
@@ -205,8 +205,8 @@ def kernel_backend() -> str:
 def use_for_swap_digests() -> bool:
     """Hands swap.store the compiled kernel's single pass for its block digests (swap.store.use_word_digest)
     when CPU Adam's backend here is the compiled one; True if it did. The same (sum, xor) as numpy's two
-    passes, at about 1.7x their speed (17.5 against 10 GB/s on one core here): with swap checksums on, every
-    block read from nvme is hashed, 53 GB a step for a 7b LoRA (bench/RESULTS.md, LoRA on the 7b preset)."""
+    passes, faster: with swap checksums on, every block read from nvme is hashed, tens of GB a step for a 7b
+    LoRA (bench/RESULTS.md, "LoRA on the 7b preset" and "Figures that code comments carried")."""
     if kernel_backend() != "compiled":
         return False
     kernel = _get_kernel()

@@ -171,7 +171,7 @@ def free_holds(order: list[int], numels: list[int], trainables: list[int], items
     whose weights can stay in hbm from one use to the next without raising the working set's peak
     (working_set_peak, which replays the holding): released between the two, such a table is read again
     from nvme and its fresh copy faulted in at the head, at the forward's end with the drive idle (the 3b
-    preset's tied embedding: bench/RESULTS.md, 2026-12-02 18:42). Largest first, each kept only if the
+    preset's tied embedding: bench/RESULTS.md, "free holds for a tied embedding"). Largest first, each kept only if the
     peak with it and those before stays."""
     counts = collections.Counter(order)
     backward = any(trainables)

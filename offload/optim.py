@@ -60,8 +60,8 @@ class OptimState(_Handle):
         self._win = [StagedWindow(f"{unit.name}/optim#{i}") for i in range(len(self.windows))] if home == "nvme" else []
         self._grads: list | None = None           # nvme, overlapped step: this backward's gradients, read by window
         self.grad_dtype = torch.float32          # what the accumulator holds: see accumulate()
-        # [Note: swap digests in the step] (offload/csrc/cpu_adam.cpp): with swap checksums on, the step
-        # hashes the states it reads and writes, so they are read unverified and checked after it.
+        # With swap checksums on, the step hashes the states it reads and writes, so they are read unverified
+        # and checked after it ([Note: swap digests in the step] in offload/csrc/cpu_adam.cpp).
         # [Note: parameters without a gradient]
         # torch's optimizers skip a parameter whose .grad is None: no decay, no moment update, and its own
         # step count (bias correction) does not advance. So each trainable slot counts its steps, the

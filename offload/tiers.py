@@ -21,8 +21,8 @@ CUDA's caching allocator keeps freed blocks. Any other request gets fresh memory
 marked for huge pages, faulted in on a thread of its own from the moment the fetch is issued
 (swap.buffers.populate, off the GIL), beside the reads queued before it; the fetch's reads wait for it
 (fault_in). On CUDA, and with a torch that lacks
-_swap_data_ptr_, storages are resized instead. Figures: bench/RESULTS.md (3b preset and bench-200m,
-2026-12-02), and docs/design.md "Chunks and budgets".
+_swap_data_ptr_, storages are resized instead. Figures: bench/RESULTS.md ("reused host memory for hbm"),
+and docs/design.md "Chunks and budgets".
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ unit at a time during backward as its gradient becomes final) with up to READ_AH
 and one written behind (landed before another read starts): the pool's optimizer share is READ_AHEAD + 1
 windows' chunks at any model size (offload.memory). Two windows ahead keep a read queued while the previous
 window's writes land, so the drive does not idle between them; one window's writes are landed before the
-next read starts, which bounds the pool (the measurements behind both choices: bench/RESULTS.md, 3b preset
-2026-12-02, "writes in flight"). CPU Adam writes each window's new weights straight into the weight tier's buffer.
+next read starts, which bounds the pool (the measurements behind both choices: bench/RESULTS.md, "writes in
+flight"). CPU Adam writes each window's new weights straight into the weight tier's buffer.
 """
 
 from __future__ import annotations

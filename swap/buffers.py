@@ -110,7 +110,7 @@ def populate(t: torch.Tensor) -> bool:
     In pieces of POPULATE_PIECE_BYTES: one call holds the process's mmap lock while it faults, so every
     other thread's mmap or munmap (a tensor allocated or freed) waits for it; on a VM whose host backs
     fresh memory slowly, one call over a whole embedding would stall the compute thread for seconds
-    (bench/RESULTS.md, the 3b preset, 2026-12-02 12:16)."""
+    (bench/RESULTS.md, "fresh copies faulted in beside the reader")."""
     begin = t.data_ptr() - t.data_ptr() % ALIGN_BYTES
     end = begin + round_up(t.data_ptr() + t.numel() * t.element_size() - begin)
     for at in range(begin, end, POPULATE_PIECE_BYTES):

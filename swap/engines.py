@@ -11,11 +11,11 @@ A block marked `urgent` (a weight fetch the compute will wait for) goes ahead of
 is not, in the order urgent blocks came; blocks already with the drive are not preempted. So a fetch
 issued while the optimizer's window pipeline keeps the queue full waits for what is in flight, not for
 the windows queued behind it (a 3b preset's first fetch would otherwise wait behind every deferred
-step's window: bench/RESULTS.md, "3b preset, 2026-12-02 04:09").
+step's window: bench/RESULTS.md, "fetches first").
 Blocks already with the drive are the rest of its wait, so the libaio engine can also keep the bytes of
 non-urgent blocks in flight under `background_bytes`: at full depth (32 blocks of 8 MiB) a weight fetch
 waits behind 256 MiB of state windows, while 2-4 such blocks in flight already reach the drive's
-bandwidth (stalls with and without the limit: bench/RESULTS.md, "2026-12-03 07:30").
+bandwidth (stalls with and without the limit: bench/RESULTS.md, "aio.background_bytes").
 Urgent blocks still take any free slot. The swap layer's default is no limit (what `offload bench nvme`
 measures: the drive at full depth); the Engine passes `aio.background_bytes`.
 

@@ -48,7 +48,7 @@ log = logging.getLogger("swap")
 DEFAULT_BLOCK_BYTES = 8 << 20  # training's: the config's aio.block_bytes (tests/test_cli_nvme.py holds them equal)
 DEFAULT_QUEUE_DEPTH = 32
 DEFAULT_THREADS = 4
-# Off by default: hashing 2-5 GB/s takes a core and memory bandwidth from CPU Adam, which runs while
+# Off by default: hashing takes a core and memory bandwidth from CPU Adam, which runs while
 # the optimizer's states stream to and from NVMe (its cost on the swap bandwidth, on the reaper thread
 # and on helper threads: bench/RESULTS.md, "NVMe swap", `python bench/nvme.py --size 4G --rounds 3`).
 # Short or failed transfers are caught without it and the drive and link carry their own ECC/CRC. Turn
@@ -62,7 +62,7 @@ def block_digest(addr: int, nbytes: int) -> int:
     """128-bit checksum of one I/O block: (xor << 64) | sum of its little-endian 64-bit words.
 
     [Note: why not crc32]
-    zlib.crc32 on one core of a busy 2-core machine is slower than a 2 GB/s drive, so it becomes the
+    zlib.crc32 on one core of a busy 2-core machine is slower than a fast drive, so it becomes the
     bottleneck of swap reads (bench/RESULTS.md, "Figures that code comments carried"). Two numpy
     reductions over a block that is already in cache run several times faster. They catch what goes
     wrong with swap files: flipped bits, zeroed, stale, misdirected or torn blocks, truncation; they do

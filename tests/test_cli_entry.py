@@ -15,7 +15,10 @@ def test_python_dash_m_runs_the_command(module):
     done = subprocess.run([sys.executable, "-m", module, "estimate", "--params", "1e6", "--json"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.strip().splitlines()[-1])["model_states"]["dram_bytes"] >= 0
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    # 1e6 fp32 parameters at stage 0, nothing offloaded: weights 4 + gradients 4 + Adam's states 8 bytes each
+    assert out["params"] == 1_000_000 and out["model_states"] == {"hbm_bytes": 16_000_000, "dram_bytes": 0,
+                                                                  "nvme_bytes": 0}
 
 
 def test_python_dash_m_offload_cli_reports_errors_with_exit_code_2():

@@ -2,6 +2,7 @@
 every relative link in README.md, docs/*.md, bench/RESULTS.md and docker/README.md resolves to a file and,
 for an #anchor into a markdown file, to one of its headings (GitHub's slugs)."""
 
+import os
 import pathlib
 import re
 
@@ -108,15 +109,47 @@ def test_readme_is_a_front_door():
     assert "make test" in "\n".join(lines) and "make demo" in "\n".join(lines)
 
 
-def test_the_notes_index_names_notes_that_exist():
-    """docs/design.md's "Notes in the code" table: each [Note: ...] it lists is in the file it names."""
+# a note's block: a line that begins with "[Note: X]" (after "#" or "//"), alone or followed by its text; a line
+# that begins with a reference goes on with "in", ";", "," or "continued"
+NOTE_BLOCK = re.compile(r"^\s*(?:#|//)?\s*(\[Note: [^\]]+\])(?:\s*$|\s+(?!in\b|continued\b)\w)", re.M)
+
+
+def notes_in_the_code() -> dict[str, set[str]]:
+    """file (relative to the repository) -> the [Note: ...] blocks it holds."""
+    found = {}
+    for folder in ("offload", "swap", "scheduler"):
+        for where, _, files in os.walk(ROOT / folder):  # not into offload/swap and offload/scheduler: links
+            for p in (pathlib.Path(where, f) for f in files if f.endswith((".py", ".cpp", ".h"))):
+                blocks = set(NOTE_BLOCK.findall(p.read_text()))
+                if blocks:
+                    found[str(p.relative_to(ROOT))] = blocks
+    return found
+
+
+def test_the_notes_index_and_the_notes_in_the_code_are_the_same_both_ways():
+    """docs/design.md's "Notes in the code" table lists every [Note: ...] block in the code, in the file that
+    holds it, and nothing else."""
     design = (ROOT / "docs" / "design.md").read_text()
     table = design.split("## Notes in the code", 1)[1]
-    rows = re.findall(r"^\| ([\w/.]+\.py) \| (.+) \|$", table, re.M)
-    assert len(rows) > 20, rows
-    missing = [f"{f}: {n}" for f, notes in rows for n in re.findall(r"\[Note: [^\]]+\]", notes)
-               if n not in (ROOT / f).read_text()]
-    assert missing == []
+    rows = re.findall(r"^\| ([\w/.]+\.(?:py|cpp|h)) \| (.+) \|$", table, re.M)
+    listed = {f: set(re.findall(r"\[Note: [^\]]+\]", notes)) for f, notes in rows}
+    assert len(listed) == len(rows) > 20, rows  # one row a file
+    assert listed == notes_in_the_code()
+
+
+def test_no_comment_dates_a_run():
+    """Dates and figures of runs live in bench/RESULTS.md; a comment names the section."""
+    dated = [f"{p.relative_to(ROOT)}:{i}" for folder in ("offload", "swap", "scheduler")
+             for where, _, files in os.walk(ROOT / folder) for p in (pathlib.Path(where, f) for f in files)
+             if p.suffix in (".py", ".cpp", ".h")
+             for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\b20\d\d-\d\d-\d\d\b", line)]
+    assert dated == []
+
+
+def test_a_reference_to_a_note_is_not_taken_for_its_block():
+    text = ("# [Note: a] its text\n    [Note: b]\n# [Note: c] in offload/x.py says\n# [Note: d]; then\n"
+            "// [Note: e] continued: more\n    \"\"\"[Note: f] a docstring's reference\n")
+    assert NOTE_BLOCK.findall(text) == ["[Note: a]", "[Note: b]"]
 
 
 def test_no_citation_of_a_file_outside_the_repository():

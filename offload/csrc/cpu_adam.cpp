@@ -274,7 +274,7 @@ void adam_loop(const Ptrs& a, const K& k, int64_t begin, int64_t end) {
   if (O != NONE && stream) {
     // [Note: streaming the weight output] continued: two vectors per iteration so each non-temporal
     // store writes a whole 64-byte line (one write-combining buffer filled by one store); two 32-byte
-    // halves with other stores between them measured 5-8% slower at 256M parameters.
+    // halves with other stores between them measured slower (bench/RESULTS.md).
     for (; i + 32 <= end; i += 32) {
       const __m512 lo = step16<G, O, kPlain, kNe, false, false>(p, g, m, v, out, i, 0xFFFF, c, stream);
       const __m512 hi = step16<G, O, kPlain, kNe, false, false>(p, g, m, v, out, i + 16, 0xFFFF, c, stream);
@@ -521,16 +521,16 @@ int dtype_code(const at::Tensor& t) {
 // noise and small enough that a core slowed by a neighbour (the machine is shared with I/O threads)
 // leaves its remaining chunks to the others. Chunk boundaries are multiples of 32 (one 64-byte line of
 // bf16 output), so only the last chunk has a vector tail and streaming stores stay line-aligned.
-// Threads: min(num_threads, chunks), the caller plus helpers started for this call (~20 us each, next
-// to >= 40 us of work per chunk). Not at::parallel_for: its OpenMP body is compiled only with -fopenmp
+// Threads: min(num_threads, chunks), the caller plus helpers started for this call (a helper's start is
+// small next to a chunk's work). Not at::parallel_for: its OpenMP body is compiled only with -fopenmp
 // (torch's headers fall back to a serial loop without it), and linking a second OpenMP runtime beside
-// torch's is worse. One core streams ~50 GB/s here; two reach the host's ~90 GB/s (measured).
+// torch's is worse. One core does not reach the host's memory bandwidth; two do (bench/RESULTS.md).
 constexpr int64_t kChunkNumel = int64_t(1) << 16;
 
 // [Note: streaming the weight output]
 // `out` is written and not read by the step, so for large shards its stores bypass the cache
 // (non-temporal): no read-for-ownership of the destination and no eviction of the state lines we
-// are streaming through; measured +10-20% at 64M parameters here. Small shards keep normal stores
+// are streaming through (measured faster: bench/RESULTS.md). Small shards keep normal stores
 // so the weights are still in cache for whoever copies them next. p/m/v are rewritten in lines we
 // just read, where streaming stores are slower (measured), so they stay normal stores.
 constexpr int64_t kStreamOutNumel = int64_t(1) << 18;  // 512 KiB of bf16 output

@@ -5,8 +5,8 @@
 // in the forward, freed in the backward, the same sizes again next step. glibc serves them from its heap
 // once its mmap threshold has risen, and the heap's free chunks keep their pages: RSS grew step after
 // step past what was live. Mapping each one afresh (swap.buffers.map_large_allocations) keeps RSS honest
-// but faults every page in again each step: on Llama-2-7B's shape, 2.9 million page faults a step, 8-10%
-// of the CPU time (bench/RESULTS.md, LoRA on the 7b preset, 2026-12-04).
+// but faults every page in again each step, a share of the CPU time that counts (bench/RESULTS.md, "activations'
+// host memory reused").
 //
 // This allocator, installed as torch's CPU allocator while an engine runs on the CPU backend (from the end of
 // its initialization: a unit's values while it is materialized are not a step's), maps each
