@@ -144,9 +144,15 @@ def no_cache(model, kwargs: dict) -> dict:
     if not isinstance(getattr(getattr(model, "config", None), "use_cache", None), bool):
         return kwargs
     if kwargs.get("use_cache"):
-        log.warning("offload: use_cache=True is of no use to a training forward the engine checkpoints (each "
-                    "recompute would append to the cache); running it with use_cache=False")
+        _warn_cache_off()
     return {**kwargs, "use_cache": False}
+
+
+@functools.cache
+def _warn_cache_off() -> None:
+    """Once a process, as Hugging Face warns of the same under its own gradient checkpointing."""
+    log.warning("offload: use_cache=True is of no use to a training forward the engine checkpoints (each "
+                "recompute would append to the cache); running it with use_cache=False")
 
 
 class Checkpointing:
