@@ -2,7 +2,7 @@
 
 The job (every figure but deepspeed_fp32): bf16 gradients in, fp32 master/exp_avg/exp_avg_sq updated,
 bf16 weights out = 2 + 3*4 bytes read + 3*4 + 2 written = 28 bytes per parameter.
-- ours:              offload.cpu_adam.adam_step(p, g_bf16, m, v, out=w_bf16), one pass.
+- ours:              offload.kernels.cpu_adam.adam_step(p, g_bf16, m, v, out=w_bf16), one pass.
 - torch_fused_casts: g32.copy_(g_bf16); torch.optim.AdamW(fused=True).step(); w_bf16.copy_(p).
 - deepspeed_casts:   the same casts around DeepSpeedCPUAdam.step().
 - deepspeed_fp32:    DeepSpeedCPUAdam.step() alone on fp32 grads: 16 read + 12 written = 28 bytes too.
@@ -88,7 +88,7 @@ def ours_job(b: dict, digest_bounds=None):
 
 def digest_bounds(numel: int) -> list:
     """The engine's swap blocks over a numel-element fp32 state (its default aio.block_bytes)."""
-    from offload.config import AioConfig
+    from offload.plan.config import AioConfig
     from offload.swap.store import digest_bounds as bounds
 
     return bounds(numel, 4, AioConfig().block_bytes)

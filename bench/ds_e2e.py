@@ -119,7 +119,7 @@ def run(args, emit) -> dict:
 
     from offload.data import BatchSampler, load_tokens
     from offload.models import build_model, loss_of
-    from offload.ranks import reduced
+    from offload.state.ranks import reduced
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -92,7 +92,7 @@ def run_mode(args) -> dict:
 def _plain_step(model, torch, precision: str):
     """Plain torch at `precision`: fp32 masters beside a low-precision model, or (fp32) AdamW on the model."""
     from offload.models import loss_of
-    from offload.precision import DTYPES
+    from offload.plan.precision import DTYPES
 
     params = [p for p in model.parameters() if p.requires_grad]
     if precision == "fp32":

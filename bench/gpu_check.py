@@ -104,7 +104,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> dict:
 def device_limits(device: torch.device) -> dict:
     """What the device runs fast: the precision "auto" picks there, and matmul GFLOP/s per dtype."""
     from offload.doctor import matmul_gflops
-    from offload.precision import DTYPES, resolve_precision
+    from offload.plan.precision import DTYPES, resolve_precision
 
     choice = resolve_precision("auto", device)
     return {"precision_auto": choice.name, "precision_line": choice.line(),
@@ -231,7 +231,7 @@ def qlora_parity(args, device: torch.device) -> dict:
     import copy
 
     import offload
-    from offload.quantized import quantize_linears
+    from offload.plan.quantized import quantize_linears
 
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)

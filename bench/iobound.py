@@ -33,7 +33,7 @@ def add_io_arguments(ap) -> None:
 
 def measure_swap(directory: str, size_bytes: int, engine_config: dict) -> dict:
     """{"swap_read_gbps", "swap_write_gbps", ...} of `offload bench nvme` with the engine's aio settings."""
-    from offload.config import load_config
+    from offload.plan.config import load_config
 
     aio = load_config({"aio": engine_config.get("aio", {})}).aio
     cmd = [sys.executable, "-m", "offload", "bench", "nvme", "--dir", directory, "--size", str(size_bytes),

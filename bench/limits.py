@@ -1,6 +1,6 @@
 """The precision a bench runs at, and the compute floor it states its step times against.
 
-Every bench takes `--precision` (default auto: what the engine picks on this host, offload/precision.py),
+Every bench takes `--precision` (default auto: what the engine picks on this host, offload/plan/precision.py),
 runs every mode at that precision, and records beside `io_bound_s`:
 
     matmul_gflops   = the host's F.linear GFLOP/s in that dtype on the compute device, measured in the run
@@ -32,7 +32,7 @@ def add_precision_argument(ap) -> None:
 
 def resolve(precision: str) -> str:
     """The precision that runs: "auto" resolved for this host's compute device, as the engine does."""
-    from offload.precision import resolve_precision
+    from offload.plan.precision import resolve_precision
 
     return resolve_precision(precision).name
 
@@ -42,7 +42,7 @@ def matmul_gflops(precision: str) -> float:
     import torch
 
     from offload.doctor import matmul_gflops as measure
-    from offload.precision import DTYPES
+    from offload.plan.precision import DTYPES
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return measure(DTYPES[precision], device)

@@ -3,7 +3,7 @@
 Ours runs in a subprocess: a preset (default 7b, Llama-2-7B's shape) built on the meta device, wrapped
 with peft's LoRA (offload.lora, as `offload train --lora` does: r --lora on --targets), placed with
 offload_param nvme, offload_optimizer none and budgets.hbm_bytes --hbm, which holds the step's activations
-too (planned for --batch x --seq by the engine's formula, offload.activation_memory), initialized (init_s) and trained
+too (planned for --batch x --seq by the engine's formula, offload.plan.activation_memory), initialized (init_s) and trained
 --steps steps of --batch x --seq byte-id tokens. Each step reports its time, forward/backward split,
 loss and bytes per link. Its peak RSS is sampled every 0.2 s (bench/scale.py's PeakRss) and compared with
 what is stated: the process before initialize (interpreter, torch, peft), the memory plan's hbm need (on the
@@ -68,15 +68,15 @@ def _model(args, device: str, checkpoint_layers: bool = False):
     if device != "meta":
         import torch
 
-        from offload.precision import DTYPES
+        from offload.plan.precision import DTYPES
 
         model = model.to_empty(device=device).to(DTYPES[args.precision])
         with torch.no_grad():
             for p in model.parameters():  # values do not matter, but garbage may hold denormals or NaNs
                 p.normal_(0.0, 0.02)
     if args.quantize:  # the frozen base's linears as bitsandbytes layers (in memory: quantized now)
-        from offload.precision import DTYPES
-        from offload.quantized import quantize_linears, replace_linears
+        from offload.plan.precision import DTYPES
+        from offload.plan.quantized import quantize_linears, replace_linears
 
         (replace_linears if device == "meta" else quantize_linears)(model, args.quantize, DTYPES[args.precision])
     lora = {"r": args.lora, "alpha": 2.0 * args.lora, "targets": args.targets.split(","), "dropout": 0.0}
@@ -88,8 +88,8 @@ def worker(args) -> None:
     import psutil
 
     import offload
-    from offload.config import load_config
-    from offload.cpu_adam import host_cache_stats
+    from offload.plan.config import load_config
+    from offload.kernels.cpu_adam import host_cache_stats
     from offload.data import BatchSampler, load_tokens
     from offload.models import loss_of
 

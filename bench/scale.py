@@ -48,8 +48,8 @@ from offload.report import Periodic
 def worker(args) -> None:
     """In the subprocess: a JSON line after initialize, one per step, one at the end, as they happen."""
     import offload
-    from offload.config import load_config
-    from offload.cpu_adam import kernel_backend
+    from offload.plan.config import load_config
+    from offload.kernels.cpu_adam import kernel_backend
     from offload.data import BatchSampler, load_tokens
     from offload.models import loss_of
     from offload.train import build
@@ -86,10 +86,10 @@ def compute_worker(args) -> None:
     the swap I/O does not, so a step can at best overlap I/O under this floor."""
     import torch
 
-    from offload.cpu_adam import adam_step
+    from offload.kernels.cpu_adam import adam_step
     from offload.data import BatchSampler, load_tokens
     from offload.models import build_model, loss_of
-    from offload.precision import DTYPES
+    from offload.plan.precision import DTYPES
 
     model = build_model(args.model, device="meta").to_empty(device="cpu").to(DTYPES[args.precision])
     with torch.no_grad():

@@ -1,5 +1,5 @@
 """Soak over ranks: the 2-rank `offload train` run again and again, a CPU hog beside every other run; any
-run that does not finish in time is a hang ([Note: collective order] in offload/ranks.py).
+run that does not finish in time is a hang ([Note: collective order] in offload/state/ranks.py).
 
     python bench/soak_ranks.py --runs 50 --stages 3 [--steps 10] [--timeout 300] [--json]
 

@@ -96,7 +96,7 @@ def worker(args) -> None:
     import offload
     from offload.data import BatchSampler, load_tokens
     from offload.models import build_model, loss_of
-    from offload.ranks import reduced
+    from offload.state.ranks import reduced
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -4,14 +4,10 @@ The public surface is small on purpose (see API.md): `initialize`, `Config`, `CP
 `add_arguments`, `config_from_args`, and `stop_on_signals` / `Stopped` (docs/failures.md).
 """
 
-from offload import config as _config
-from offload.config import Config, load_config
-from offload.cpu_adam import CPUAdam
+from offload.plan.config import Config, load_config
+from offload.kernels.cpu_adam import CPUAdam
 from offload.flags import add_arguments, config_from_args
-from offload.integrations import deepspeed as _deepspeed
 from offload.signals import Stopped, stop_on_signals
-
-_config.DEEPSPEED_READER = _deepspeed.to_config  # Config.from_deepspeed (config.py imports nothing above it)
 
 __version__ = "0.1.0"
 

@@ -6,7 +6,7 @@ dataclasses, written into docs/config.md so the reference cannot drift from the 
     python -m offload.config_doc --write docs/config.md # replace the text between the file's markers
     python -m offload.config_doc --check docs/config.md # exit 1 if the file differs from the code
 
-Help text comes from the field's inline comment in offload/config.py, else from HELP below, else (for a
+Help text comes from the field's inline comment in offload/plan/config.py, else from HELP below, else (for a
 section) from its dataclass docstring. A field with none of these fails the test: document new keys.
 """
 
@@ -21,7 +21,7 @@ import re
 import sys
 import typing
 
-from offload.config import Config
+from offload.plan.config import Config
 
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 DOC = "docs/config.md"  # the reference, relative to the repository root
@@ -113,7 +113,7 @@ def _cell(text: str) -> str:
 
 
 def markdown() -> str:
-    lines = [f"Generated from `offload/config.py` by `{REGENERATE}`; edit the code, not this table.",
+    lines = [f"Generated from `offload/plan/config.py` by `{REGENERATE}`; edit the code, not this table.",
              "Keys nest as in JSON/YAML (`optimizer.lr` is `{\"optimizer\": {\"lr\": ...}}`); unknown keys are an error.",
              'A `*_bytes` key takes a byte count or a size string: "2.5G", "512M", "64K" (binary units: 1K = 1024).',
              "", "| key | type | default | description |", "|---|---|---|---|"]
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     new = replace_section(text, generated)
     if args.check:
         if new != text:
-            print(f"{path}: the config reference differs from offload/config.py; run `{REGENERATE}`",
+            print(f"{path}: the config reference differs from offload/plan/config.py; run `{REGENERATE}`",
                   file=sys.stderr)
             return 1
         return 0

@@ -32,7 +32,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from offload.config import with_article
+from offload.plan.settings import with_article
 
 BUNDLED_CORPUS = os.path.join(os.path.dirname(__file__), "corpus", "shakespeare.txt.gz")
 

@@ -121,7 +121,7 @@ def probe_devices(report: dict) -> list[Check]:
 
 
 def probe_precision(report: dict) -> list[Check]:
-    from offload.precision import Device, resolve_precision
+    from offload.plan.precision import Device, resolve_precision
 
     dev = Device.of()
     choice = resolve_precision("auto", dev)
@@ -153,7 +153,7 @@ def probe_copy(report: dict) -> list[Check]:
 
 
 def probe_cpu_adam(report: dict, build: bool) -> list[Check]:
-    from offload import cpu_adam
+    from offload.kernels import cpu_adam
 
     library = cpu_adam._cache_dir() / f"{cpu_adam._NAME}.so"
     cached = library.exists()

@@ -18,20 +18,27 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from offload import checkpoint, cpu_adam, hooks, quantized
-from offload.activation_memory import activation_model, batch_shape
-from offload.activation_tier import InputTier
-from offload.activations import Checkpointing, UnitInputs, attention_line, no_cache
-from offload.config import Config, LossScaleConfig, load_config
-from offload.materialize import materialize, unit_values
-from offload.optim import OptimState
-from offload.pipeline import Phase, StepPipeline
-from offload.placement import Placement, PlacementError, activations_advice, fits_with_activations, plan_placement
-from offload.precision import resolve_precision
-from offload.prefetch import agreed_policy
-from offload.residency import WeightHandle
-from offload.runtime import Runtime
-from offload.units import Unit, forward_order, partition
+from offload.checkpoint import sharded as checkpoint
+
+from offload.kernels import cpu_adam
+
+from offload.step import hooks
+
+from offload.plan import quantized
+from offload.plan.activation_memory import activation_model, batch_shape
+from offload.state.activation_tier import InputTier
+from offload.plan.attention import attention_line
+from offload.step.activations import Checkpointing, UnitInputs, no_cache
+from offload.plan.config import Config, LossScaleConfig, load_config
+from offload.state.materialize import materialize, unit_values
+from offload.state.optim import OptimState
+from offload.step.pipeline import Phase, StepPipeline
+from offload.plan.placement import Placement, PlacementError, activations_advice, fits_with_activations, plan_placement
+from offload.plan.precision import resolve_precision
+from offload.step.prefetch import agreed_policy
+from offload.state.residency import WeightHandle
+from offload.step.runtime import Runtime
+from offload.plan.units import Unit, forward_order, partition
 from offload.scheduler.policy import ResidencyPolicy
 from offload.scheduler.trace import ExecutionTrace
 from offload.swap.buffers import map_large_allocations
@@ -80,10 +87,10 @@ class Engine(nn.Module):
         self._activations_checked = self.placement.activation_shape  # the largest batch shape known to fit
         self.rt = rt = Runtime.open(cfg, self.device, self.placement, self.rank, self.world)
         agree = (lambda values, op: rt.ranks.agree(values, op, "all_reduce: the trace to replay")
-                 ) if self.placement.weight_owners else None  # [Note: collective order] in offload.ranks
+                 ) if self.placement.weight_owners else None  # [Note: collective order] in offload.state.ranks
         self.trace = ExecutionTrace(self.placement.knobs.prefetch_units, agree=agree)
         self._closed = False
-        self.checkpoint_run_id: str | None = None  # the run its checkpoints belong to (offload.checkpoint.run_id)
+        self.checkpoint_run_id: str | None = None  # the run its checkpoints belong to (offload.checkpoint.sharded.run_id)
         self.weights: list[WeightHandle | None] = [None] * len(self.units)  # filled by materialize
         self.states: list[OptimState | None] = [None] * len(self.units)
         _WRAPPED.add(model)  # from here on its parameters become the engine's placeholders
@@ -107,9 +114,9 @@ class Engine(nn.Module):
                          for h in hooks.register(self.prefetcher, self.weights[u.index], rt, u, m)]
         self._grad_hooks = [s.param.register_post_accumulate_grad_hook(self.pipeline.grads.hook(u))
                             for u in self.units for s in u.slots if s.trainable]
-        tier = cfg.offload_activations.device  # [Note: kept inputs in a tier] in offload.activation_tier
+        tier = cfg.offload_activations.device  # [Note: kept inputs in a tier] in offload.state.activation_tier
         self.unit_inputs = UnitInputs(InputTier(rt, tier, self.placement.knobs.prefetch_units) if tier != "none"
-                                      else None)  # [Note: activation checkpointing] in offload.activations
+                                      else None)  # [Note: activation checkpointing] in offload.step.activations
         self._checkpointing = (Checkpointing(self.units, self.unit_inputs, lambda: self.pipeline.in_backward)
                                if cfg.activation_checkpointing else None)
         self._guards = checkpoint.guard_module(model)  # model.state_dict() would read placeholders: kept after close
@@ -136,7 +143,7 @@ class Engine(nn.Module):
         return lines + ([attention] if attention else [])
 
     def _check_activations(self, args, kwargs) -> None:
-        """Refuses, before it runs, a batch whose activations by formula (offload.activation_memory) do not fit
+        """Refuses, before it runs, a batch whose activations by formula (offload.plan.activation_memory) do not fit
         beside the rest of the plan; a shape no larger than one already checked or planned is not checked again,
         nor a forward without grad (it keeps nothing for a backward)."""
         p, shape = self.placement, batch_shape(args, kwargs)
@@ -162,13 +169,13 @@ class Engine(nn.Module):
             self.trace.begin_step()
         args, kwargs = self._cast_inputs(args, kwargs)
         if self._checkpointing is not None and torch.is_grad_enabled():
-            kwargs = no_cache(self.module, kwargs)  # [Note: activation checkpointing] in offload.activations
+            kwargs = no_cache(self.module, kwargs)  # [Note: activation checkpointing] in offload.step.activations
         mark = self.unit_inputs.mark()
         try:
             out = self.module(*args, **kwargs)
         except BaseException:
             self.unit_inputs.drop_all(after=mark)  # its graph is spent, however long its traceback lives
-            self.pipeline.forward_failed(before)  # [Note: failure semantics] in offload.pipeline
+            self.pipeline.forward_failed(before)  # [Note: failure semantics] in offload.step.pipeline
             raise
         if not self.placement.trainable_numel:  # a frozen model: no backward follows ([Note: phases])
             self.pipeline.end_forward()
@@ -186,7 +193,7 @@ class Engine(nn.Module):
                 raise ValueError(f"batch tensor on {t.device}: the model runs on {self.device}; "
                                  f"move the batch with .to(engine.device)")
 
-    # -- backward and step: the step pipeline (offload.pipeline) -----------------------------------------
+    # -- backward and step: the step pipeline (offload.step.pipeline) -----------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("loss: backward() needs a scalar tensor that requires grad (the output of "
@@ -230,14 +237,14 @@ class Engine(nn.Module):
     telemetry = property(lambda self: self.rt.telemetry, doc="links, stalls, the timeline")
     staging = property(lambda self: self.rt.staging, doc="the dram chunk pool")
     store = property(lambda self: self.rt.store, doc="the swap store (None without nvme)")
-    chunk_numel = property(lambda self: self.rt.chunk_numel, doc="elements per chunk (offload.chunks)")
+    chunk_numel = property(lambda self: self.rt.chunk_numel, doc="elements per chunk (offload.plan.chunks)")
     step_count = property(lambda self: self.pipeline.step_count, doc="optimizer steps taken")
     micro_step = property(lambda self: self.pipeline.micro_step, doc="backwards since the last step")
     loss_scale = property(lambda self: self.pipeline.scale.value, doc="fp16's dynamic loss scale (1 otherwise)")
     skipped_steps = property(lambda self: self.pipeline.scale.skipped_steps, doc="fp16 overflows")
     last_grad_norm = property(lambda self: self.pipeline.last_grad_norm,
                               doc="the global gradient norm of the last step (None when stepped in backward)")
-    phase = property(lambda self: self.pipeline.phase, doc="offload.pipeline.Phase")
+    phase = property(lambda self: self.pipeline.phase, doc="offload.step.pipeline.Phase")
 
     # -- state, stats, close ---------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -251,7 +258,7 @@ class Engine(nn.Module):
         without holding the whole model at once); trainable_only: the trainable parameters' masters alone,
         reading no frozen weight (a LoRA adapter's values without its base)."""
         self.pipeline.check_usable("reading the weights")
-        self.pipeline.deferred.finish()  # [Note: split step] in offload.pipeline
+        self.pipeline.deferred.finish()  # [Note: split step] in offload.step.pipeline
         names: dict = {}
         for n, p in self.module.named_parameters(remove_duplicate=False):
             names.setdefault(p, []).append(n)
@@ -273,7 +280,7 @@ class Engine(nn.Module):
         tier: fp32 masters (frozen parameters upcast), like FSDP's full state dict; persistent buffers.
         Holds the whole model in memory: for a large one use save_checkpoint(). Over ranks call it on every
         rank; sharded=True: each parameter a DTensor holding this rank's dim-0 slice, like FSDP2's sharded
-        state dict, for torch.distributed.checkpoint ([Note: sharded state dicts] in offload.checkpoint).
+        state dict, for torch.distributed.checkpoint ([Note: sharded state dicts] in offload.checkpoint.sharded).
         keep_vars: no effect."""
         sd = checkpoint.state_dict(self, prefix, sharded)
         if destination is None:
@@ -294,9 +301,9 @@ class Engine(nn.Module):
         then points <directory>/latest at it and keeps the newest `keep`; `extra`: your JSON state, returned
         by load_checkpoint. With delayed_update the pending update is saved, not applied. Between steps
         only (also between the micro-steps of an accumulation window). Returns the path. See
-        offload.checkpoint for the format. Over several ranks (zero_stage 0, every rank holding the same
+        offload.checkpoint.sharded for the format. Over several ranks (zero_stage 0, every rank holding the same
         states) call it on every rank: rank 0 writes, the others wait for it; zero_stage 1-3 over ranks: every
-        rank writes the states it holds ([Note: ranks] in offload.checkpoint)."""
+        rank writes the states it holds ([Note: ranks] in offload.checkpoint.sharded)."""
         return checkpoint.save(self, directory, name, keep, extra)
 
     def load_checkpoint(self, path: str) -> dict:

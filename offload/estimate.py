@@ -12,19 +12,19 @@ runtime accumulates in fp32 in dram (4 B, not 2). With fp32 precision the weight
 
 [Note: the runtime]
 Peak memory is never just the ledger. `runtime_bytes` adds what the runtime itself holds through
-offload.memory.runtime_parts, the function the engine's placement checks (its formulas and note), with
+offload.plan.memory.runtime_parts, the function the engine's placement checks (its formulas and note), with
 every unit as large as the largest (a unit is a module subtree such as one transformer block): the
 fetched units' weights in hbm, the gradients in flight before they leave hbm, and the dram pool of
 fixed-size chunks through which everything moves to and from NVMe. Activations depend on batch and
-sequence: counted by formula for a model at --batch x --seq (offload.activation_memory, [Note: the activations
+sequence: counted by formula for a model at --batch x --seq (offload.plan.activation_memory, [Note: the activations
 formula]), or as given (--activation-bytes).
 
 [Note: a quantized base]
 With LoRA on a quantized base (`--quantize nf4|int8`, as bitsandbytes loads it through transformers) every
-nn.Linear but the output head (offload.quantized.quantizable_linears) is stored as offload.quantized's record,
+nn.Linear but the output head (offload.plan.quantized.quantizable_linears) is stored as offload.plan.quantized's record,
 the packed weight and its quantization state (nf4: double quantization, blocksize 64, about 4.13 bits a
 parameter; int8: 1 byte a parameter and a fp32 scale per row), and that record is what every tier holds and
-every fetch moves (offload.quantized.record_bytes gives its bytes). The embedding, the lm_head (transformers'
+every fetch moves (offload.plan.quantized.record_bytes gives its bytes). The embedding, the lm_head (transformers'
 bitsandbytes integration leaves the output head unquantized), the norms, the biases and the adapters stay at
 the compute dtype. The weights term and the fetched units' working set count those bytes; the frozen base has
 no gradient and no optimizer state either way.
@@ -36,7 +36,7 @@ import dataclasses
 import math
 import os
 
-from offload.memory import OFFLOAD_TIER, TIERS, Knobs, runtime_parts
+from offload.plan.memory import OFFLOAD_TIER, TIERS, Knobs, runtime_parts
 
 DEFAULT_UNITS_FOR_PARAMS = 32      # --params alone: assume the model is this many equal units
 
@@ -71,7 +71,7 @@ def ledger_terms(stage: int, offload_param: str = "none", offload_optimizer: str
     grad_bytes = weight_bytes if opt_tier == "hbm" else dram_grad_bytes   # CPU step: fp32 accumulators
     # The engine keeps each unit's fp32 gradient accumulator beside its optimizer states (dram or nvme), so
     # with the optimizer offloaded it partitions the accumulator with the states from stage 1 on (its stage 1
-    # holds what the paper's stage 2 holds; [Note: windows over ranks] in offload.optim).
+    # holds what the paper's stage 2 holds; [Note: windows over ranks] in offload.state.optim).
     return [Term("weights", OFFLOAD_TIER[offload_param], weight_bytes, stage >= 3),
             Term("gradients", opt_tier, grad_bytes, stage >= 2 or (stage == 1 and opt_tier != "hbm")),
             Term("optimizer", opt_tier, k, stage >= 1)]
@@ -95,12 +95,12 @@ def model_state_bytes(params: int, dp: int, terms: list[Term], trainable: int | 
 def runtime_bytes(unit_numel: int, terms: list[Term], device_type: str = "cuda",
                   chunk_bytes: int = 32 << 20, activations: list[dict] = (), hbm_units: int | None = None,
                   trainable_unit_numel: int | None = None, unit_bytes: int | None = None) -> dict:
-    """The runtime's buffers and working set per rank, on top of the ledger: offload.memory.runtime_parts,
+    """The runtime's buffers and working set per rank, on top of the ledger: offload.plan.memory.runtime_parts,
     the function the engine's placement checks, with every unit as large as the largest (unit_numel).
     hbm_units: fetched units in hbm at once (None: the engine's default, 1 + prefetch_units + reuse_distance).
     trainable_unit_numel: the trained parameters of the largest unit, when not all of them are (LoRA).
     unit_bytes: the largest unit's bytes as fetched, when not unit_numel x the weight's bytes (a quantized base).
-    activations: their parts (offload.activation_memory.activation_parts, or one "given"), added as they are.
+    activations: their parts (offload.plan.activation_memory.activation_parts, or one "given"), added as they are.
     Returns {"hbm_bytes", "dram_bytes", "nvme_bytes", "parts": [{"name", "tier", "bytes", "formula"}]}."""
     w, _, opt = terms
     knobs = Knobs()
@@ -150,7 +150,7 @@ class QuantizedBase:
     bytes, and per unit what it fetches; every other parameter at the compute dtype."""
     kind: str                     # nf4 or int8
     numel: int                    # parameters stored quantized: the linears bitsandbytes quantizes
-    nbytes: int                   # their records' bytes (offload.quantized.record_bytes)
+    nbytes: int                   # their records' bytes (offload.plan.quantized.record_bytes)
     units: tuple[tuple[int, int, int], ...]   # per unit: (parameters, of those quantized, their records' bytes)
 
     @property
@@ -201,10 +201,10 @@ def model_shape(model: str) -> ModelShape:
 
 def shape_of_model(model, source: str | None = None, min_numel: int | None = None) -> ModelShape:
     """ModelShape of a built nn.Module (meta device is fine), as the runtime splits it into units
-    (offload.units.partition at units.min_numel): its parameters, counted once (tied ones too), its largest
+    (offload.plan.units.partition at units.min_numel): its parameters, counted once (tied ones too), its largest
     unit, and when some are frozen (a LoRA model) the trained ones and those of the unit holding the most."""
-    from offload.config import Config
-    from offload.units import partition
+    from offload.plan.config import Config
+    from offload.plan.units import partition
 
     units = partition(model, Config().units.min_numel if min_numel is None else min_numel)
     params = sum(s.numel for u in units for s in u.slots)
@@ -233,9 +233,9 @@ def with_lora(model, r: int, targets) -> tuple[object, str]:
 
 def quantized_weights(model, kind: str) -> dict:
     """{parameter: its record's bytes} of the weights bitsandbytes stores as `kind` when `--quantize kind` loads
-    `model` (offload.quantized.quantizable_linears: every linear but the output head)."""
+    `model` (offload.plan.quantized.quantizable_linears: every linear but the output head)."""
     _check_choice("--quantize", kind, tuple(QUANTIZE_KINDS))
-    from offload.quantized import quantizable_linears, record_bytes   # local import: it needs torch
+    from offload.plan.quantized import quantizable_linears, record_bytes   # local import: it needs torch
 
     linears = quantizable_linears(model, f"--quantize={kind}")
     return {m.weight: record_bytes(kind, tuple(m.weight.shape)) for _, m in linears}
@@ -249,8 +249,8 @@ def with_quantized_base(shape: ModelShape, model, kind: str, records: dict) -> M
     if shape.trainable is None:
         raise ValueError(f"--quantize={kind}: a quantized base is frozen, it is trained through adapters; "
                          f"add --lora R")
-    from offload.config import Config
-    from offload.units import partition
+    from offload.plan.config import Config
+    from offload.plan.units import partition
 
     units = tuple((sum(s.numel for s in u.slots), sum(s.numel for s in u.slots if s.param in records),
                    sum(records.get(s.param, 0) for s in u.slots)) for u in partition(model, Config().units.min_numel))

@@ -7,7 +7,8 @@ import argparse
 import copy
 import pathlib
 
-from offload.config import DEVICES, PRECISION_CHOICES, Config, load_config, read_settings_file, set_dotted
+from offload.plan.config import DEVICES, PRECISION_CHOICES, Config, load_config
+from offload.plan.settings import read_settings_file, set_dotted
 from offload.integrations import deepspeed
 from offload.swap.measure import parse_size
 
@@ -57,7 +58,7 @@ def file_settings(args: argparse.Namespace, total_steps: int | None = None) -> d
     total_steps fills a DeepSpeed "auto" total_num_steps (see offload/integrations/deepspeed.py)."""
     data = {}
     if getattr(args, "deepspeed", None):
-        data = deepspeed.settings(args.deepspeed, total_steps)
+        data = deepspeed.settings(args.deepspeed, Config, total_steps)
     if getattr(args, "offload_config", None):
         data = _merge(data, read_settings_file(pathlib.Path(args.offload_config)))
     return data

@@ -7,7 +7,7 @@ tier (hbm too: docs/training.md "LoRA").
 
 [Note: the adapters' initial values]
 A preset's base has no checkpoint: the Engine initializes the wrapped model as its CPU build (the base by the
-seeding contract, then peft's LoRA init: offload.materialize). A HF directory's base streams from its
+seeding contract, then peft's LoRA init: offload.state.materialize). A HF directory's base streams from its
 safetensors through `LoraWeights`, which maps peft's names back to the checkpoint's (`base_model.model.`
 prefix, `.base_layer.` infix) and gives the adapters the values `torch.manual_seed(seed); get_peft_model(base,
 config)` gives them on a base loaded with from_pretrained: per LoRA layer in module order, lora_A's and
@@ -255,7 +255,7 @@ def merged_items(items, scale: float, dtype: torch.dtype | None = None, transpos
     transformers' Conv1D, GPT-2's, peft's fan_in_fan_out), the adapters themselves left out. Each tensor in
     `dtype` (None: as it comes), merged as peft's merge_and_unload merges into a base loaded in that dtype: W in
     `dtype` plus the adapters' product in fp32, rounded once. A layer's three tensors come in one unit
-    (offload.units keeps adapters in their layer's unit); they are held until all three have come."""
+    (offload.plan.units keeps adapters in their layer's unit); they are held until all three have come."""
     transposed = set(transposed)
     pending: dict[str, dict] = {}
     for name, value in items:

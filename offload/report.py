@@ -9,7 +9,7 @@ import statistics
 import threading
 import time
 
-from offload.memory import TIERS
+from offload.plan.memory import TIERS
 
 LINKS = ("nvme_to_dram", "dram_to_hbm", "hbm_to_dram", "dram_to_nvme")
 SAMPLE_COLUMNS = ("seconds", *(f"{t}_used_bytes" for t in TIERS), *(f"{l}_bytes" for l in LINKS), "stall_seconds")
@@ -131,7 +131,7 @@ def build_report(run: dict, cfg, info: dict, history: dict, final: dict, init_s:
     tail = history["losses"][-min(10, steps):] if steps else []  # none: a run stopped before its first step
     return {
         "model": run["model"], "params": info["params"], "data": run["data"] or "bundled", "steps": steps,
-        "precision": cfg.precision,  # the engine's: "auto" resolved for this host (offload.precision)
+        "precision": cfg.precision,  # the engine's: "auto" resolved for this host (offload.plan.precision)
         "tokenizer": "bytes" if info["tokenizer"] is None else type(info["tokenizer"]).__name__,
         "tokens_per_step": tokens, "tokens": steps * tokens,
         "first_loss": history["losses"][0] if steps else None, "final_loss": tail[-1] if tail else None,
@@ -235,7 +235,7 @@ def summary_table(report: dict) -> str:
         rate = f"{s['bytes'] / s['seconds'] / 1e9:.2f}" if s["seconds"] > 0 else "-"
         lines.append(f"  {link:13s} {_mib(s['bytes']):>10s} {s['seconds']:8.2f} {rate:>7s}")
     act = st.get("activations", {})
-    if act.get("where") in ("dram", "nvme"):  # the checkpoints' kept inputs in a tier (offload.activation_tier)
+    if act.get("where") in ("dram", "nvme"):  # the checkpoints' kept inputs in a tier (offload.state.activation_tier)
         nvme = f"{_mib(act['nvme_peak_bytes'])} nvme, " if act["where"] == "nvme" else ""
         lines.append(f"  activations kept inputs in {act['where']}: {_mib(act['moved_out_bytes'])} out of hbm, "
                      f"{_mib(act['moved_in_bytes'])} back; peak {nvme}{_mib(act['dram_peak_bytes'])} dram, "

@@ -30,15 +30,16 @@ import time
 import torch
 
 import offload
-from offload.config import Config, load_config, set_dotted
-from offload.cpu_adam import kernel_backend
+from offload.plan.config import Config, load_config
+from offload.plan.settings import set_dotted
+from offload.kernels.cpu_adam import kernel_backend
 from offload.data import BatchSampler, ByteTokenizer, load_data, load_tokens, make_sampler
 from offload.flags import file_settings, put_flags
 from offload.integrations.hf_io import DTYPES as SAVE_DTYPES
 from offload.lora import (LoraWeights, apply_lora, base_name, check_mergeable, lora_settings, lora_targets, save_dtype,
                           transposed_layers)
 from offload.models import PRESETS, build_model, hf_llama_config, hf_name, loss_of
-from offload.ranks import reduced
+from offload.state.ranks import reduced
 from offload.signals import SIGNALS, Stopped, stop_on_signals
 from offload.watchdog import LauncherWatch, SignalWatchdog
 
@@ -207,7 +208,7 @@ def resolve(args: argparse.Namespace) -> tuple[Config, dict]:
         if value is not None or _get(file, path) is None:
             set_dotted(data, path, default if value is None else value)
     _check_run(run, data)
-    # the memory plan counts the activations of a micro-batch of the run (offload.activation_memory)
+    # the memory plan counts the activations of a micro-batch of the run (offload.plan.activation_memory)
     data.setdefault("activations", {"batch": run["batch_size"], "seq": run["seq_len"]})
     if "type" not in data.get("lr_schedule", {}):  # cosine over the run, down to 10%
         data["lr_schedule"].update(type="cosine", total_steps=run["steps"], min_ratio=0.1)
@@ -311,7 +312,7 @@ def build(run: dict, cfg: Config):
                          f"({'its own' if tok is not None else 'bytes + EOS'}); use a model with at least that "
                          f"many embeddings")
     if cfg.quantize_base is not None:  # bitsandbytes layers, quantized as the engine materializes them
-        from offload.quantized import bitsandbytes, replace_linears
+        from offload.plan.quantized import bitsandbytes, replace_linears
 
         bitsandbytes()
         info["quantized"] = {"kind": cfg.quantize_base, "layers": len(replace_linears(model, cfg.quantize_base,
@@ -373,7 +374,7 @@ def _train(args: argparse.Namespace, cfg: Config, run: dict, watch: LauncherWatc
         try:
             kernel_backend()  # build/load the CPU Adam kernel now, not inside the first timed step
             with offload.initialize(model, cfg, weights=weights) as engine:
-                cfg = engine.cfg  # its precision as resolved for this host ("auto": offload.precision)
+                cfg = engine.cfg  # its precision as resolved for this host ("auto": offload.plan.precision)
                 if resume is not None:
                     engine.load_checkpoint(resume[0])
                     run = {**run, "start_step": resume[1], "resumed_from": resume[0]}
@@ -417,7 +418,7 @@ def _train(args: argparse.Namespace, cfg: Config, run: dict, watch: LauncherWatc
 def _join_torchrun(timeout_s: float) -> tuple[int, int]:
     """Under torchrun (WORLD_SIZE > 1 in the environment): joins the default process group from its
     environment (gloo on CPUs, NCCL on GPUs; its collectives time out after `timeout_s`, as the engine's
-    own do: [Note: collective order] in offload.ranks) and returns (rank, world size); (0, 1) otherwise.
+    own do: [Note: collective order] in offload.state.ranks) and returns (rank, world size); (0, 1) otherwise.
     The engine then trains over the ranks (zero_stage 0, or 1-3 with states and weights partitioned) or
     refuses what is not built yet; never N copies."""
     import datetime
@@ -643,7 +644,7 @@ class Checkpoints:
 
     def save(self, engine, step: int) -> str:
         """Saves after `step`; a save that fails (a full disk) raises SaveFailed naming the path and step."""
-        from offload.checkpoint_format import CheckpointError
+        from offload.checkpoint.format import CheckpointError
 
         extra = {**self.extra, "train": {**self.extra["train"], "step": step}}
         name, again = f"step{step:08d}", 0
@@ -656,7 +657,7 @@ class Checkpoints:
             raise SaveFailed(os.path.join(self.directory, name), step, e, self.last_good()) from e
 
     def last_good(self) -> str | None:
-        from offload import checkpoint_format as fmt
+        from offload.checkpoint import format as fmt
 
         try:
             return fmt.resolve(self.directory) if os.path.isfile(os.path.join(self.directory, fmt.LATEST)) else None
@@ -686,7 +687,7 @@ class SaveFailed(OSError):
 def _resume_point(args, run: dict, cfg: Config) -> tuple[str, int] | None:
     """(checkpoint path, the step to continue at) for --resume, checked against this run before anything
     is built; None without --resume, or for `latest` when the directory holds no checkpoint yet."""
-    from offload import checkpoint_format as fmt
+    from offload.checkpoint import format as fmt
 
     if args.resume is None:
         return None

@@ -9,7 +9,7 @@ handles; the policy keeps its own account of which units' weights it holds in hb
   at that moment (the caller charges it as it starts the fetch).
 - After a unit ran (`after_use`): its weights are kept when the trace uses it again within
   `reuse_distance` fetches, or while the kept bytes fit `reuse_bytes` (a forward's units kept for their
-  backward), or after a forward use when it is one of the `held` units (offload.memory.free_holds: a
+  backward), or after a forward use when it is one of the `held` units (offload.plan.memory.free_holds: a
   tied embedding from its lookup to the output head); otherwise released. A forward recomputed inside backward (activation checkpointing) is
   kept: its own backward follows at once.
 """

@@ -127,7 +127,7 @@ class JobThread:
 
     def _run_one(self, work: list) -> None:
         """Runs one job. Its function and arguments are dropped before the waiter wakes: a waiter that counts
-        references to a tensor the job used (offload.hooks, [Note: backward without weights]) must not see
+        references to a tensor the job used (offload.step.hooks, [Note: backward without weights]) must not see
         them come and go with this thread's timing."""
         job, fn, args, issued = work
         work.clear()

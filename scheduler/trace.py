@@ -8,7 +8,7 @@ rest of the step runs on demand, the step is recorded again, and a warning is lo
 Over ranks whose collectives follow the trace (zero_stage 3: a unit released after a use is gathered at
 its next), `agree` makes the ranks replay the same trace: at the end of each step they agree whether
 any of them recorded anew, and if so all keep the new recording when every rank recorded the same order,
-else all record again (offload.ranks, [Note: collective order]).
+else all record again (offload.state.ranks, [Note: collective order]).
 """
 
 from __future__ import annotations

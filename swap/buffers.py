@@ -99,7 +99,7 @@ def map_large_allocations(threshold_bytes: int = 1 << 20) -> bool:
     then grew step after step past what was live (bench/RESULTS.md, LoRA on the 7b preset). Setting the
     threshold also stops that adjustment. Process-wide; the engine sets it on the CPU backend only, where
     torch's own tensors of that size go to the compiled library's allocator instead when it loads
-    (offload.cpu_adam.open_host_cache): this keeps what other libraries allocate honest."""
+    (offload.kernels.cpu_adam.open_host_cache): this keeps what other libraries allocate honest."""
     mallopt = getattr(_libc, "mallopt", None)
     return bool(mallopt is not None and mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(threshold_bytes)) == 1)
 
@@ -135,7 +135,7 @@ def _mmap_populated(padded: int, register: bool = False, populate: bool = True) 
         except OSError:  # THP disabled: 4 KiB pages still work
             pass
     skip = (-torch.frombuffer(region, dtype=torch.uint8).data_ptr()) % (_HUGE_BYTES if huge else ALIGN_BYTES)
-    # the storage itself starts aligned (offload.tiers puts it under another storage); keeps `region` alive
+    # the storage itself starts aligned (offload.state.tiers puts it under another storage); keeps `region` alive
     raw = torch.frombuffer(memoryview(region)[skip : skip + padded], dtype=torch.uint8)
     try:
         if populate:

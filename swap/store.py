@@ -90,7 +90,7 @@ _word_digest = _numpy_word_digest
 def use_word_digest(fn) -> None:
     """Makes block_digest take its (sum, xor) of 64-bit words from fn(addr, n8) -> (sum, xor), where n8
     is a multiple of 8; None: numpy's two passes again. offload hands in its compiled kernel's single
-    pass (offload.cpu_adam.use_for_swap_digests), which swap cannot import."""
+    pass (offload.kernels.cpu_adam.use_for_swap_digests), which swap cannot import."""
     global _word_digest
     _word_digest = _numpy_word_digest if fn is None else fn
 

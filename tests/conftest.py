@@ -27,7 +27,7 @@ def _libaio_missing() -> str | None:
 
 
 def _kernel_missing() -> str | None:
-    from offload import cpu_adam
+    from offload.kernels import cpu_adam
 
     return None if cpu_adam._get_kernel() is not None else f"compiled kernel unavailable: {cpu_adam._kernel_error}"
 

@@ -160,7 +160,7 @@ class Reference:
 
     @torch.no_grad()
     def _apply(self, grads, scale: float) -> None:
-        from offload.cpu_adam import adam_step
+        from offload.kernels.cpu_adam import adam_step
 
         for i, ((p, m), g, (ea, eas)) in enumerate(zip(self.pairs, grads, self.moments)):
             if g is None:

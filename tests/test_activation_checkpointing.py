@@ -1,5 +1,5 @@
 """Activation checkpointing by the engine (config activation_checkpointing; [Note: activation checkpointing] in
-offload/activations.py): bit for bit the numbers of the model calling torch's non-reentrant checkpoint on each
+offload/step/activations.py): bit for bit the numbers of the model calling torch's non-reentrant checkpoint on each
 unit itself, with dropout, for every placement and over ranks (stages 0 and 3); each unit's body runs twice a
 step (its forward and one recompute), also when the model checkpoints its units already; only the units' inputs
 are kept."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import offload
-from offload import activations
+from offload.step import activations
 from tests.engine_util import MLP, LlamaLoss, Reference, llama, llama_batches, max_state_err, mlp_batches
 from tests.test_zero import run_ranks
 

@@ -1,10 +1,10 @@
-"""Activations in the memory plan (offload.activation_memory): the planned hbm peak against the measured one,
+"""Activations in the memory plan (offload.plan.activation_memory): the planned hbm peak against the measured one,
 the preflight's refusal naming the sequence length that fits, the first forward's check, and the formula's terms.
 
 The measured hbm peak on the CPU backend (hbm is host memory): the hbm accountant's bytes when the step begins
 (the resident weights) plus the peak, over one forward and backward, of the bytes torch allocated and had not
 freed, summed in time order from the profiler's memory events (every thread). The host cache allocator
-(offload/csrc/host_alloc.cpp) does not report to the profiler, so these tests run without it: it changes where
+(offload/kernels/csrc/host_alloc.cpp) does not report to the profiler, so these tests run without it: it changes where
 blocks come from, not how many bytes are live. Nothing of dram is allocated during a forward and backward here
 (weights in hbm, optimizer states in dram, allocated before)."""
 
@@ -18,10 +18,10 @@ import torch
 from torch.profiler import profile
 
 import offload
-from offload import cpu_adam
-from offload.activation_memory import ModelDims, activation_model, activation_parts, longest_seq, model_dims
+from offload.kernels import cpu_adam
+from offload.plan.activation_memory import ModelDims, activation_model, activation_parts, longest_seq, model_dims
 from offload.models import LlamaLM, ModelConfig, init_weights
-from offload.placement import PlacementError
+from offload.plan.placement import PlacementError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # activations dominate: a 0.8M-parameter model at 512-2048 tokens holds 5-30x its weights in activations

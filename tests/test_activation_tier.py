@@ -1,5 +1,5 @@
 """The checkpoints' kept inputs in a tier (config offload_activations; [Note: kept inputs in a tier] in
-offload/activation_tier.py): in dram and on nvme the numbers are those of the inputs kept in hbm, bit for bit;
+offload/state/activation_tier.py): in dram and on nvme the numbers are those of the inputs kept in hbm, bit for bit;
 the bytes that leave hbm are those the checkpoints keep, and every byte comes back; nothing is left in dram,
 hbm or the swap store after a backward, a graph dropped without one, a failed backward, or close()."""
 
@@ -11,7 +11,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 import offload
-from offload import activation_tier
+from offload.state import activation_tier
 from tests.engine_util import MLP, LlamaLoss, llama, llama_batches, max_state_err
 
 STEPS = 3

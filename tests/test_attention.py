@@ -1,4 +1,4 @@
-"""Attention that does not hold the sequence squared ([Note: which attention runs] in offload/activations.py):
+"""Attention that does not hold the sequence squared ([Note: which attention runs] in offload/step/activations.py):
 on the CPU backend the presets and Hugging Face models run SDPA's flash kernel, which keeps no T x T scores for
 the backward, and the memory plan says which attention runs."""
 
@@ -86,7 +86,7 @@ def test_the_memory_plan_says_which_attention_runs(tmp_path, capsys, build, line
 
 def test_the_kernel_is_asked_without_drawing_from_the_rng():
     """SDPA's choice on the CPU with dropout: its math path (the plan says so), and the global RNG as before."""
-    from offload.activations import sdpa_kernel
+    from offload.plan.attention import sdpa_kernel
 
     cpu = torch.device("cpu")
     before = torch.get_rng_state()

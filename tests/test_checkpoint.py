@@ -1,4 +1,4 @@
-"""Checkpoints (offload.checkpoint): exact resume for every placement and step path, into another
+"""Checkpoints (offload.checkpoint.sharded): exact resume for every placement and step path, into another
 placement and in a new process; damaged files detected; interrupted saves harmless to the previous
 checkpoint; engine.state_dict() with real values; `offload train --resume`; export to Hugging Face."""
 
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import offload
-from offload import checkpoint_format as fmt
-from offload.checkpoint_format import CheckpointError
+from offload.checkpoint import format as fmt
+from offload.checkpoint.format import CheckpointError
 from offload.cli import main
 from tests.engine_util import MLP, llama, llama_batches, mlp_batches
 
@@ -348,7 +348,7 @@ class _FailingStoreWrites:
 def test_a_load_that_fails_after_verification_fails_the_engine(saved, tmp_path):
     """Everything verified, then a swap write fails half-way through writing the states: the engine is not
     left half-loaded and usable; it is failed with the cause, as a failed step is, and close() still works."""
-    from offload.pipeline import Phase, StepFailed
+    from offload.step.pipeline import Phase, StepFailed
 
     model, cfg, path = saved
     eng = offload.initialize(copy.deepcopy(model), {**cfg, "nvme_path": str(tmp_path / "swap2")})
@@ -426,7 +426,7 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint(tmp_path, monkeypatc
 
 KILL_SCRIPT = """
 import os, sys, time, torch, offload
-from offload import checkpoint_format
+from offload.checkpoint import format as checkpoint_format
 from tests.engine_util import MLP, mlp_batches
 from tests.test_checkpoint import config
 torch.manual_seed(0)

@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 from offload import config_doc
-from offload.config import Config
+from offload.plan.config import Config
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / config_doc.DOC
 
@@ -17,7 +17,7 @@ def _section(text: str) -> str:
 
 def test_config_reference_matches_the_code():
     assert _section(DOC.read_text()) == config_doc.markdown(), (
-        f"{config_doc.DOC}'s config reference drifted from offload/config.py; regenerate it with "
+        f"{config_doc.DOC}'s config reference drifted from offload/plan/config.py; regenerate it with "
         f"`{config_doc.REGENERATE}`")
 
 

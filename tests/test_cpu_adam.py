@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from offload import cpu_adam
-from offload.cpu_adam import adam_step, grad_sq_sum
+from offload.kernels import cpu_adam
+from offload.kernels.cpu_adam import adam_step, grad_sq_sum
 
 # (backend, isa): the compiled kernel is tested at every ISA the CPU supports, so an AVX-512 machine also
 # checks the AVX2 and scalar code (tails included). Without the kernel those skip (fail under OFFLOAD_CI=1:

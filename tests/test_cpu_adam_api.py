@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from offload import cpu_adam
-from offload.cpu_adam import CPUAdam, adam_step, grad_sq_sum
+from offload.kernels import cpu_adam
+from offload.kernels.cpu_adam import CPUAdam, adam_step, grad_sq_sum
 
 BACKENDS = ["torch", "compiled"]
 
@@ -141,7 +141,7 @@ def fresh_kernel_state(monkeypatch, tmp_path):
 
 
 def _assert_falls_back(caplog, reason: str):
-    with caplog.at_level(logging.WARNING, logger="offload.cpu_adam"):
+    with caplog.at_level(logging.WARNING, logger="offload.kernels.cpu_adam"):
         assert cpu_adam.kernel_backend() == "torch"
     assert "falls back to the torch backend" in caplog.text and reason in caplog.text
     args = _good_args()

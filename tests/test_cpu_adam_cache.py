@@ -1,5 +1,5 @@
 """The CPU Adam kernel cache loads only a library it can trust ([Note: trusting a cached kernel] in
-offload/kernel_cache.py): its digest recorded at build time, owned by this user, in directories nobody
+offload/kernels/kernel_cache.py): its digest recorded at build time, owned by this user, in directories nobody
 else can write; anything else is built again with one line saying why.
 
 cpp_extension.load is replaced by one that writes a stand-in library and the import by one that records
@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 from torch.utils import cpp_extension
 
-from offload import cpu_adam, kernel_cache
+from offload.kernels import cpu_adam
+
+from offload.kernels import kernel_cache
 
 class FakeToolchain:
     """Stand-ins for torch.utils.cpp_extension.load and cpu_adam._import: `built` lists the build

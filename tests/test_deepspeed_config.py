@@ -13,7 +13,8 @@ import pytest
 import offload
 from offload import train as recipe
 from offload.cli import _user_warning, main
-from offload.config import CHUNK_ALIGN_BYTES, Config
+from offload.plan.config import Config
+from offload.plan.settings import CHUNK_ALIGN_BYTES
 from offload.integrations import deepspeed as ds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -194,7 +195,7 @@ def test_adam_w_mode(kind, w_mode, ours):
     if w_mode is not None:
         params["adam_w_mode"] = w_mode
     cfg, noted = _load({"optimizer": {"type": kind, "params": params}})
-    assert cfg.optimizer == offload.config.OptimizerConfig(ours, 3e-4, (0.9, 0.95), 1e-6, 0.1) and noted == []
+    assert cfg.optimizer == offload.plan.config.OptimizerConfig(ours, 3e-4, (0.9, 0.95), 1e-6, 0.1) and noted == []
 
 
 def test_schedules():
@@ -215,14 +216,14 @@ def test_schedules():
         "total_num_steps": "auto", "warmup_num_steps": 3, "warmup_type": "linear", "warmup_max_lr": "auto"}}})
     assert cfg.lr_schedule.type == "constant" and noted == ["scheduler.params.total_num_steps"]
     data = ds.settings({"scheduler": {"type": "WarmupDecayLR", "params": {
-        "total_num_steps": "auto", "warmup_type": "linear", "warmup_max_lr": "auto"}}}, total_steps=40)
+        "total_num_steps": "auto", "warmup_type": "linear", "warmup_max_lr": "auto"}}}, Config, total_steps=40)
     assert data["lr_schedule"] == {"type": "linear", "warmup_steps": 1000, "total_steps": 40}
 
 
 def test_every_row_sets_a_real_config_key():
     for key, row in ds.KEYS.items():
         if isinstance(row, ds.To):
-            ds._hint(row.ours)  # KeyError names a row that points nowhere
+            ds._hint(row.ours, Config)  # KeyError names a row that points nowhere
 
 
 @pytest.mark.parametrize("text, message", [

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from offload import doctor
-from offload import precision as prec
+from offload.plan import precision as prec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import offload
-from offload.placement import PlacementError
-from offload.residency import R
+from offload.plan.placement import PlacementError
+from offload.state.residency import R
 from tests.engine_util import MLP, Reference, max_state_err, mlp_batches
 from tests.unprivileged import unwritable_dir
 
@@ -116,8 +116,8 @@ def test_fp16_trains_like_reference(tmp_path):
 
 
 def test_lr_schedule_warmup_then_cosine(tmp_path):
-    from offload.pipeline import lr_factor
-    from offload.config import LRScheduleConfig
+    from offload.step.pipeline import lr_factor
+    from offload.plan.config import LRScheduleConfig
 
     s = LRScheduleConfig(type="cosine", warmup_steps=2, total_steps=6, min_ratio=0.1)
     f = [lr_factor(s, i) for i in range(7)]
@@ -417,7 +417,7 @@ def test_fetched_copies_reuse_pooled_host_memory(tmp_path, monkeypatch, param):
     before, to the same numbers."""
     import torch
 
-    from offload import tiers
+    from offload.state import tiers
 
     runs = {}
     for swap in (True, False):
@@ -501,14 +501,14 @@ def test_fresh_hbm_memory_faults_in_while_the_reader_is_busy(tmp_path):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_embedding_backward_fetches_no_weights(tmp_path, monkeypatch, tied):
-    """[Note: backward without weights] in offload.hooks: the embedding lookup's backward is not preceded by
+    """[Note: backward without weights] in offload.step.hooks: the embedding lookup's backward is not preceded by
     a fetch of its unit (the tied head's backward still is), and training gives the same numbers as with
     every backward fetched (a torch that cannot count references)."""
     from tests.engine_util import LlamaLoss, llama, llama_batches
 
     def run(path, count_refs: bool):
         if not count_refs:
-            monkeypatch.setattr("offload.residency.WeightHandle.refs", lambda self: None)
+            monkeypatch.setattr("offload.state.residency.WeightHandle.refs", lambda self: None)
         eng = offload.initialize(LlamaLoss(llama(tied=tied)), cfg(path, units={"min_numel": 512}, reuse_bytes=0))
         embed = next(u.index for u in eng.units if isinstance(u.module, torch.nn.Embedding))
         fetches = []
@@ -535,7 +535,7 @@ def test_embedding_backward_fetches_no_weights(tmp_path, monkeypatch, tied):
 
 def test_a_unit_is_fetched_before_its_prefetches(tmp_path, monkeypatch):
     """The unit about to run is fetched first, the units fetched ahead after it (their reads queue behind)."""
-    from offload.residency import WeightHandle
+    from offload.state.residency import WeightHandle
 
     eng = offload.initialize(MLP(d=64, n_blocks=4), cfg(tmp_path, prefetch_units=2))
     batches = mlp_batches(2)
@@ -555,10 +555,10 @@ def test_a_unit_is_fetched_before_its_prefetches(tmp_path, monkeypatch):
 
 
 def test_optimizer_reads_windows_ahead(tmp_path, monkeypatch):
-    """The window pipeline (offload.windows) steps a window with OPTIMIZER_READ_AHEAD windows loaded ahead of
+    """The window pipeline (offload.step.windows) steps a window with OPTIMIZER_READ_AHEAD windows loaded ahead of
     it (nvme states), never more: the pool's optimizer share."""
-    import offload.windows as step_mod
-    from offload.memory import OPTIMIZER_READ_AHEAD
+    import offload.step.windows as step_mod
+    from offload.plan.memory import OPTIMIZER_READ_AHEAD
 
     eng = offload.initialize(MLP(d=64, n_blocks=3), cfg(tmp_path, chunk_bytes=8192))
     loaded = []

@@ -195,7 +195,7 @@ class DelayedEngine:
 @pytest.mark.parametrize("param,optim,precision", [("cpu", "cpu", "fp32"), ("nvme", "nvme", "bf16")])
 def test_parity_with_injected_delays(tmp_path, monkeypatch, param, optim, precision):
     from offload.swap import SwapStore, ThreadsEngine
-    from offload.runtime import Runtime
+    from offload.step.runtime import Runtime
 
     monkeypatch.setenv("OFFLOAD_TEST_COPY_DELAY_S", "0.003")  # before each copy-stream job
     monkeypatch.setattr(Runtime, "open_store", staticmethod(lambda cfg, rank=0: SwapStore(
@@ -258,7 +258,7 @@ def test_reuse_distance_keeps_the_last_block_and_changes_no_number(tmp_path, par
 def test_reuse_bytes_keeps_forward_weights_for_backward_and_changes_no_number(tmp_path, monkeypatch, param):
     """reuse_bytes: units used again in the step stay in hbm while the kept bytes fit. Derived (None, all of
     this model), bounded (one block's worth), off (0) and every unit released after use (reuse_distance -1,
-    which also turns off free holds: offload.memory.free_holds) train to the reference's numbers exactly,
+    which also turns off free holds: offload.plan.memory.free_holds) train to the reference's numbers exactly,
     fetch less the more they keep, and a bounded run's hbm peak stays within the plan; with copy delays
     injected. This model's tied embedding is held from lookup to head in all but the last (free), which is
     what a block's worth of reuse_bytes kept before free holds."""
@@ -335,9 +335,9 @@ def test_weights_kept_by_an_eval_forward_see_a_later_update(tmp_path, extra):
 def test_reuse_bytes_beyond_the_hbm_budget_fails_before_training(tmp_path):
     """An explicit reuse_bytes is honoured, not shrunk: when even the minimum working set plus the kept
     weights exceed the hbm budget, initialize refuses and names reuse_bytes."""
-    from offload.placement import PlacementError, plan_placement
-    from offload.units import forward_order, partition
-    from offload.config import load_config
+    from offload.plan.placement import PlacementError, plan_placement
+    from offload.plan.units import forward_order, partition
+    from offload.plan.config import load_config
 
     cfg = config(tmp_path, "cpu", "cpu", "fp32", budgets={"hbm_bytes": 1})
     c, model = load_config(cfg), MLP()
@@ -543,7 +543,7 @@ def train_sometimes_exactly(tmp_path, param, optim, precision, extra, steps, che
 def test_exact_parity_with_the_torch_fallback(tmp_path, monkeypatch, precision):
     """Machines without a compiler step with torch's fused Adam ([Note: a position-independent
     fallback]): the engine's flat units and the reference's single parameters still agree bit for bit."""
-    from offload import cpu_adam
+    from offload.kernels import cpu_adam
 
     monkeypatch.setattr(cpu_adam, "_auto_backend", "torch")
     torch.manual_seed(0)

@@ -59,7 +59,7 @@ def test_offload_moves_whole_terms_between_tiers():
 
 
 def test_runtime_buffers_follow_their_stated_formula():
-    """The estimate's runtime is offload.memory's (the engine's own plan), every unit as large as the largest."""
+    """The estimate's runtime is offload.plan.memory's (the engine's own plan), every unit as large as the largest."""
     U = 1_000_000
     none = runtime_bytes(U, ledger_terms(0))
     # states in hbm on a GPU: new weights still pass through 2 pool chunks (one filled, one copied up)
@@ -99,7 +99,7 @@ def test_llama_count_equals_transformers_model(tmp_path, capsys, extra):
 def _units(model):
     """{unit path: parameters} as the engine splits the model: the embedding, each decoder layer, an untied
     head; the norms (small) resident."""
-    from offload.units import partition
+    from offload.plan.units import partition
 
     return {u.name: sum(s.numel for s in u.slots) for u in partition(model, offload.Config().units.min_numel)}
 
@@ -249,7 +249,7 @@ def _llama_linears(d, ff, q, kv):
 def test_quantized_base_weights_are_the_records_bytes_in_their_tier(capsys, kind, precision, itemsize):
     """7b (Llama-2-7B's shape) with LoRA r 16 on q, v: the nvme weights are exactly the decoder layers' 7 x 32
     linears at their record bytes, plus embedding, head, norms and adapters at the compute dtype."""
-    from offload.quantized import record_bytes
+    from offload.plan.quantized import record_bytes
     d, ff, layers, vocab, r = 4096, 11008, 32, 32000, 16
     linears = _llama_linears(d, ff, d, d)
     records = layers * sum(record_bytes(kind, s) for s in linears)
@@ -284,7 +284,7 @@ def test_quantized_decoder_layer_is_fetched_at_its_records_bytes(tmp_path, capsy
     """A small vocabulary (d 128, ff 384, 4 heads, 2 kv heads of 32, biases): a decoder layer is the largest unit,
     and the fetched working set is 4 of it at its records' bytes plus its biases, norms and adapters at the
     compute dtype; with ZeRO 3 over 2 ranks each rank holds half the weights' bytes."""
-    from offload.quantized import record_bytes
+    from offload.plan.quantized import record_bytes
     d, ff, kv, layers, vocab, r = 128, 384, 64, 3, 64, 4
     (tmp_path / "config.json").write_text(json.dumps(dict(
         model_type="llama", vocab_size=vocab, hidden_size=d, intermediate_size=ff, num_hidden_layers=layers,
@@ -342,10 +342,10 @@ def test_quantize_kind_is_a_choice(capsys):
 # -- activations (--seq, --batch, --activation-checkpointing) -------------------------------------------------
 
 def test_activations_by_formula_in_their_tier(tmp_path, capsys):
-    """--seq and --batch add the activations of offload.activation_memory's formula, read from the model's
+    """--seq and --batch add the activations of offload.plan.activation_memory's formula, read from the model's
     config, to hbm (with --offload-activations cpu the kept unit inputs to dram), in the ledger and in the
     engine's own plan; --activation-bytes replaces them."""
-    from offload.activation_memory import ModelDims, activation_parts
+    from offload.plan.activation_memory import ModelDims, activation_parts
 
     hf_archs.config("llama").save_pretrained(tmp_path)
     conf = json.loads((tmp_path / "config.json").read_text())

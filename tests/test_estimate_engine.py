@@ -14,7 +14,7 @@ import torch
 import offload
 from offload.estimate import estimate, shape_of_model
 from offload.models import build_model
-from offload.placement import engine_plan
+from offload.plan.placement import engine_plan
 
 
 @pytest.mark.parametrize("param,optim", [("cpu", "cpu"), ("nvme", "nvme"), ("none", "cpu")])

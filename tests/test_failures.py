@@ -1,4 +1,4 @@
-"""Failure semantics of the step pipeline ([Note: failure semantics] in offload.pipeline).
+"""Failure semantics of the step pipeline ([Note: failure semantics] in offload.step.pipeline).
 
 An error before any state changed rolls the micro-step back: training goes on and equals, number for
 number, a run that never saw that batch, with nothing leaked (hbm charges, pool chunks, threads, fds).
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import offload
-from offload.pipeline import EngineClosed, Phase, StepFailed
+from offload.step.pipeline import EngineClosed, Phase, StepFailed
 from offload.swap import SwapIOError
 from tests.engine_util import MLP, Block, mlp_batches, train
 
@@ -202,7 +202,7 @@ def test_a_deferred_step_that_fails_fails_the_engine_in_the_forward_that_waited(
 
 def test_a_failed_step_after_backward_fails_the_engine(tmp_path, monkeypatch):
     """An error in step() once the first window began updating: failed, with the step named."""
-    import offload.windows as step_mod
+    import offload.step.windows as step_mod
 
     model, batches = faulty_mlp(), mlp_batches(2)
     with offload.initialize(model, config(tmp_path, "cpu", overlap_step=False)) as eng:
@@ -226,7 +226,7 @@ def test_a_failed_step_after_backward_fails_the_engine(tmp_path, monkeypatch):
 
 
 def test_a_step_that_fails_before_changing_anything_can_be_retried(tmp_path, monkeypatch):
-    import offload.windows as step_mod
+    import offload.step.windows as step_mod
 
     model, batches = faulty_mlp(), mlp_batches(2)
     with offload.initialize(copy.deepcopy(model), config(tmp_path, "cpu", overlap_step=False)) as ref:

@@ -23,7 +23,7 @@ import torch
 
 import offload
 from offload.cli import main
-from offload.placement import PlacementError
+from offload.plan.placement import PlacementError
 from offload.swap import SwapIOError
 from tests.engine_util import MLP, mlp_batches, train
 

@@ -100,7 +100,7 @@ def lora_llama(device: str, **lora):
 
 @pytest.mark.parametrize("init,place", [(True, "nvme"), ("gaussian", "nvme"), ("gaussian", "cpu")])
 def test_meta_peft_model_starts_from_the_base_model_as_its_cpu_build(tmp_path, monkeypatch, init, place):
-    from offload import materialize
+    from offload.state import materialize
 
     cpu = lora_llama("cpu", init_lora_weights=init).eval()
     base = llama("cpu").eval()  # the same seed: the base model the CPU build wrapped

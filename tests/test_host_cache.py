@@ -1,4 +1,4 @@
-"""torch's CPU allocator while an engine runs on the CPU backend (offload/csrc/host_alloc.cpp): large blocks
+"""torch's CPU allocator while an engine runs on the CPU backend (offload/kernels/csrc/host_alloc.cpp): large blocks
 freed are kept for the next request of their size, the bytes mapped never exceed the most that was live at
 once by more than an eighth (at least 16 MiB), and closing the last engine unmaps what was kept. Each case
 runs in a fresh process: the allocator, once installed, stays torch's CPU allocator for the process."""
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PRELUDE = """
 import gc, json, resource, sys
 import psutil, torch
-from offload import cpu_adam
+from offload.kernels import cpu_adam
 MB = 1 << 20
 def stats():
     return cpu_adam.host_cache_stats()

@@ -19,7 +19,7 @@ import torch
 
 import offload
 from offload import swap
-from offload.pipeline import Phase, StepFailed
+from offload.step.pipeline import Phase, StepFailed
 from offload.swap import SwapIOError, SwapStore
 from tests.engine_util import MLP, mlp_batches, train
 from tests.test_swap_failures import FaultyEngine

@@ -2,7 +2,7 @@
 
 For each tier the measured peak (accountant peaks for hbm and dram, swap-file bytes for nvme) lies
 within 10% below the plan. hbm's plan replays the residency policy over the model's unit order
-(offload.memory.working_set_peak): what is fetched when is decided on the compute thread and charged at
+(offload.plan.memory.working_set_peak): what is fetched when is decided on the compute thread and charged at
 once, so it is deterministic; the gradients' time in hbm is not, and the tests slow their way to dram
 down so that they are held until the reserve is full, the worst case the plan is sized for.
 """
@@ -15,14 +15,14 @@ import torch
 
 import offload
 from offload.models import build_model
-from offload.pipeline import Phase
-from offload.placement import engine_plan
+from offload.step.pipeline import Phase
+from offload.plan.placement import engine_plan
 
 
 def _slow_d2h(monkeypatch) -> None:
     """Each unit's gradients take 30 ms to reach dram (far longer than a unit's backward here), so they are
     held in hbm until the reserve is full, the worst case the plan is sized for, in every step."""
-    from offload.optim import OptimState
+    from offload.state.optim import OptimState
 
     accumulate = OptimState.accumulate
 
@@ -116,7 +116,7 @@ def test_a_budget_below_the_default_shrinks_the_optional_parts_and_still_holds(t
 
 
 def test_a_budget_below_the_minimum_is_refused_with_the_minimum(tmp_path):
-    from offload.placement import PlacementError
+    from offload.plan.placement import PlacementError
 
     cfg = {"precision": "bf16", "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"},
            "nvme_path": str(tmp_path), "units": {"min_numel": 4096}, "budgets": {"hbm_bytes": 4096}}
@@ -167,11 +167,11 @@ def test_cuda_plan_has_a_chunk_for_the_resident_rests_new_weights(monkeypatch):
     """On a GPU the rest unit (final norm) stays in hbm whatever offload_param says: CPU Adam writes its new
     weights through a pool chunk and copies them up, so weights in dram still need one chunk per window
     (an H200 run of tests/test_gpu.py found the pool planned empty)."""
-    from offload.placement import plan_placement
-    from offload.precision import resolve_precision
-    from offload.units import partition
+    from offload.plan.placement import plan_placement
+    from offload.plan.precision import resolve_precision
+    from offload.plan.units import partition
 
-    monkeypatch.setattr("offload.placement._default_budgets", lambda device: (1 << 34, 1 << 34))
+    monkeypatch.setattr("offload.plan.placement._default_budgets", lambda device: (1 << 34, 1 << 34))
     units = partition(build_model("tiny", seed=0), offload.load_config({}).units.min_numel)
     cfg = offload.load_config({"precision": "bf16", "offload_param": {"device": "cpu"},
                                "offload_optimizer": {"device": "cpu"}})

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import offload
-from offload import materialize
+from offload.state import materialize
 from tests.engine_util import LlamaLoss, llama_batches
 
 SEED = 3

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import offload
-import offload.optim as optim
-import offload.windows as step
+import offload.state.optim as optim
+import offload.step.windows as step
 from tests.engine_util import MLP, mlp_batches
 
 

@@ -84,7 +84,7 @@ def test_a_held_unit_stays_from_a_forward_use_to_its_next_use_and_goes_after_its
 
 
 def test_free_holds_keeps_a_tied_unit_only_where_holding_it_raises_no_peak():
-    from offload.memory import Knobs, free_holds, working_set_peak
+    from offload.plan.memory import Knobs, free_holds, working_set_peak
 
     order = [0, 1, 2, 3, 0]  # unit 0 used again at the forward's end
     knobs = Knobs(prefetch_units=1, reuse_distance=0, reuse_bytes=0)

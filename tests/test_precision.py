@@ -1,4 +1,4 @@
-"""Precision "auto": chosen for the compute device on the host (offload/precision.py).
+"""Precision "auto": chosen for the compute device on the host (offload/plan/precision.py).
 
 The CPU's native-bf16 check is monkeypatched both ways and a CUDA device is faked by its compute
 capability, so every branch runs on this CPU-only host; the engine, the placement print, the memory plan
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import offload
-from offload import precision as prec
-from offload.config import Config, load_config
+from offload.plan import precision as prec
+from offload.plan.config import Config, load_config
 from tests.engine_util import MLP, Reference, mlp_batches
 from tests.test_engine_parity import check, config
 
@@ -123,7 +123,7 @@ def test_the_engine_runs_the_resolved_precision_and_says_why(tmp_path, cpu_bf16,
 
 @pytest.mark.parametrize("native,same_as", [(False, "fp32"), (True, "bf16")])
 def test_the_memory_plan_follows_the_resolved_precision(tmp_path, cpu_bf16, native, same_as):
-    from offload.placement import engine_plan
+    from offload.plan.placement import engine_plan
 
     cpu_bf16(native)
     cfg = {"offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}, "nvme_path": str(tmp_path),

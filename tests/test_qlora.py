@@ -1,6 +1,6 @@
 """QLoRA through the tiers (issue 40): a base quantized by bitsandbytes (nf4 and fp4 with and without double
 quantization, int8) trains through offload.initialize with its frozen weights stored and moved as they are
-(packed bytes plus their quantization state: [Note: quantized weights as records] in offload.quantized), to
+(packed bytes plus their quantization state: [Note: quantized weights as records] in offload.plan.quantized), to
 the losses of the plain peft + bitsandbytes loop (torch AdamW on the adapters, fp32), in hbm, dram and nvme;
 the packed bytes come back bit for bit, and nvme reads the quantized bytes, not an expansion of them."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import offload
-from offload import quantized
+from offload.plan import quantized
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -222,7 +222,7 @@ def test_merged_of_a_bf16_base_is_bf16_and_equals_peft_merge_on_its_dequantized_
 def test_nvme_reads_the_quantized_bytes_once_per_fetch(tmp_path, base_dir, monkeypatch):
     """A step reads from nvme exactly the fetched units' flat buffers, whose quantized weights are their
     records (a few bits a parameter), not an expansion of them."""
-    from offload.residency import WeightHandle
+    from offload.state.residency import WeightHandle
 
     reads = []
     original = WeightHandle._read_chunks
@@ -255,7 +255,7 @@ def test_a_checkpoint_holds_the_quantized_bytes_and_resumes_bit_for_bit(tmp_path
     with offload.initialize(qlora(base_dir, "nf4-dq"), config=config(tmp_path, "dram")) as engine:
         engine.load_checkpoint(path)
         assert run(engine, data[2:]) == straight
-    from offload import checkpoint_format as fmt
+    from offload.checkpoint import format as fmt
 
     manifest = fmt.read_manifest(path)
     marked = {n: e["quantized"] for n, e in manifest["tensors"].items() if "quantized" in e}

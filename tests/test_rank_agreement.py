@@ -1,4 +1,4 @@
-"""Ranks never disagree on the order of collectives ([Note: collective order] in offload/ranks.py): a
+"""Ranks never disagree on the order of collectives ([Note: collective order] in offload/state/ranks.py): a
 fault on one rank that used to make it alone gather a unit (and hang both) trains to the numbers of a
 run without it, and a rank that stops entering collectives ends every rank with an error naming the
 collective, the unit and the step, within the collective timeout, leaving no swap bytes."""
@@ -110,7 +110,7 @@ def test_the_ranks_keep_a_new_recording_only_if_all_recorded_the_same_order():
 
 
 def test_a_failed_collective_is_named_and_no_later_one_is_entered():
-    from offload.ranks import CollectiveError, Ranks
+    from offload.state.ranks import CollectiveError, Ranks
 
     ranks = Ranks(0, 1, timeout_s=7)
     ranks.step = 3

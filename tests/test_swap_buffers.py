@@ -233,7 +233,7 @@ def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
 
 def test_unpopulated_buffer_is_faulted_in_by_populate():
     """aligned_empty(populate=False) maps without touching (a fresh hbm copy on the CPU backend), and
-    populate() faults it in (before nvme reads land in it: offload.tiers.Tiers.fault_in)."""
+    populate() faults it in (before nvme reads land in it: offload.state.tiers.Tiers.fault_in)."""
     from offload.swap.buffers import populate
 
     t = aligned_empty(16 << 20, populate=False)

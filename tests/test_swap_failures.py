@@ -236,7 +236,7 @@ def test_interpreter_exit_removes_files_and_crashed_runs_are_cleanable(tmp_path)
 def word_digest(request):
     """swap.store's block digests from numpy's two passes, or from offload's compiled single pass."""
     from offload import swap
-    from offload import cpu_adam
+    from offload.kernels import cpu_adam
 
     swap.store.use_word_digest(None)  # numpy's, even where an engine built earlier installed the kernel's
     if request.param == "compiled" and not cpu_adam.use_for_swap_digests():
@@ -250,7 +250,7 @@ def word_digest(request):
 def test_compiled_word_digest_equals_numpys(nbytes):
     """offload's single pass gives the (sum, xor) numpy's two passes give, wrap-around included, so
     digests recorded by either verify under the other."""
-    from offload import cpu_adam
+    from offload.kernels import cpu_adam
     from offload.swap.store import _numpy_word_digest
 
     kernel = cpu_adam._get_kernel()

@@ -16,7 +16,7 @@ from offload import train as recipe
 from offload.cli import main
 from offload.data import load_data, make_sampler
 from offload.lora import base_name
-from offload.pipeline import lr_factor
+from offload.step.pipeline import lr_factor
 from tests.test_train_hf import _probe, _save_tokenizer, _spy_on_saves, _tiny_llama
 
 transformers = pytest.importorskip("transformers")
@@ -197,7 +197,7 @@ def test_peft_adapters_stay_in_their_decoder_layers_unit(model_dir):
     model, _, _ = recipe.build({"model": str(model_dir), "seq_len": 16,
                                 "lora": {"r": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"], "dropout": 0.0}},
                                offload.Config())
-    from offload.units import partition
+    from offload.plan.units import partition
 
     units = partition(model, 1 << 20)
     assert [u.name for u in units if not u.persistent] == ["base_model.model.model.layers.0",
@@ -207,7 +207,7 @@ def test_peft_adapters_stay_in_their_decoder_layers_unit(model_dir):
 
 @pytest.mark.parametrize("optimizer", ["none", "cpu"])
 def test_a_step_writes_the_adapters_not_the_frozen_chunk_beside_them(model_dir, tmp_path, optimizer):
-    """Weight chunks split at the trainable prefix (offload.chunks.weight_chunks): a step writes each layer's
+    """Weight chunks split at the trainable prefix (offload.plan.chunks.weight_chunks): a step writes each layer's
     adapters alone (fp32 here: 4 B each) and reads no frozen weight back to rewrite it; the chunks are small
     enough that a unit has several, so a chunk shared with frozen weights would show."""
     model, weights, _ = recipe.build({"model": str(model_dir), "seq_len": SEQ,
@@ -235,9 +235,9 @@ def _lora_mlp():
 
 
 def test_states_in_hbm_beside_weights_on_nvme_are_planned_checked_and_refused_on_cuda(tmp_path):
-    from offload.placement import PlacementError, plan_placement
-    from offload.precision import resolve_precision
-    from offload.units import partition
+    from offload.plan.placement import PlacementError, plan_placement
+    from offload.plan.precision import resolve_precision
+    from offload.plan.units import partition
 
     model = _lora_mlp()
     units = partition(model, 0)

@@ -190,7 +190,7 @@ def test_dpo_settings_the_engine_cannot_honour_are_refused(tmp_path, kw, ref, me
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's precision check")
 def test_trls_bf16_default_on_a_cpu_without_native_bf16_says_what_to_set(tmp_path, monkeypatch, closing):
-    from offload import precision
+    from offload.plan import precision
 
     monkeypatch.setattr(precision, "cpu_bf16_native", lambda: False)
     args = config(trl.SFTConfig, tmp_path, bf16=None, use_cpu=True)  # SFTConfig's default: bf16=True

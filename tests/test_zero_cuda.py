@@ -6,9 +6,9 @@ import logging
 import torch
 import torch.distributed as dist
 
-from offload.config import Config
+from offload.plan.config import Config
 from offload.engine import _check_ranks
-from offload.ranks import groups_backend
+from offload.state.ranks import groups_backend
 
 
 def test_the_engines_groups_add_gloo_beside_a_bare_nccl_for_host_tensors(monkeypatch):

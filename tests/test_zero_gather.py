@@ -1,5 +1,5 @@
 """zero_stage 3's gathers run ahead of use on their own thread ([Note: partitioned weights] in
-offload.residency), issued in one order on every rank ([Note: collective order] in offload.ranks), and
+offload.state.residency), issued in one order on every rank ([Note: collective order] in offload.state.ranks), and
 train to the same numbers as gathers run when each unit is used."""
 
 import threading
@@ -7,7 +7,7 @@ import threading
 import torch
 
 from offload.scheduler.streams import CopyStream
-from offload.residency import WeightHandle
+from offload.state.residency import WeightHandle
 from tests import test_stream_ordering
 from tests.test_zero import CHUNK_BYTES, _assert_trains_like_one_process, run_ranks, single_in_rank_order
 

@@ -1,4 +1,4 @@
-"""The gradients' reduce-scatter at zero_stage 1-3 ([Note: gradient reduce-scatter] in offload.optim) and the
+"""The gradients' reduce-scatter at zero_stage 1-3 ([Note: gradient reduce-scatter] in offload.state.optim) and the
 bytes each stage moves per step, against the ZeRO paper's volumes, by the collective counters (exact). Run
 as a script this file is one rank of those runs (RANK / WORLD_SIZE / MASTER_* set by the test)."""
 
@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from offload.chunks import rounds, window_owners  # noqa: E402
+from offload.plan.chunks import rounds, window_owners  # noqa: E402
 
 CHUNK_BYTES = 8192  # 2048 elements a window: the MLP's units have 1 to 17 windows, so rounds of 1 and 2
 
@@ -109,12 +109,12 @@ def main() -> None:
     import torch.distributed as dist
 
     import offload
-    import offload.optim
+    import offload.state.optim
     from tests.zero_worker import settled_stats
     from tests.engine_util import MLP, mlp_batches
 
     cfg, out, steps, gas = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    offload.optim.USE_REDUCE_SCATTER = sys.argv[5] == "1"
+    offload.state.optim.USE_REDUCE_SCATTER = sys.argv[5] == "1"
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg["nvme_path"] = os.path.join(cfg["nvme_path"], f"rank{rank}")
@@ -130,7 +130,7 @@ def main() -> None:
                 losses.append(loss.item())
             ahead_bytes, stats = settled_stats(eng)
             report = {"losses": losses, "collectives": stats["collectives"], "ahead_bytes": ahead_bytes,
-                      "reduce_scatter_agreed": offload.optim._AGREED.get(eng.rt.ranks.grad),
+                      "reduce_scatter_agreed": offload.state.optim._AGREED.get(eng.rt.ranks.grad),
                       "params": sum(u.numel for u in eng.units), "trainable": sum(u.trainable_numel for u in eng.units),
                       "partitioned": sum(w.unit.numel for w in eng.weights if w.partitioned),
                       "partitioned_trainable": sum(w.unit.trainable_numel for w in eng.weights if w.partitioned),

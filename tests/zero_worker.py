@@ -89,7 +89,7 @@ def main() -> None:
 def settled_stats(eng) -> tuple[int, dict]:
     """After training: (the bytes of the units the policy holds: those the last step() fetched ahead of a next
     forward when training ended with a step, the engine's stats once those fetches settled). zero_stage 3
-    gathers them after each step (offload.prefetch ahead_of_step), so whether the last ones are counted would
+    gathers them after each step (offload.step.prefetch ahead_of_step), so whether the last ones are counted would
     depend on timing: they settle first."""
     ahead = sum(eng.weights[u].nbytes for u in eng.prefetcher.policy.resident)
     eng.prefetcher.release_all()
@@ -102,8 +102,8 @@ def trace_gathers(events: list) -> None:
     the training loop adds ["stepped"] after each engine.step()."""
     import threading
 
-    from offload.prefetch import Prefetcher
-    from offload.residency import R, WeightHandle
+    from offload.step.prefetch import Prefetcher
+    from offload.state.residency import R, WeightHandle
 
     use, fetch, gather = Prefetcher.fetch_for_use, WeightHandle.fetch, WeightHandle._gather
 

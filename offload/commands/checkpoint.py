@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from offload import checkpoint_format as ck
+from offload.checkpoint import format as ck
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -109,7 +109,7 @@ def run_export(args) -> int:
 
 def _dequantize(spec: dict, record: torch.Tensor) -> torch.Tensor:
     """A QLoRA run's quantized base weight from its record's bytes, by bitsandbytes (the qlora extra)."""
-    from offload.quantized import dequantize_bytes
+    from offload.plan.quantized import dequantize_bytes
 
     return dequantize_bytes(spec, record)
 

@@ -9,10 +9,10 @@ import math
 import torch
 
 from offload import estimate as est
-from offload.chunks import planned_chunk_bytes
-from offload.config import Config
+from offload.plan.chunks import planned_chunk_bytes
+from offload.plan.config import Config
 from offload.lora import target_names
-from offload.precision import resolve_precision
+from offload.plan.precision import resolve_precision
 
 # `offload train`'s placement when no flag or config file names one (offload/train.py, resolve)
 TRAIN_PLACEMENT = {"offload_param": "nvme", "offload_optimizer": "nvme"}
@@ -127,14 +127,14 @@ def _check_activation_flags(args) -> None:
 
 
 def _activation_parts(model, args, device_type: str) -> list[dict]:
-    """The activations' parts for --batch x --seq by formula (offload.activation_memory), or those given by
+    """The activations' parts for --batch x --seq by formula (offload.plan.activation_memory), or those given by
     --activation-bytes, or none; a model whose shape cannot be read: none, and one line says so."""
     if args.activation_bytes:
         return [{"name": "activations", "tier": "hbm", "bytes": args.activation_bytes, "formula": "given"}]
     if args.seq is None:
         return []
-    from offload.activation_memory import ActivationModel, attention_keeps_scores, model_dims
-    from offload.memory import OFFLOAD_TIER
+    from offload.plan.activation_memory import ActivationModel, attention_keeps_scores, model_dims
+    from offload.plan.memory import OFFLOAD_TIER
 
     dims, source = model_dims(model)
     if dims is None:
@@ -189,7 +189,7 @@ def _placement_line() -> str:
 
 def _engine_plan(model, args) -> dict:
     """The Engine's placement for the model built on the meta device (nothing is allocated)."""
-    from offload.placement import engine_plan
+    from offload.plan.placement import engine_plan
 
     activations = {} if args.seq is None or args.activation_bytes else {
         "activations": {"batch": args.batch, "seq": args.seq},

@@ -16,7 +16,8 @@ import dataclasses
 import pathlib
 from typing import Any
 
-from offload.config import Config, LRScheduleConfig, load_config, read_settings_file, set_dotted
+from offload.plan.config import Config, LRScheduleConfig, load_config
+from offload.plan.settings import read_settings_file, set_dotted
 
 # Top-level keys only a DeepSpeed config has: such a mapping is read as one (offload/integrations/deepspeed.py).
 DEEPSPEED_KEYS = {"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "bf16", "fp16",
@@ -40,7 +41,7 @@ def settings(offload_config) -> dict:
     if DEEPSPEED_KEYS & data.keys():
         from offload.integrations import deepspeed
 
-        return deepspeed.settings(offload_config)
+        return deepspeed.settings(offload_config, Config)
     load_config(data)  # a wrong key or value is named now, before anything is merged
     return _copy(data)
 

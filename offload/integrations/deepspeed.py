@@ -25,7 +25,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from offload.config import CHUNK_ALIGN_BYTES, Config, coerce_value, load_config, read_settings_file, set_dotted
+from offload.plan.settings import CHUNK_ALIGN_BYTES, build, coerce_value, read_settings_file, set_dotted
 
 AUTO = "auto"
 SKIP = object()   # a converter's answer for "DeepSpeed's default, which is ours: nothing to set"
@@ -229,15 +229,15 @@ class _Result:
         return data
 
 
-def _hint(ours: str):
-    cls = Config
+def _hint(ours: str, schema: type):
+    cls = schema
     *sections, name = ours.split(".")
     for section in sections:
         cls = typing.get_type_hints(cls)[section]
     return typing.get_type_hints(cls)[name]
 
 
-def _apply(key: str, row, value, res: _Result) -> None:
+def _apply(key: str, row, value, res: _Result, schema: type) -> None:
     if isinstance(row, To):
         try:
             converted = row.convert(value) if row.convert else value
@@ -246,14 +246,14 @@ def _apply(key: str, row, value, res: _Result) -> None:
         if isinstance(converted, Instead):
             res.note(key, f"{value!r}: {converted.what}")
         elif converted is not SKIP:
-            res.put(row.ours, coerce_value(_hint(row.ours), converted, key), key)
+            res.put(row.ours, coerce_value(_hint(row.ours, schema), converted, key), key)
             if row.note:
                 res.note(key, row.note)
     elif row is not DERIVED and (row.ours is SKIP or value != row.ours):
         res.note(key, f"{value!r}: {row.what}")
 
 
-def convert(ds: dict, total_steps: int | None = None) -> _Result:
+def convert(ds: dict, schema: type, total_steps: int | None = None) -> _Result:
     """Our settings from a DeepSpeed config dict (see the notes at the top). total_steps fills an "auto"
     total_num_steps; without it such a decay is left out, and said."""
     flat = _flatten(ds)
@@ -263,7 +263,7 @@ def convert(ds: dict, total_steps: int | None = None) -> _Result:
     res = _Result()
     for key, row in KEYS.items():
         if key in flat and flat[key] != AUTO:
-            _apply(key, row, flat[key], res)
+            _apply(key, row, flat[key], res, schema)
     for key, value in flat.items():
         if key not in KEYS and value != AUTO and not key.startswith("scheduler.params."):
             res.note(key, UNKNOWN)
@@ -383,15 +383,15 @@ def _lr_range(kind: str, p: dict, res: _Result) -> None:
 # --- the entry points ---------------------------------------------------------------------------------
 
 
-def settings(path_or_dict, total_steps: int | None = None) -> dict:
+def settings(path_or_dict, schema: type, total_steps: int | None = None) -> dict:
     """Our config data (nested, only what the file sets) from a DeepSpeed config; warns once (see top)."""
     ds, source = read(path_or_dict)
-    return _settings(ds, source, total_steps)[0]
+    return _settings(ds, source, schema, total_steps)[0]
 
 
-def _settings(ds: dict, source: str, total_steps: int | None) -> tuple[dict, dict]:
+def _settings(ds: dict, source: str, schema: type, total_steps: int | None) -> tuple[dict, dict]:
     try:
-        res = convert(ds, total_steps)
+        res = convert(ds, schema, total_steps)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
     if res.notes:
@@ -401,12 +401,13 @@ def _settings(ds: dict, source: str, total_steps: int | None) -> tuple[dict, dic
     return res.nested(), res.origin
 
 
-def to_config(path_or_dict) -> Config:
-    """Config.from_deepspeed: the Config of a DeepSpeed config; a bad value names the DeepSpeed key."""
+def to_config(path_or_dict, schema: type):
+    """Config.from_deepspeed: the `schema` (offload.plan.config's Config, which calls this: the reader imports
+    only offload.plan.settings) of a DeepSpeed config; a bad value names the DeepSpeed key."""
     ds, source = read(path_or_dict)
-    data, origin = _settings(ds, source, None)
+    data, origin = _settings(ds, source, schema, None)
     try:
-        return load_config(data)
+        return build(schema, data, "")
     except ValueError as e:
         key = next((k for ours, k in origin.items() if str(e).startswith(ours)), None)
         raise ValueError(f"{source}: {e}" + (f" (from DeepSpeed's {key})" if key else "")) from None

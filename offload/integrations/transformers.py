@@ -51,7 +51,7 @@ accelerator.prepare_model(model, evaluation_mode=True), which would move it whol
 call returns an engine of its own over it (Trainer's accelerator is ours: its prepare_model is replaced on
 that object, as route() replaces backward): the model's parameters are frozen, its weights placed as the
 trained model's (the same offload config) and streamed unit by unit for each forward, with no optimizer
-state, gradient or step; each forward is that engine's whole step (offload.pipeline, [Note: phases]). The
+state, gradient or step; each forward is that engine's whole step (offload.step.pipeline, [Note: phases]). The
 trainer calls it as it called the model; close() closes it.
 """
 
@@ -65,7 +65,7 @@ import transformers
 from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
 
-from offload import checkpoint_format
+from offload.checkpoint import format as checkpoint_format
 from offload.integrations import common
 from offload.integrations.accelerate import EngineOptimizer, route
 
@@ -281,7 +281,7 @@ def trainer_settings(args) -> dict:
 def _warn_slow_precision(args) -> None:
     """bf16/fp16 of TrainingArguments where this device runs it slowly (TRL's SFTConfig and DPOConfig set
     bf16=True by default): one warning that says so and which arguments choose what "auto" would."""
-    from offload.precision import resolve_precision
+    from offload.plan.precision import resolve_precision
 
     choice = resolve_precision(trainer_settings(args)["precision"][0])
     if choice.slow:

@@ -73,7 +73,7 @@ def model_dims(model) -> tuple[ModelDims | None, str]:
 def activation_parts(dims: ModelDims, batch: int, seq: int, itemsize: int, scores: bool, checkpointing: bool,
                      tier: str = "hbm") -> list[dict]:
     """The activations' parts of the memory plan ([Note: the activations formula]): [{"name", "tier", "bytes",
-    "formula"}] as offload.memory.runtime_parts gives the runtime's. scores: the attention that runs keeps the
+    "formula"}] as offload.plan.memory.runtime_parts gives the runtime's. scores: the attention that runs keeps the
     T x T weights (eager, SDPA's math path). tier: where the kept inputs live (offload_activations)."""
     d, s, n = dims, itemsize, batch * seq
     tt = f" + B heads T^2 x {4 + (s if s < 4 else 0)}" if scores else ""
@@ -146,8 +146,8 @@ class ActivationModel:
 
 def attention_keeps_scores(model, device, dtype) -> bool:
     """Whether the attention `model` runs keeps each layer's T x T weights: eager, or SDPA's math path on
-    `device` ([Note: which attention runs] in offload.activations); a model naming none: no."""
-    from offload.activations import named_attention, sdpa_kernel
+    `device` ([Note: which attention runs] in offload.step.activations); a model naming none: no."""
+    from offload.plan.attention import named_attention, sdpa_kernel
 
     named = named_attention(model)
     if named is None:
@@ -167,7 +167,7 @@ def attention_keeps_scores(model, device, dtype) -> bool:
 
 def activation_model(model, cfg, device) -> ActivationModel:
     """The ActivationModel of `model` trained with `cfg` (precision resolved) on `device`."""
-    from offload.memory import OFFLOAD_TIER
+    from offload.plan.memory import OFFLOAD_TIER
 
     dims, source = model_dims(model)
     dtype = cfg.compute_dtype

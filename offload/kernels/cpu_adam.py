@@ -1,11 +1,11 @@
 """CPU Adam: the optimizer step over offloaded fp32 states, at memory-bandwidth speed.
 
 Two backends compute the same update:
-- "compiled": offload/csrc/cpu_adam.cpp (one library with host_alloc.cpp, the CPU backend's allocator:
+- "compiled": offload/kernels/csrc/cpu_adam.cpp (one library with host_alloc.cpp, the CPU backend's allocator:
   open_host_cache), built on first use with torch.utils.cpp_extension into a cache
   directory ($OFFLOAD_CACHE_DIR, else $XDG_CACHE_HOME/offload, else ~/.cache/offload) named by a hash of
   what the binary depends on (_build_key), and loaded from there directly afterwards when it passes the
-  checks of [Note: trusting a cached kernel] (offload/kernel_cache.py: owners, permissions, a digest).
+  checks of [Note: trusting a cached kernel] (offload/kernels/kernel_cache.py: owners, permissions, a digest).
   One pass per element reads the fp32 master/exp_avg/exp_avg_sq and the bf16/fp16/fp32 gradient and
   writes the states back plus the new weight in bf16/fp16. AVX-512 (with AVX512_BF16 when present) or AVX2 is chosen at run time (cap
   it with $OFFLOAD_CPU_ADAM_ISA or `set_isa`); multi-threaded over 64 Ki-element chunks.
@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 from offload import swap
-from offload import kernel_cache
+from offload.kernels import kernel_cache
 from offload.swap.store import tensor_digests
 
 __all__ = ["CPUAdam", "StepDigests", "adam_step", "grad_sq_sum", "kernel_backend", "kernel_isa", "set_isa",
@@ -111,7 +111,7 @@ def _import(library: Path) -> object:
 def _build() -> object:
     """Load the kernel built for this key, or compile it first (once per key: the build directory is named
     by _build_key, so a cached build never runs ninja again). A cached library is loaded only when it can
-    be trusted ([Note: trusting a cached kernel] in offload/kernel_cache.py); else it is built again and
+    be trusted ([Note: trusting a cached kernel] in offload/kernels/kernel_cache.py); else it is built again and
     one line says why. Raises RuntimeError saying what failed."""
     build_dir = _cache_dir()
     try:
@@ -222,7 +222,7 @@ def open_host_cache() -> bool:
     once, counted per engine; close_host_cache() ends one): blocks of HOST_CACHE_THRESHOLD bytes or more are
     mapped by it and, once freed, kept for a later request of the same size, never more mapped than an
     eighth (at least 16 MiB) above what was live at once ([Note: reusing activations' host memory] in
-    offload/csrc/host_alloc.cpp). True if it did; False where the backend is not the compiled one or
+    offload/kernels/csrc/host_alloc.cpp). True if it did; False where the backend is not the compiled one or
     another allocator holds torch's CPU slot (then the C library's heap, as
     swap.buffers.map_large_allocations sets it, serves them)."""
     if kernel_backend() != "compiled":

@@ -1,11 +1,11 @@
 """The prefetcher: the residency policy's decisions (scheduler/policy.py) carried out on the weight handles.
 
-The module hooks (offload.hooks) call it around every use of a unit: `fetch_for_use` before the use starts
+The module hooks (offload.step.hooks) call it around every use of a unit: `fetch_for_use` before the use starts
 the unit's own fetch, then the fetches the policy wants ahead of it, and waits for the unit;
 `release_after_use` drops the hbm copy when the policy says it is not kept; `release_all` drops every
 fetched copy (before homes are updated outside a backward, and after a failure). With partitioned weights
 (zero_stage 3) a fetch ends in a gather, so every rank must fetch, keep and release alike ([Note:
-collective order] in offload.ranks): the policy's knobs are agreed over the ranks once (`agreed_policy`),
+collective order] in offload.state.ranks): the policy's knobs are agreed over the ranks once (`agreed_policy`),
 and with the gathers run ahead (zero_gather_ahead) so is the room the policy is asked with: the hbm
 bytes every rank has free once the engine is built, less the bytes of the units the policy holds.
 That room leaves the gradients' reserve free, as the free bytes do; a prefetch that finds gradients still
@@ -16,15 +16,15 @@ from __future__ import annotations
 
 from torch.profiler import record_function
 
-from offload.residency import R
-from offload.units import Unit
+from offload.state.residency import R
+from offload.plan.units import Unit
 from offload.scheduler.policy import ResidencyPolicy
 
 
 class Prefetcher:
     """weights: the units' handles; policy: the residency policy; make_room(nbytes): waits for gradient
-    jobs until nbytes fit hbm (offload.gradients); before_fetch(): work owed before any fetch (a split
-    step's deferred units, [Note: split step] in offload.pipeline); in_backward(): whether a backward runs."""
+    jobs until nbytes fit hbm (offload.step.gradients); before_fetch(): work owed before any fetch (a split
+    step's deferred units, [Note: split step] in offload.step.pipeline); in_backward(): whether a backward runs."""
 
     def __init__(self, weights: list, policy: ResidencyPolicy, hbm, make_room, before_fetch, in_backward,
                  room: int | None = None):
@@ -87,7 +87,7 @@ def agreed_policy(placement, hbm, ahead: bool, agree) -> tuple[int, int, int, in
     """(lookahead, reuse_distance, reuse_bytes, grad_reserve, room) of the residency policy. With
     partitioned weights (zero_stage 3) the same on every rank: the placement may shrink each knob to each
     rank's own budgets, and a unit fetched or kept on one rank and not on another would be gathered by one
-    and not the other ([Note: partitioned weights] in offload.residency); so the smallest of each over the
+    and not the other ([Note: partitioned weights] in offload.state.residency); so the smallest of each over the
     ranks, the largest reserve, and with the gathers run ahead the room (module note: the hbm bytes free now,
     the engine built and nothing fetched). Otherwise each rank's own, and room None (its free bytes).
     agree: Ranks.agree."""

@@ -1,5 +1,5 @@
 """The checkpoint format on disk: a manifest and data files, written atomically and read back verified.
-It knows manifests, files and tensors, not the engine: offload.checkpoint fills them from the units'
+It knows manifests, files and tensors, not the engine: offload.checkpoint.sharded fills them from the units'
 homes and writes them back; `offload checkpoint inspect|export` read them alone.
 
 [Note: the format]
@@ -8,7 +8,7 @@ format_version 1:
     <dir>/<name>/rank<r>.bin     raw little-endian bytes, one data file per rank that saved
     <dir>/latest                 the name of the newest complete checkpoint
 manifest.json: {"format": "offload-checkpoint", "format_version", "world_size", "zero_stage", "precision",
-the step pipeline's counters (offload.checkpoint, [Note: what a checkpoint holds]), "pending_update", "accumulator", "config", "rng": {rank: ...}, "files": {file: {"rank",
+the step pipeline's counters (offload.checkpoint.sharded, [Note: what a checkpoint holds]), "pending_update", "accumulator", "config", "rng": {rank: ...}, "files": {file: {"rank",
 "nbytes"}}, "extra", "tensors": {name: {"shape", "dtype" (compute dtype), "trainable", "aliases" (the tied
 names of the same parameter), "step", "has_grad", and per kind (master, exp_avg, exp_avg_sq, grad; or
 weight when frozen) {"dtype", "ranges": [{"begin", "end", "file", "offset", "nbytes", "crc32"}]}}},

@@ -1,4 +1,4 @@
-"""Where a compiled kernel is cached, and when a cached one may be loaded (offload/cpu_adam.py builds it).
+"""Where a compiled kernel is cached, and when a cached one may be loaded (offload/kernels/cpu_adam.py builds it).
 
 [Note: trusting a cached kernel]
 Importing a shared library runs its code, and the CPU Adam kernel is imported from its cache directory by

@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from offload.chunks import chunk_key, packed, weight_chunks
-from offload.memory import READ_AHEAD  # chunks of one fetch in flight: one read while the previous is copied up
-from offload.tiers import Tiers
-from offload.units import Unit
+from offload.plan.chunks import chunk_key, packed, weight_chunks
+from offload.plan.memory import READ_AHEAD  # chunks of one fetch in flight: one read while the previous is copied up
+from offload.state.tiers import Tiers
+from offload.plan.units import Unit
 
 
 class Residency(enum.Enum):
@@ -60,11 +60,11 @@ class _Handle:
 
 class WeightHandle(_Handle):
     """A unit's weights in the compute dtype. Home is hbm (persistent), dram, or nvme (one swap key per
-    chunk: offload.chunks).
+    chunk: offload.plan.chunks).
 
     The hbm buffer is one flat tensor whose storage is emptied when released and given memory again when
     fetched (resized; on the CPU backend, reused pool memory: [Note: reused host memory for hbm] in
-    offload.tiers): autograd saves views of that storage in forward, and sees the refilled bytes in backward.
+    offload.state.tiers): autograd saves views of that storage in forward, and sees the refilled bytes in backward.
     Parameters point at views of it while fetched and at an empty placeholder while released, so a user
     touching a released parameter gets an empty tensor, never freed memory (during a backward that needs
     no weights, a zero expanded to each parameter's shape: shape_only).
@@ -86,7 +86,7 @@ class WeightHandle(_Handle):
         # copies those into hbm, then each chunk is broadcast from its owner. With zero_gather_ahead (the
         # default) the fetch queues that gather on the gather thread (rt.gather) behind its own reads, so it
         # runs ahead of the unit's use, beside the compute of the units before it; every rank issues the same
-        # fetches in the same order, since the prefetcher's room is one all ranks share (offload.prefetch).
+        # fetches in the same order, since the prefetcher's room is one all ranks share (offload.step.prefetch).
         # Without it the gather runs on the compute thread when the unit is used. The time the compute thread
         # waits on a gather (after the unit's own shard arrived) is the collective's `exposed_s`. With
         # offload_param none the shard stays in the hbm tier (shard_tier) and is handled as a dram home.
@@ -107,7 +107,7 @@ class WeightHandle(_Handle):
         self._writes: list = []    # (ticket, chunk buffer, t0) of new weights written behind to nvme
         self.update = None         # completion of this unit's deferred step, which the next fetch waits for ([Note: split step])
         self._accumulators = None  # the parameters' AccumulateGrad nodes, held (refs())
-        self._lent = None          # the pool buffer under the hbm copy ([Note: reused host memory for hbm] in offload.tiers)
+        self._lent = None          # the pool buffer under the hbm copy ([Note: reused host memory for hbm] in offload.state.tiers)
         if home != "hbm":
             self._free_hbm()
             self._detach()
@@ -124,7 +124,7 @@ class WeightHandle(_Handle):
         self.shaped = False
 
     def shape_only(self) -> None:
-        """A backward that needs no weights ([Note: backward without weights] in offload.hooks) is about to
+        """A backward that needs no weights ([Note: backward without weights] in offload.step.hooks) is about to
         run: released parameters take their shapes (a zero expanded, no memory), as the gradient accumulator
         checks its gradient against them. reset() puts the empty placeholders back. A fetch in flight is not
         waited for (a partitioned one would gather out of turn): its views replace the shapes when it lands."""
@@ -158,7 +158,7 @@ class WeightHandle(_Handle):
 
     def refs(self) -> int | None:
         """References to the hbm copy (its storage: views; its parameters: saved as they are), or None where
-        torch cannot say ([Note: backward without weights] in offload.hooks). Each trainable parameter's
+        torch cannot say ([Note: backward without weights] in offload.step.hooks). Each trainable parameter's
         gradient accumulator is held from the first call, so its creation at the parameter's first use in a
         graph is no new reference."""
         count = getattr(torch._C, "_storage_Use_Count", None)
@@ -328,7 +328,7 @@ class WeightHandle(_Handle):
     # The optimizer writes a unit's new weights to its home copy while the hbm copy may still be attached
     # (the unit's backward is over once its gradients are final, but units are released when backward()
     # ends, and a step outside backward first releases every fetched copy, kept ones included: see
-    # Prefetcher.release_all in offload.prefetch). So an update never changes the residency state: dram homes and the CPU
+    # Prefetcher.release_all in offload.step.prefetch). So an update never changes the residency state: dram homes and the CPU
     # backend's hbm are written in place (the trainable prefix only; frozen weights are never written),
     # an nvme home chunk by chunk through pool chunks written behind, which the next fetch waits for.
     def new_weights(self, i: int, begin: int, end: int) -> torch.Tensor:
@@ -370,7 +370,7 @@ class WeightHandle(_Handle):
     def window(self, i: int, begin: int, end: int):
         """(tensor of elements [begin, end) as at home, release()): a view of a resident home, or chunk i read
         from nvme into a pool chunk that release() returns. For sending a window's weights to other ranks
-        (offload.pipeline.share_new_weights)."""
+        (offload.step.pipeline.share_new_weights)."""
         if self.home != "nvme":
             return (self.dram[self.span(i, begin, end)] if self.home == "dram" else self.hbm[begin:end]), lambda: None
         cb, ce = self.chunks[i]  # the chunk whole: frozen weights may share it

@@ -7,7 +7,7 @@ user reads is the plan the engine checks; measured peaks stay at or below it (te
 hbm (weights not resident): the fetched units (the one in use, `prefetch_units` ahead and up to
 `reuse_distance` kept for a use that comes next: the sum of the largest that many units), weights kept for their next use in the step (`reuse_bytes`,
 never more than all fetched weights), and the gradients on their way to dram (the largest
-`grad_units` trainable units in the compute dtype). dram: one pool of equal chunks (offload.chunks):
+`grad_units` trainable units in the compute dtype). dram: one pool of equal chunks (offload.plan.chunks):
 a fetch from nvme streams through READ_AHEAD chunks (on CUDA; on the CPU backend it reads straight into
 hbm, which is host memory); the optimizer pipeline holds 1 + OPTIMIZER_READ_AHEAD windows (one
 stepped, two read ahead, the one written behind landing before another read starts) of four fp32 chunks (master, exp_avg, exp_avg_sq, gradient)
@@ -33,8 +33,8 @@ TIERS = ("hbm", "dram", "nvme")
 OFFLOAD_TIER = {"none": "hbm", "cpu": "dram", "nvme": "nvme"}  # offload_param/offload_optimizer device -> tier
 STATE_KINDS = 4    # fp32 master, exp_avg, exp_avg_sq, gradient (of a unit, or one chunk of each in a window)
 SWAP_SLACK_BYTES = 64 << 10  # beside the swap data: the run directory's owner file, allocation granularity
-READ_AHEAD = 2     # chunks of one nvme fetch in flight (offload.residency)
-OPTIMIZER_READ_AHEAD = 2  # windows the optimizer pipeline reads ahead of the one it steps (offload.windows)
+READ_AHEAD = 2     # chunks of one nvme fetch in flight (offload.state.residency)
+OPTIMIZER_READ_AHEAD = 2  # windows the optimizer pipeline reads ahead of the one it steps (offload.step.windows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,7 @@ def pool_chunks(w_home: str, s_home: str, device_type: str, read_ahead: bool,
     """Chunks in the dram pool, and the formula. hbm_trained: whether a trained unit's weights live in hbm
     (default: w_home is hbm); the resident rest (final norms) does whatever w_home is. trains: False for a
     model with no trainable parameter (a frozen reference model): nothing is stepped, so no optimizer window."""
-    # on the CPU backend an nvme fetch reads straight into the hbm copy (offload.residency): no pool chunk
+    # on the CPU backend an nvme fetch reads straight into the hbm copy (offload.state.residency): no pool chunk
     fetch = (READ_AHEAD if read_ahead else 1) if w_home == "nvme" and device_type != "cpu" else 0
     terms = [f"{fetch} per nvme fetch"] if fetch else []
     if not trains:  # nvme weights are still written (initial values, a checkpoint load): one chunk at a time
@@ -92,7 +92,7 @@ def runtime_parts(fetched_numels: list[int], trainable_numels: list[int], itemsi
     """The runtime's parts per tier: [{"name", "tier", "bytes", "formula"}].
     fetched_numels: the numel of every unit whose weights are fetched into hbm (none when w_home is hbm);
     trainable_numels: every unit's trainable numel. With the model's units known (`order`: the unit
-    indices of a forward, offload.units.forward_order; `numels`, `trainables`: per unit index), hbm's
+    indices of a forward, offload.plan.units.forward_order; `numels`, `trainables`: per unit index), hbm's
     working set is the residency policy's peak over that order; without (`offload estimate` from a
     parameter count), every fetched unit counts as large as the largest ones."""
     parts = []

@@ -4,9 +4,9 @@
 Each trainable parameter's post-accumulate hook hands its final gradient to its unit; when the unit has all
 of them (or backward ends: `flush_rest`), `flush` moves them hbm -> the unit's accumulator on the d2h
 thread as one job, which also runs the optimizer's work the step mode puts beside it ([Note: step modes] in
-offload.modes): the delayed update before the accumulation, the overlapped step after it. The gradients
+offload.plan.modes): the delayed update before the accumulation, the overlapped step after it. The gradients
 stay charged to hbm until their job consumed them; `make_room` is the one place that waits for jobs to
-free hbm: before a gradient job (within the planned reserve) and before a fetch (offload.prefetch).
+free hbm: before a gradient job (within the planned reserve) and before a fetch (offload.step.prefetch).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.modes import StepMode
-from offload.units import Unit
+from offload.plan.modes import StepMode
+from offload.plan.units import Unit
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class GradientPath:
             if bw.mode is StepMode.DELAYED:  # the previous update, before the accumulator takes this gradient
                 bw.pipe.step_unit(unit)
             t0 = time.perf_counter()
-            if self.rt.world > 1 and not self.rt.sharded:  # sharded: reduced window by window (offload.optim)
+            if self.rt.world > 1 and not self.rt.sharded:  # sharded: reduced window by window (offload.state.optim)
                 average_over_ranks(grads, self.rt)
             if not bw.first:
                 self.touched.add(unit.index)  # holds earlier micro-steps' gradients: changed from here

@@ -4,7 +4,7 @@
     PLAIN       the gradients accumulate; step() runs every trainable unit's windows after the backward
     OVERLAPPED  the last micro-step of a window with overlap_step: each unit is stepped on the d2h thread as
                 soon as its gradient is final, during the backward (no accumulator outlives it)
-    SPLIT       OVERLAPPED, but the placement's deferred units ([Note: split step] in offload.pipeline) are
+    SPLIT       OVERLAPPED, but the placement's deferred units ([Note: split step] in offload.step.pipeline) are
                 stepped before their next fetch instead
     DELAYED     delayed_update: the update step() accepted is applied unit by unit during the next backward,
                 before each unit's accumulator takes the new gradient

@@ -10,12 +10,12 @@ agreed on. Never from one rank's own view: its timing (which fetch finished firs
 at a moment), a reference count another thread may be holding for a moment, or a trace only it
 re-recorded. Where such a local fact must steer a collective, the ranks agree on it first (`agree`):
   - a unit used by an embedding lookup is fetched for its backward if any rank's forward saved its
-    weights (offload.hooks, [Note: backward without weights]);
+    weights (offload.step.hooks, [Note: backward without weights]);
   - at the end of each backward the ranks agree on the trace to replay next: all keep the new recording
     if every rank recorded the same one, else all record again (scheduler.trace).
 Fetches of partitioned weights (zero_stage 3) end in a gather, so their order is decided from shared
 facts too: the prefetcher asks the policy with a room every rank computes alike (the agreed hbm room
-less the bytes of the units the policy holds, offload.prefetch), never the bytes free at that moment,
+less the bytes of the units the policy holds, offload.step.prefetch), never the bytes free at that moment,
 and the gathers run on the gather thread in the order the fetches were issued.
 Each thread that enters collectives has its own group (the compute thread: agreements, the new
 weights' broadcasts, and gathers when zero_gather_ahead is off; the gather thread: the gathers of

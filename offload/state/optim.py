@@ -2,7 +2,7 @@
 
 Each trainable unit has four fp32 flats over its trainable prefix: master, exp_avg, exp_avg_sq and the
 gradient accumulator. Their home is hbm, dram or nvme. The step runs over windows of chunk_numel
-elements (offload.chunks): resident states are viewed in place; nvme states are staged window by window
+elements (offload.plan.chunks): resident states are viewed in place; nvme states are staged window by window
 through pool chunks (one swap key per kind and chunk), the step reading window j+1 ahead while CPU Adam
 updates window j and window j-1 is written back, so the optimizer's dram is a few chunks at any model size.
 """
@@ -14,11 +14,11 @@ import weakref
 
 import torch
 
-from offload.chunks import chunk_key, gather, packed, rounds, windows
-from offload.cpu_adam import grad_sq_sum
-from offload.ranks import reduced
-from offload.residency import HOME_STATE, R, _Handle
-from offload.units import Unit
+from offload.plan.chunks import chunk_key, gather, packed, rounds, windows
+from offload.kernels.cpu_adam import grad_sq_sum
+from offload.state.ranks import reduced
+from offload.state.residency import HOME_STATE, R, _Handle
+from offload.plan.units import Unit
 from offload.swap.store import tensor_digests
 
 KINDS = ("master", "exp_avg", "exp_avg_sq", "grad")
@@ -50,9 +50,9 @@ class OptimState(_Handle):
         self.numel = unit.trainable_numel
         self.windows = windows(self.numel, rt.chunk_numel)
         # [Note: windows over ranks] zero_stage 1-3 over several ranks: this rank holds and steps the
-        # windows it owns (offload.chunks.window_owners); every rank passes every window's gradient to its
+        # windows it owns (offload.plan.chunks.window_owners); every rank passes every window's gradient to its
         # owner (_accumulate_sharded) and receives every other window's new weights from it
-        # (offload.pipeline.share_new_weights). Resident states hold the owned windows back to back.
+        # (offload.step.pipeline.share_new_weights). Resident states hold the owned windows back to back.
         self.owner = rt.placement.owners.get(unit.index) or [rt.rank] * len(self.windows)
         self.mine = [i for i, r in enumerate(self.owner) if r == rt.rank]
         self._local, self.local_numel = packed(self.windows, self.mine)  # window -> first element in the flats
@@ -61,12 +61,12 @@ class OptimState(_Handle):
         self._grads: list | None = None           # nvme, overlapped step: this backward's gradients, read by window
         self.grad_dtype = torch.float32          # what the accumulator holds: see accumulate()
         # With swap checksums on, the step hashes the states it reads and writes, so they are read unverified
-        # and checked after it ([Note: swap digests in the step] in offload/csrc/cpu_adam.cpp).
+        # and checked after it ([Note: swap digests in the step] in offload/kernels/csrc/cpu_adam.cpp).
         # [Note: parameters without a gradient]
         # torch's optimizers skip a parameter whose .grad is None: no decay, no moment update, and its own
         # step count (bias correction) does not advance. So each trainable slot counts its steps, the
         # accumulator notes which slots received a gradient in the accumulation window, and the step
-        # updates only those (see offload.windows); in the common case that is one run over all.
+        # updates only those (see offload.step.windows); in the common case that is one run over all.
         self.slots = sorted((s for s in unit.slots if s.trainable), key=lambda s: s.offset)
         self.slot_steps = [0] * len(self.slots)
         self._slot_at = {s.offset: i for i, s in enumerate(self.slots)}
@@ -265,7 +265,7 @@ class OptimState(_Handle):
         A window of one micro-step in bf16/fp16 (the common case) keeps the gradient in its own dtype
         (in a resident accumulator's first bytes): the step casts it as it reads it (the same fp32 values),
         and the copy's writes, the sum of squares and the step's gradient reads each move half the bytes.
-        deferred: the step comes at the unit's next fetch ([Note: split step] in offload.pipeline); an nvme
+        deferred: the step comes at the unit's next fetch ([Note: split step] in offload.step.pipeline); an nvme
         accumulator of one micro-step then holds the gradient in its own dtype too."""
         if first:
             self.got_grad = set()
@@ -405,7 +405,7 @@ class OptimState(_Handle):
 
 # [Note: gradient reduce-scatter]
 # Stages 1-3 sum each state window's gradient over the ranks into the window's owner. Where the d2h
-# thread's group (ranks.grad) has a reduce-scatter, a unit's windows go in rounds (offload.chunks.rounds:
+# thread's group (ranks.grad) has a reduce-scatter, a unit's windows go in rounds (offload.plan.chunks.rounds:
 # consecutive windows, at most one per rank): each rank lays out its gradient of the round as `world`
 # equal pieces in rank order, piece r from the window rank r owns, and the reduce-scatter leaves each rank
 # the sum of its own piece. Pieces are as long as the round's longest window, zeros past a shorter one's

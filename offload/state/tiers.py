@@ -9,7 +9,7 @@ On the CPU backend hbm is host memory, and a copy into memory never touched runs
 faults, several times slower than into memory already touched. So a fetched unit's hbm copy takes a
 pre-faulted, 4 KiB-aligned buffer from a pool (swap.BufferPool), put under the unit's own storage with
 UntypedStorage._swap_data_ptr_ (autograd's saved views keep pointing at that storage object) and given
-back on release; being aligned, it takes an nvme fetch's O_DIRECT reads directly (offload.residency).
+back on release; being aligned, it takes an nvme fetch's O_DIRECT reads directly (offload.state.residency).
 A cached buffer is held while the step's other memory peaks, so the pool keeps little: only sizes that
 several fetched units share (a model's repeated blocks; a size one unit has alone would sit cached
 between its uses), cached buffers up to the larger of two of the largest such size (a fetch mostly
@@ -166,3 +166,45 @@ class Tiers:
 
     def stats(self) -> dict:
         return {name: a.stats() for name, a in self.acct.items()}
+
+
+POOL_TIMEOUT_S = 300.0  # a wait this long means a leaked chunk, not a slow drive: fail with the numbers
+
+
+class ChunkPool:
+    """The one dram staging pool: `count` equal chunks of `chunk_bytes`, allocated (pre-faulted; pinned
+    with CUDA) at start and charged to the dram accountant once, so its bytes are the bytes the process
+    holds. `acquire` hands out a typed view of a chunk and blocks while all are lent (back-pressure)."""
+
+    def __init__(self, tiers: Tiers, chunk_bytes: int, count: int):
+        self.tiers, self.chunk_bytes, self.count = tiers, chunk_bytes, count
+        self.capacity_bytes = chunk_bytes * count
+        self._pool = None
+        if count:
+            tiers.acct["dram"].charge(self.capacity_bytes, f"chunk pool ({count} x {chunk_bytes} bytes)")
+            self._pool = BufferPool(self.capacity_bytes, pin=tiers.pin, timeout_s=POOL_TIMEOUT_S)
+            warm = [self._pool.acquire(chunk_bytes) for _ in range(count)]  # pages faulted in once, reused
+            for t in warm:
+                self._pool.release(t)
+
+    def acquire(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        if self._pool is None or nbytes > self.chunk_bytes:
+            raise PoolExhaustedError(f"chunk pool: {what} needs {nbytes} bytes, the pool has {self.count} chunks of "
+                                     f"{self.chunk_bytes} bytes (an engine bug: every transfer is chunked)",
+                                     capacity_bytes=self.capacity_bytes, requested_bytes=nbytes, used_bytes=0)
+        return self._pool.acquire(self.chunk_bytes).view(dtype)[:numel]
+
+    def release(self, t: torch.Tensor) -> None:
+        self._pool.release(t)
+
+    @property
+    def lent(self) -> int:
+        """Chunks handed out and not yet released."""
+        return 0 if self._pool is None else self._pool.used_bytes // self.chunk_bytes
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.clear()
+            self._pool = None
+            self.tiers.acct["dram"].refund(self.capacity_bytes)

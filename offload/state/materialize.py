@@ -49,10 +49,10 @@ import time
 import torch
 from torch import nn
 
-from offload.chunks import chunk_key, gather
-from offload.optim import OptimState
-from offload.residency import WeightHandle
-from offload.units import Unit
+from offload.plan.chunks import chunk_key, gather
+from offload.state.optim import OptimState
+from offload.state.residency import WeightHandle
+from offload.plan.units import Unit
 
 PROGRESS_FIRST_S = 2.0   # small models initialize in well under this, so tests stay quiet
 PROGRESS_EVERY_S = 5.0
@@ -542,7 +542,7 @@ def _fill_chunks(engine, key: str, chunks: dict[int, tuple[int, int]], dtype, pi
 
 def _initial_value(engine, s) -> torch.Tensor:
     """A parameter's initial value, flat: from the weights source when given, else the parameter."""
-    if s.record is not None:  # its bytes as flat elements ([Note: quantized weights as records] in offload.quantized)
+    if s.record is not None:  # its bytes as flat elements ([Note: quantized weights as records] in offload.plan.quantized)
         if s.record.pending:  # built on meta: quantized from its value now, as from_pretrained quantizes
             value = s.param.detach() if engine.weights_source is None else engine.weights_source(s.name)
             s.param = s.record.quantize(value)
@@ -660,14 +660,14 @@ def _read_chunks(engine, key: str, chunks, dtype) -> torch.Tensor:
 
 
 def _gather_master(engine, unit, st) -> torch.Tensor:
-    """A unit's fp32 master whole on every rank ([Note: windows over ranks] in offload.optim)."""
+    """A unit's fp32 master whole on every rank ([Note: windows over ranks] in offload.state.optim)."""
     key = unit.key("master", engine.rt.rank)
     return _gathered(engine, st.windows, st.owner, torch.float32, st.home, lambda i: chunk_key(key, i),
                      lambda i: st.t["master"][st.span(i)])
 
 
 def _gather_weights(engine, w) -> torch.Tensor:
-    """A partitioned unit's weights whole on every rank ([Note: partitioned weights] in offload.residency)."""
+    """A partitioned unit's weights whole on every rank ([Note: partitioned weights] in offload.state.residency)."""
     w.wait_for_write()
     return _gathered(engine, w.chunks, w.owner, w.dtype, w.home, lambda i: chunk_key(w.key, i),
                      lambda i: w.dram[w.span(i)])

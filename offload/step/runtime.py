@@ -1,6 +1,6 @@
 """The runtime: what the residency handles and the optimizer pipeline work with, and nothing else.
 
-Handles (offload.residency, offload.optim) and the step pipeline (offload.pipeline) receive this object,
+Handles (offload.state.residency, offload.state.optim) and the step pipeline (offload.step.pipeline) receive this object,
 never the Engine: the tiers and their accountants, the chunk pool, the swap store, the copy streams and
 the reader thread, and the telemetry. The Engine builds it once and closes it last.
 """
@@ -13,12 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from offload import cpu_adam
-from offload.chunks import ChunkPool
-from offload.config import Config
-from offload.placement import Placement, check_nvme_path
-from offload.ranks import Ranks
-from offload.tiers import Tiers
+from offload.kernels import cpu_adam
+from offload.plan.config import Config
+from offload.plan.placement import Placement, check_nvme_path
+from offload.state.ranks import Ranks
+from offload.state.tiers import ChunkPool, Tiers
 from offload.scheduler.streams import CopyStream, Worker
 from offload.scheduler.telemetry import Telemetry
 from offload.swap import SwapStore
@@ -36,7 +35,7 @@ class Runtime:
     placement: Placement
     tiers: Tiers
     telemetry: Telemetry
-    chunk_numel: int            # elements per chunk of every buffer (offload.chunks)
+    chunk_numel: int            # elements per chunk of every buffer (offload.plan.chunks)
     staging: ChunkPool
     store: SwapStore | None
     h2d: CopyStream             # fetches: dram -> hbm
@@ -47,7 +46,7 @@ class Runtime:
 
     @property
     def grad_group(self):
-        """The d2h thread's process group (gradient reduces): [Note: collective order] in offload.ranks."""
+        """The d2h thread's process group (gradient reduces): [Note: collective order] in offload.state.ranks."""
         return self.ranks.grad
 
     @property
@@ -63,7 +62,7 @@ class Runtime:
                       hbm_pool_sizes=placement.shared_sizes, reuse_bytes=placement.reuse_bytes)
         staging = ChunkPool(tiers, placement.chunk_bytes, placement.pool_chunks)
         try:
-            activations = cfg.offload_activations.device == "nvme"  # (offload.activation_tier)
+            activations = cfg.offload_activations.device == "nvme"  # (offload.state.activation_tier)
             if activations and not placement.uses_nvme:  # the preflight checked nvme_path for weights and states
                 check_nvme_path(cfg.swap_dir(rank))
             store = cls.open_store(cfg, rank) if placement.uses_nvme or activations else None

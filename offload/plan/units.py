@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from offload import quantized
+from offload.plan import quantized
 
 ALIGN_NUMEL = 2048  # 4 KiB of bf16, 8 KiB of fp32
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -46,7 +46,7 @@ class Slot:
     numel: int
     shape: torch.Size
     trainable: bool
-    record: object = None  # a quantized weight's Record (offload.quantized): numel counts its bytes' elements
+    record: object = None  # a quantized weight's Record (offload.plan.quantized): numel counts its bytes' elements
 
     def attach(self, flat: torch.Tensor) -> None:
         """Points the parameter (a quantized one: its record's tensors) at its place in `flat`."""
@@ -170,7 +170,7 @@ def partition(model: nn.Module, min_numel: int, classes: tuple[str, ...] = (), w
               itemsize: int = 4) -> list[Unit]:
     """Splits `model` into units (see the notes above); the rest unit, if any, comes last. `itemsize`: the
     bytes of an element of the flat buffers (the compute dtype's), which a quantized weight's record fills
-    ([Note: quantized weights as records] in offload.quantized)."""
+    ([Note: quantized weights as records] in offload.plan.quantized)."""
     records = quantized.records(model)
     owner: dict = {}  # parameter -> unit index (first holder wins: tied weights)
     units: list[Unit] = []
@@ -203,7 +203,7 @@ def _attach_users(model: nn.Module, units: list[Unit], owner: dict) -> None:
 def forward_order(model: nn.Module, units: list[Unit]) -> list[int]:
     """The units fetched in one forward, in the order their modules appear in the model (a unit's root
     and each module using its tied parameters): the order a model that runs its modules as it lists
-    them fetches them in. The memory model replays the residency policy over it (offload.memory)."""
+    them fetches them in. The memory model replays the residency policy over it (offload.plan.memory)."""
     at = {u.module: u.index for u in units if u.module is not None}
     for u in units:
         for m in u.users:

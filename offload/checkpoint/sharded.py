@@ -1,7 +1,7 @@
 """Checkpoints: everything a run needs to continue exactly, streamed chunk by chunk from whichever tier
 holds it, written atomically, verified on load, loadable at another placement: `engine.save_checkpoint`,
 `engine.load_checkpoint`; also `engine.state_dict()` / `load_state_dict()` with real values. The files
-and the manifest are offload.checkpoint_format's ([Note: the format], [Note: atomic saves]).
+and the manifest are offload.checkpoint.format's ([Note: the format], [Note: atomic saves]).
 
 [Note: what a checkpoint holds]
 Per parameter, by name: its fp32 master, exp_avg and exp_avg_sq and its own Adam step count (trainable),
@@ -43,9 +43,9 @@ from collections import OrderedDict
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
-from offload import checkpoint_format as fmt
-from offload.checkpoint_format import CheckpointError
-from offload.materialize import unit_buffers, write_slots
+from offload.checkpoint import format as fmt
+from offload.checkpoint.format import CheckpointError
+from offload.state.materialize import unit_buffers, write_slots
 
 log = logging.getLogger("offload")
 

@@ -30,7 +30,7 @@ per parameter) would fall in the backward, beside its compute, while the forward
 where both phases are busy the step takes the forward's compute plus the backward's I/O. With split_step
 (a fraction, default 0.25) the placement defers that share of the fetched units, spread evenly over the
 forward order (placement.deferred): in backward such a unit's gradient goes to its nvme accumulator in the
-compute dtype (2 B write) and its step waits (StepMode.SPLIT, offload.modes); at the next forward's first
+compute dtype (2 B write) and its step waits (StepMode.SPLIT, offload.plan.modes); at the next forward's first
 fetch (Prefetcher.before_fetch), every deferred unit's step is queued on the d2h thread in forward order
 (a window pipeline of its own), and each unit's fetch waits for its own step (WeightHandle.update) on the
 reader thread, so the steps run ahead of the forward's compute. It is the same update (the same gradient, lr and scale) applied before the unit's next use, so
@@ -49,12 +49,12 @@ import time
 import torch
 from torch.profiler import record_function
 
-from offload.gradients import Backward, GradientPath, settle
-from offload.modes import StepMode, step_mode
-from offload.optim import KINDS, STATES
-from offload.prefetch import Prefetcher
-from offload.units import Unit
-from offload.windows import WindowPipeline
+from offload.step.gradients import Backward, GradientPath, settle
+from offload.plan.modes import StepMode, step_mode
+from offload.state.optim import KINDS, STATES
+from offload.step.prefetch import Prefetcher
+from offload.plan.units import Unit
+from offload.step.windows import WindowPipeline
 from offload.scheduler.telemetry import overlap_fraction
 
 log = logging.getLogger("offload")
@@ -90,11 +90,11 @@ class EngineClosed(RuntimeError):
 
 class StepPipeline:
     """Forward/backward/step control over `weights` and `states` (the units' handles) on runtime `rt`, with
-    its parts: `prefetch` (offload.prefetch, which the module hooks call), `grads` (offload.gradients) and
+    its parts: `prefetch` (offload.step.prefetch, which the module hooks call), `grads` (offload.step.gradients) and
     `deferred` ([Note: split step]). policy: the residency policy the prefetcher carries out.
 
     One micro-step, in order: begin_forward, then the hooks fetch each unit through `prefetch` (whose first
-    fetch queues the last step's deferred units); backward: the step mode is chosen once (offload.modes),
+    fetch queues the last step's deferred units); backward: the step mode is chosen once (offload.plan.modes),
     its window pipeline started, autograd runs (each unit's gradients go through `grads`, the overlapped
     step or the delayed update beside them on the d2h thread), the fetched copies are released and the
     jobs waited for; step() at the accumulation boundary, unless the backward took it, runs every unit's
@@ -155,7 +155,7 @@ class StepPipeline:
     def begin_forward(self) -> Phase:
         """Returns the phase to roll back to if this forward raises."""
         self.check_usable("forward")
-        self.rt.ranks.step = self.step_count + 1  # named by a collective's error (offload.ranks)
+        self.rt.ranks.step = self.step_count + 1  # named by a collective's error (offload.state.ranks)
         before = self.phase
         if before is not P.BACKWARD:  # a forward inside backward (recomputation) belongs to the backward
             self._to(P.FORWARD)
@@ -345,7 +345,7 @@ class StepPipeline:
             self._pending = None
             self._to(P.IDLE)
 
-    # -- checkpoints (offload.checkpoint) -------------------------------------------------------------
+    # -- checkpoints (offload.checkpoint.sharded) -------------------------------------------------------------
     def checkpoint_state(self) -> dict:
         """The counters, the loss scaler and the accepted update not applied yet (delayed_update), as a
         checkpoint saves them. Only between steps (a forward without its backward changes no state): after the

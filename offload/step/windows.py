@@ -3,7 +3,7 @@
 A WindowPipeline steps windows in the order the caller gives units (all of them after backward, or one
 unit at a time during backward as its gradient becomes final) with up to READ_AHEAD windows read ahead
 and one written behind (landed before another read starts): the pool's optimizer share is READ_AHEAD + 1
-windows' chunks at any model size (offload.memory). Two windows ahead keep a read queued while the previous
+windows' chunks at any model size (offload.plan.memory). Two windows ahead keep a read queued while the previous
 window's writes land, so the drive does not idle between them; one window's writes are landed before the
 next read starts, which bounds the pool (the measurements behind both choices: bench/RESULTS.md, "writes in
 flight"). CPU Adam writes each window's new weights straight into the weight tier's buffer.
@@ -17,10 +17,10 @@ import time
 import torch
 from torch.profiler import record_function
 
-from offload.cpu_adam import StepDigests, adam_step
-from offload.memory import OPTIMIZER_READ_AHEAD as READ_AHEAD
-from offload.optim import KINDS, OptimState
-from offload.units import Unit
+from offload.kernels.cpu_adam import StepDigests, adam_step
+from offload.plan.memory import OPTIMIZER_READ_AHEAD as READ_AHEAD
+from offload.state.optim import KINDS, OptimState
+from offload.plan.units import Unit
 
 
 class WindowPipeline:

@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from offload.config import CHUNK_ALIGN_BYTES
-from offload.tiers import Tiers
-from offload.swap import BufferPool, PoolExhaustedError
+from offload.plan.settings import CHUNK_ALIGN_BYTES
 
-POOL_TIMEOUT_S = 300.0  # a wait this long means a leaked chunk, not a slow drive: fail with the numbers
 
 
 def planned_chunk_bytes(chunk_bytes: int, largest_numel: int) -> int:
@@ -56,7 +53,7 @@ def window_owners(counts: list[int], world: int) -> list[list[int]]:
 def rounds(owners: list[int], world: int) -> list[list[int]]:
     """A unit's windows (`owners`: the rank that owns each) grouped for reduce-scatters: runs of consecutive
     windows with distinct owners, at most `world` of them, so each rank owns at most one window of a round
-    ([Note: gradient reduce-scatter] in offload.optim). With window_owners' map these are windows
+    ([Note: gradient reduce-scatter] in offload.state.optim). With window_owners' map these are windows
     [k x world, (k+1) x world), the last round holding the rest (count % world). Every rank computes the same."""
     out: list[list[int]] = []
     seen: set[int] = set()
@@ -96,42 +93,3 @@ def gather(grads: list[tuple[int, torch.Tensor]], begin: int, end: int, out: tor
         out[b - begin:e - begin].copy_(g[b - offset:e - offset])
         pos = e
     out[pos - begin:end - begin].zero_()
-
-
-class ChunkPool:
-    """The one dram staging pool: `count` equal chunks of `chunk_bytes`, allocated (pre-faulted; pinned
-    with CUDA) at start and charged to the dram accountant once, so its bytes are the bytes the process
-    holds. `acquire` hands out a typed view of a chunk and blocks while all are lent (back-pressure)."""
-
-    def __init__(self, tiers: Tiers, chunk_bytes: int, count: int):
-        self.tiers, self.chunk_bytes, self.count = tiers, chunk_bytes, count
-        self.capacity_bytes = chunk_bytes * count
-        self._pool = None
-        if count:
-            tiers.acct["dram"].charge(self.capacity_bytes, f"chunk pool ({count} x {chunk_bytes} bytes)")
-            self._pool = BufferPool(self.capacity_bytes, pin=tiers.pin, timeout_s=POOL_TIMEOUT_S)
-            warm = [self._pool.acquire(chunk_bytes) for _ in range(count)]  # pages faulted in once, reused
-            for t in warm:
-                self._pool.release(t)
-
-    def acquire(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
-        nbytes = numel * dtype.itemsize
-        if self._pool is None or nbytes > self.chunk_bytes:
-            raise PoolExhaustedError(f"chunk pool: {what} needs {nbytes} bytes, the pool has {self.count} chunks of "
-                                     f"{self.chunk_bytes} bytes (an engine bug: every transfer is chunked)",
-                                     capacity_bytes=self.capacity_bytes, requested_bytes=nbytes, used_bytes=0)
-        return self._pool.acquire(self.chunk_bytes).view(dtype)[:numel]
-
-    def release(self, t: torch.Tensor) -> None:
-        self._pool.release(t)
-
-    @property
-    def lent(self) -> int:
-        """Chunks handed out and not yet released."""
-        return 0 if self._pool is None else self._pool.used_bytes // self.chunk_bytes
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.clear()
-            self._pool = None
-            self.tiers.acct["dram"].refund(self.capacity_bytes)

@@ -2,7 +2,7 @@
 made them, or in dram, or on nvme (config offload_activations).
 
 [Note: kept inputs in a tier]
-UnitInputs (offload.activations) is the one saved-tensor hook through which every checkpointed unit's inputs
+UnitInputs (offload.step.activations) is the one saved-tensor hook through which every checkpointed unit's inputs
 are saved. With offload_activations "cpu" or "nvme" its pack hands each input worth moving to InputTier.pack,
 which leaves autograd a record (KeptInput) in the tensor's place:
 - out, as the forward makes it: a dram tensor from the tiers (pinned on CUDA, charged to dram) receives the

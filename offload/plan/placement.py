@@ -17,14 +17,14 @@ from dataclasses import dataclass, field, replace
 import psutil
 import torch
 
-from offload.activation_memory import ActivationModel, activation_model, longest_seq
-from offload.chunks import planned_chunk_bytes, weight_chunks, window_owners, windows
-from offload.config import load_config
-from offload.memory import (MINIMUM, OFFLOAD_TIER, STATE_KINDS, TIERS, Knobs, free_holds, grad_reserve,
+from offload.plan.activation_memory import ActivationModel, activation_model, longest_seq
+from offload.plan.chunks import planned_chunk_bytes, weight_chunks, window_owners, windows
+from offload.plan.config import load_config
+from offload.plan.memory import (MINIMUM, OFFLOAD_TIER, STATE_KINDS, TIERS, Knobs, free_holds, grad_reserve,
                             pool_chunks, runtime_parts, totals, working_set_peak)
-from offload.modes import every_step_overlapped
-from offload.precision import PrecisionChoice, resolve_precision
-from offload.units import Unit, forward_order, partition
+from offload.plan.modes import every_step_overlapped
+from offload.plan.precision import PrecisionChoice, resolve_precision
+from offload.plan.units import Unit, forward_order, partition
 
 SAFETY = 0.85  # of the memory available at start, when a budget is not given
 
@@ -43,7 +43,7 @@ class Placement:
     nvme_budget: int
     rows: list[tuple] = field(default_factory=list)
     knobs: Knobs = field(default_factory=Knobs)   # the working set's optional parts, shrunk to the budgets
-    parts: list[dict] = field(default_factory=list)  # offload.memory.runtime_parts
+    parts: list[dict] = field(default_factory=list)  # offload.plan.memory.runtime_parts
     notes: list[str] = field(default_factory=list)   # what was shrunk to fit, said once
     pool_chunks: int = 0
     chunk_bytes: int = 0             # chunk_bytes, or less when every unit's largest buffer is smaller
@@ -54,11 +54,11 @@ class Placement:
     deferred: tuple = ()             # units whose step waits for their next fetch, in forward order ([Note: split step])
     fetched_peak: int = 0            # the peak of fetched weights of shared_sizes in the hbm working set
     shared_sizes: frozenset = frozenset()  # nbytes several fetched units share ([Note: reused host memory for hbm])
-    precision: PrecisionChoice | None = None  # what runs and why (offload.precision)
+    precision: PrecisionChoice | None = None  # what runs and why (offload.plan.precision)
     trainable_numel: int = 0         # parameters trained (weights + optimizer states + gradient)
     frozen_numel: int = 0            # parameters frozen (weights only: no master, moments or gradient I/O)
     quantized: dict = field(default_factory=dict)  # kind (nf4, fp4, int8) -> [parameters, record bytes]
-    activations: ActivationModel | None = None  # the model's activations by formula (offload.activation_memory)
+    activations: ActivationModel | None = None  # the model's activations by formula (offload.plan.activation_memory)
     activation_shape: tuple[int, int] | None = None  # (batch, seq) the plan counts activations for; None: none
     base_need: dict = field(default_factory=dict)   # need without activations, at the knobs that run
     least_need: dict = field(default_factory=dict)  # need without activations, at the least working set (MINIMUM)
@@ -115,13 +115,13 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
                    order: list[int] | None = None, world: int = 1, rank: int = 0,
                    precision: PrecisionChoice | None = None, activations: ActivationModel | None = None) -> Placement:
     """Homes per unit and the bytes each tier needs (on `rank` of `world`); `check` runs the preflight
-    (raises PlacementError). order: the units of a forward (offload.units.forward_order), for hbm's working
-    set (offload.memory). With zero_stage 1-3 over several ranks a rank holds the states of the windows it
-    owns (offload.chunks.window_owners) and two more pool chunks (the gradient reduce, offload.optim); with
+    (raises PlacementError). order: the units of a forward (offload.plan.units.forward_order), for hbm's working
+    set (offload.plan.memory). With zero_stage 1-3 over several ranks a rank holds the states of the windows it
+    owns (offload.plan.chunks.window_owners) and two more pool chunks (the gradient reduce, offload.state.optim); with
     stage 3 also only the weights of its chunks of every unit that is fetched (not the persistent ones).
     precision: the engine's choice for cfg.precision on `device`; resolved here when not given ("auto").
     activations: the model's activations by formula, counted for cfg.activations' batch and seq when given
-    (offload.activation_memory; the preflight then refuses activations that do not fit, naming the longest
+    (offload.plan.activation_memory; the preflight then refuses activations that do not fit, naming the longest
     sequence that would)."""
     precision = precision or resolve_precision(cfg.precision, device)
     cfg = replace(cfg, precision=precision.name)  # the plan follows the precision that runs
@@ -182,11 +182,11 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     def plan(knobs: Knobs, shape: tuple[int, int] | None = p.activation_shape) -> tuple[list[dict], dict[str, int]]:
         parts = runtime_parts(fetched, trainable, itemsize, fetch_home, s_home, device.type, p.chunk_bytes, knobs,
                               order, [u.numel for u in units], [u.trainable_numel for u in units], hbm_trained)
-        if world > 1 and not sharded and itemsize < 4:  # offload.pipeline.average_over_ranks
+        if world > 1 and not sharded and itemsize < 4:  # offload.step.pipeline.average_over_ranks
             largest = max((s.numel for u in units for s in u.slots if s.trainable), default=0)
             parts.append({"name": "gradient all-reduce buffer", "tier": "hbm", "bytes": largest * 4,
                           "formula": f"the largest trainable parameter ({largest}) x 4 B, over {world} ranks"})
-        if sharded:  # offload.optim.OptimState._accumulate_sharded: the window reduced, and the nvme accumulator
+        if sharded:  # offload.state.optim.OptimState._accumulate_sharded: the window reduced, and the nvme accumulator
             parts.append({"name": "gradient reduce chunks", "tier": "dram", "bytes": 2 * p.chunk_bytes,
                           "formula": f"2 pool chunks x chunk_bytes {p.chunk_bytes} (zero_stage {cfg.zero_stage}, "
                                      f"{world} ranks)"})
@@ -209,7 +209,7 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
         reserve = grad_reserve(trainable, itemsize, p.knobs)
         p.knobs = replace(p.knobs, held=free_holds(order, [u.numel for u in units], [u.trainable_numel for u in units],
                                                    itemsize, p.knobs, reserve))
-    if fetch_home != "hbm" and order is not None:  # [Note: reused host memory for hbm] in offload.tiers
+    if fetch_home != "hbm" and order is not None:  # [Note: reused host memory for hbm] in offload.state.tiers
         sizes = collections.Counter(n * itemsize for n in fetched)
         p.shared_sizes = frozenset(n for n, count in sizes.items() if count > 1)
         shared = [u.numel if u.numel * itemsize in p.shared_sizes and weight_home[u.index] != "hbm" else 0
@@ -254,7 +254,7 @@ def check_states_in_hbm(units: list[Unit], cfg, device: torch.device) -> None:
 
 
 def deferred_units(units, cfg, weight_home: dict, state_home: dict, sharded: bool, order) -> tuple:
-    """[Note: split step] in offload.pipeline: with the overlapped step and optimizer states on nvme, the
+    """[Note: split step] in offload.step.pipeline: with the overlapped step and optimizer states on nvme, the
     fraction split_step of the trainable units whose weights are fetched, spread evenly over the forward
     order, never the first (its step could overlap nothing before its use): 0.5 defers every other unit
     from the second on, 0.25 every fourth from the fourth on."""
@@ -268,7 +268,7 @@ def deferred_units(units, cfg, weight_home: dict, state_home: dict, sharded: boo
 
 def _fit(plan, p: Placement, cfg) -> tuple[Knobs, list[str]]:
     """The default knobs, or the optional parts given up one by one ([Note: shrinking to a budget] in
-    offload.memory) until hbm and dram fit their budgets; the minimum if nothing fits (preflight refuses)."""
+    offload.plan.memory) until hbm and dram fit their budgets; the minimum if nothing fits (preflight refuses)."""
     knobs = Knobs(prefetch_units=cfg.prefetch_units, reuse_distance=cfg.reuse_distance, reuse_bytes=cfg.reuse_bytes or 0)
     steps = [replace(knobs, prefetch_units=n) for n in range(knobs.prefetch_units - 1, -1, -1)]
     steps = [knobs] + steps

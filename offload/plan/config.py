@@ -14,26 +14,14 @@ import os
 import pathlib
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+
+from offload.integrations import deepspeed
+from offload.plan.settings import CHUNK_ALIGN_BYTES, build, fail, read_settings_file, with_article
 
 DEVICES = ("none", "cpu", "nvme")
-PRECISION_CHOICES = ("auto", "bf16", "fp16", "fp32")  # offload.precision.CHOICES, without importing torch here
+PRECISION_CHOICES = ("auto", "bf16", "fp16", "fp32")  # offload.plan.precision.CHOICES, without importing torch here
 
-
-def _fail(path: str, value: Any, why: str, fix: str) -> typing.NoReturn:
-    raise ValueError(f"{path}={value!r}: {why}; {fix}")
-
-
-def with_article(noun: str) -> str:
-    """'an int', 'a float': a type's name as an error message reads it."""
-    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
-
-
-CHUNK_ALIGN_BYTES = 8192  # units.ALIGN_NUMEL fp32 elements
-
-# Config.from_deepspeed's reader, offload.integrations.deepspeed.to_config. offload/__init__.py sets it:
-# this module imports nothing above it (docs/design.md "Layers").
-DEEPSPEED_READER: Callable[[Any], "Config"] | None = None
 
 
 @dataclass(frozen=True)
@@ -46,15 +34,15 @@ class OptimizerConfig:
 
     def validate(self, path: str) -> None:
         if self.type not in ("adamw", "adam"):
-            _fail(f"{path}.type", self.type, "unknown optimizer", 'use "adamw" or "adam"')
+            fail(f"{path}.type", self.type, "unknown optimizer", 'use "adamw" or "adam"')
         if not self.lr >= 0:
-            _fail(f"{path}.lr", self.lr, "must be >= 0", "pass a non-negative learning rate")
+            fail(f"{path}.lr", self.lr, "must be >= 0", "pass a non-negative learning rate")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            _fail(f"{path}.betas", self.betas, "must be two numbers in [0, 1)", "for example [0.9, 0.999]")
+            fail(f"{path}.betas", self.betas, "must be two numbers in [0, 1)", "for example [0.9, 0.999]")
         if not self.eps > 0:
-            _fail(f"{path}.eps", self.eps, "must be > 0", "for example 1e-8")
+            fail(f"{path}.eps", self.eps, "must be > 0", "for example 1e-8")
         if not self.weight_decay >= 0:
-            _fail(f"{path}.weight_decay", self.weight_decay, "must be >= 0", "pass 0 to disable")
+            fail(f"{path}.weight_decay", self.weight_decay, "must be >= 0", "pass 0 to disable")
 
 
 @dataclass(frozen=True)
@@ -65,7 +53,7 @@ class OffloadConfig:
 
     def validate(self, path: str) -> None:
         if self.device not in DEVICES:
-            _fail(f"{path}.device", self.device, "unknown device", f"use one of {list(DEVICES)}")
+            fail(f"{path}.device", self.device, "unknown device", f"use one of {list(DEVICES)}")
 
 
 @dataclass(frozen=True)
@@ -79,7 +67,7 @@ class BudgetsConfig:
         for name in ("hbm_bytes", "dram_bytes"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v <= 0):
-                _fail(f"{path}.{name}", v, "must be a positive number of bytes",
+                fail(f"{path}.{name}", v, "must be a positive number of bytes",
                       'write a byte count or a size such as "2.5G", or leave it out')
 
 
@@ -95,14 +83,14 @@ class AioConfig:
 
     def validate(self, path: str) -> None:
         if self.engine not in ("auto", "libaio", "threads"):
-            _fail(f"{path}.engine", self.engine, "unknown engine", 'use "auto", "libaio" or "threads"')
+            fail(f"{path}.engine", self.engine, "unknown engine", 'use "auto", "libaio" or "threads"')
         if self.block_bytes <= 0 or self.block_bytes % 4096:
-            _fail(f"{path}.block_bytes", self.block_bytes, "must be a positive multiple of 4096", "for example 8388608")
+            fail(f"{path}.block_bytes", self.block_bytes, "must be a positive multiple of 4096", "for example 8388608")
         for name in ("queue_depth", "threads"):
             if getattr(self, name) < 1:
-                _fail(f"{path}.{name}", getattr(self, name), "must be >= 1", "for example 4")
+                fail(f"{path}.{name}", getattr(self, name), "must be >= 1", "for example 4")
         if isinstance(self.background_bytes, bool) or self.background_bytes < 0:
-            _fail(f"{path}.background_bytes", self.background_bytes, "must be >= 0 (0: no limit)", "for example 67108864")
+            fail(f"{path}.background_bytes", self.background_bytes, "must be >= 0 (0: no limit)", "for example 67108864")
 
 
 @dataclass(frozen=True)
@@ -114,7 +102,7 @@ class UnitsConfig:
 
     def validate(self, path: str) -> None:
         if self.min_numel < 1:
-            _fail(f"{path}.min_numel", self.min_numel, "must be >= 1", "for example 65536")
+            fail(f"{path}.min_numel", self.min_numel, "must be >= 1", "for example 65536")
 
 
 @dataclass(frozen=True)
@@ -129,10 +117,10 @@ class ActivationsConfig:
         for name in ("batch", "seq"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                _fail(f"{path}.{name}", v, "must be a positive integer", "for example 4 (batch) or 2048 (seq)")
+                fail(f"{path}.{name}", v, "must be a positive integer", "for example 4 (batch) or 2048 (seq)")
         if (self.batch is None) != (self.seq is None):
             given = "batch" if self.seq is None else "seq"
-            _fail(f"{path}.{given}", getattr(self, given), "the plan needs both the batch and the sequence length",
+            fail(f"{path}.{given}", getattr(self, given), "the plan needs both the batch and the sequence length",
                   f"set {path}.{'seq' if given == 'batch' else 'batch'} too, or neither")
 
 
@@ -146,9 +134,9 @@ class LossScaleConfig:
 
     def validate(self, path: str) -> None:
         if self.initial <= 0 or self.min_scale <= 0:
-            _fail(f"{path}.initial", self.initial, "loss scales must be > 0", "for example 65536")
+            fail(f"{path}.initial", self.initial, "loss scales must be > 0", "for example 65536")
         if self.growth_interval < 1:
-            _fail(f"{path}.growth_interval", self.growth_interval, "must be >= 1", "for example 1000")
+            fail(f"{path}.growth_interval", self.growth_interval, "must be >= 1", "for example 1000")
 
 
 @dataclass(frozen=True)
@@ -162,9 +150,9 @@ class LRScheduleConfig:
 
     def validate(self, path: str) -> None:
         if self.type not in ("constant", "linear", "cosine"):
-            _fail(f"{path}.type", self.type, "unknown schedule", 'use "constant", "linear" or "cosine"')
+            fail(f"{path}.type", self.type, "unknown schedule", 'use "constant", "linear" or "cosine"')
         if self.type != "constant" and self.total_steps <= self.warmup_steps:
-            _fail(f"{path}.total_steps", self.total_steps, "must exceed warmup_steps for a decay",
+            fail(f"{path}.total_steps", self.total_steps, "must exceed warmup_steps for a decay",
                   "set total_steps to the number of optimizer steps")
 
 
@@ -197,7 +185,7 @@ class Config:
     offload_activations: OffloadConfig = field(default_factory=OffloadConfig)
     activations: ActivationsConfig = field(default_factory=ActivationsConfig)
     quantize_base: str | None = None  # "nf4" | "fp4" | "int8": a model built on meta has its base's linears quantized by bitsandbytes as they are materialized (a LoRA run; docs/training.md "QLoRA")
-    collective_timeout_s: float = 600.0  # over ranks: a collective not matched by every rank within this raises an error naming it ([Note: collective order] in offload/ranks.py)
+    collective_timeout_s: float = 600.0  # over ranks: a collective not matched by every rank within this raises an error naming it ([Note: collective order] in offload/state/ranks.py)
 
     def __post_init__(self) -> None:
         self.validate("")
@@ -208,58 +196,58 @@ class Config:
             if dataclasses.is_dataclass(v):
                 v.validate(f.name)
         if self.precision not in PRECISION_CHOICES:
-            _fail("precision", self.precision, "unknown precision",
+            fail("precision", self.precision, "unknown precision",
                   'use "bf16", "fp16", "fp32" or "auto" (the default: chosen for the compute device)')
         if self.gradient_accumulation_steps < 1:
-            _fail("gradient_accumulation_steps", self.gradient_accumulation_steps, "must be >= 1", "use 1 for none")
+            fail("gradient_accumulation_steps", self.gradient_accumulation_steps, "must be >= 1", "use 1 for none")
         if not self.gradient_clipping >= 0:
-            _fail("gradient_clipping", self.gradient_clipping, "must be >= 0", "use 0 to disable clipping")
+            fail("gradient_clipping", self.gradient_clipping, "must be >= 0", "use 0 to disable clipping")
         if self.zero_stage not in (0, 1, 2, 3):
-            _fail("zero_stage", self.zero_stage, "must be 0, 1, 2 or 3", "see docs/zero.md")
+            fail("zero_stage", self.zero_stage, "must be 0, 1, 2 or 3", "see docs/zero.md")
         if self.delayed_update and self.gradient_accumulation_steps > 1:
-            _fail("delayed_update", True, f"needs gradient_accumulation_steps 1 (got {self.gradient_accumulation_steps}): "
+            fail("delayed_update", True, f"needs gradient_accumulation_steps 1 (got {self.gradient_accumulation_steps}): "
                   "the delayed update lands during the next backward, inside the next accumulation window",
                   "set gradient_accumulation_steps to 1 or delayed_update to false")
         if isinstance(self.split_step, (str, bool)) or not 0 <= self.split_step <= 1:
-            _fail("split_step", self.split_step, "must be a number from 0 to 1 (a fraction of the units)",
+            fail("split_step", self.split_step, "must be a number from 0 to 1 (a fraction of the units)",
                   "use 0 to step every unit in backward, 0.5 for every other unit (what true meant before)")
         if self.quantize_base not in (None, "nf4", "fp4", "int8"):
-            _fail("quantize_base", self.quantize_base, "unknown quantization",
+            fail("quantize_base", self.quantize_base, "unknown quantization",
                   'use "nf4" (QLoRA: nf4 with double quantization), "fp4", "int8", or null for none')
         if isinstance(self.collective_timeout_s, bool) or not (isinstance(self.collective_timeout_s, (int, float))
                                                                 and self.collective_timeout_s > 0):
-            _fail("collective_timeout_s", self.collective_timeout_s, "must be a number of seconds > 0",
+            fail("collective_timeout_s", self.collective_timeout_s, "must be a number of seconds > 0",
                   "use 600 (the default), more for a slow checkpoint drive shared by many ranks")
         if self.prefetch_units < 0:
-            _fail("prefetch_units", self.prefetch_units, "must be >= 0", "use 0 for on-demand fetches")
+            fail("prefetch_units", self.prefetch_units, "must be >= 0", "use 0 for on-demand fetches")
         if self.reuse_distance < -1:
-            _fail("reuse_distance", self.reuse_distance, "must be >= -1",
+            fail("reuse_distance", self.reuse_distance, "must be >= -1",
                   "use -1 (and reuse_bytes 0) to release every unit after use")
         if self.reuse_bytes is not None and (not isinstance(self.reuse_bytes, int) or self.reuse_bytes < 0):
-            _fail("reuse_bytes", self.reuse_bytes, "must be an integer >= 0 (bytes)",
+            fail("reuse_bytes", self.reuse_bytes, "must be an integer >= 0 (bytes)",
                   "use 0 to keep only what reuse_distance keeps, or leave it out for the derived default")
         if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < CHUNK_ALIGN_BYTES or self.chunk_bytes % CHUNK_ALIGN_BYTES:
-            _fail("chunk_bytes", self.chunk_bytes, f"must be a positive multiple of {CHUNK_ALIGN_BYTES} bytes "
+            fail("chunk_bytes", self.chunk_bytes, f"must be a positive multiple of {CHUNK_ALIGN_BYTES} bytes "
                   "(2048 fp32 elements: chunks start where parameters may start)", "for example 33554432 (32 MiB)")
         paths = self.nvme_path if isinstance(self.nvme_path, list) else [self.nvme_path]
         if self.nvme_path is not None and not all(isinstance(p, str) and p for p in paths):
-            _fail("nvme_path", self.nvme_path, "expected a directory, or a non-empty list of directories",
+            fail("nvme_path", self.nvme_path, "expected a directory, or a non-empty list of directories",
                   'for example "/mnt/nvme0/offload" or ["/mnt/nvme0/offload", "/mnt/nvme1/offload"]')
         if self.offload_activations.device != "none" and not self.activation_checkpointing:
-            _fail("offload_activations.device", self.offload_activations.device,
+            fail("offload_activations.device", self.offload_activations.device,
                   "places the inputs the engine's checkpoints keep, and activation_checkpointing is off",
                   "set activation_checkpointing to true (--activation-checkpointing) or the device to \"none\"")
         homes = (self.offload_param.device, self.offload_optimizer.device, self.offload_activations.device)
         if "nvme" in homes and not self.nvme_path:
-            _fail("nvme_path", self.nvme_path, "required when a device is \"nvme\"",
+            fail("nvme_path", self.nvme_path, "required when a device is \"nvme\"",
                   "set nvme_path to a directory on a fast local drive (--nvme-path DIR)")
         # offload_optimizer none beside offloaded weights (a LoRA run's adapters beside a base on nvme): the
-        # placement checks that the trainable parameters' states fit hbm (offload.placement.check_states_in_hbm).
+        # placement checks that the trainable parameters' states fit hbm (offload.plan.placement.check_states_in_hbm).
 
     @property
     def compute_dtype(self):
         """The dtype of weights and gradients; "auto" resolved for this host's compute device."""
-        from offload.precision import resolve_precision
+        from offload.plan.precision import resolve_precision
 
         return resolve_precision(self.precision).dtype
 
@@ -278,69 +266,11 @@ class Config:
     def from_deepspeed(cls, path_or_dict) -> "Config":
         """The Config of a DeepSpeed JSON config (a path or a dict). Keys without an exact equivalent here
         are named in one DeepSpeedConfigWarning, each with what we do instead (docs/deepspeed.md); "auto"
-        values mean not set. The reading is offload.integrations.deepspeed.to_config (DEEPSPEED_READER)."""
-        return DEEPSPEED_READER(path_or_dict)
+        values mean not set. The reading is offload.integrations.deepspeed's."""
+        return deepspeed.to_config(path_or_dict, cls)
 
 
 # --- building configs from plain data ------------------------------------------------------------
-
-
-def _build(cls, data: Any, path: str):
-    if isinstance(data, cls):
-        return data
-    if not isinstance(data, dict):
-        _fail(path or "config", data, f"expected a mapping for {cls.__name__}", "see the config reference, docs/config.md")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        where = f"{path}.{key}" if path else key
-        if key not in names:
-            near = difflib.get_close_matches(key, names, n=1)
-            hint = f"did you mean {near[0]!r}?" if near else f"valid keys: {', '.join(names)}"
-            raise ValueError(f"{where}: unknown config key; {hint}")
-        kwargs[key] = coerce_value(hints[key], value, where)
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # pragma: no cover - fields all have defaults
-        raise ValueError(f"{path or 'config'}: {e}") from None
-
-
-def coerce_value(hint, value: Any, where: str):
-    """`value` as a field of type `hint` holds it (a dataclass built from a mapping, a list made a tuple, 1e9
-    made an int, "2.5G" made bytes for a `*_bytes` key); a value of the wrong type is a ValueError naming `where`."""
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, where)
-    origin = typing.get_origin(hint)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            _fail(where, value, "expected a list", "for example [0.9, 0.999]")
-        return tuple(value)
-    if hint is int and isinstance(value, float) and value.is_integer():
-        return int(value)  # 1e9 in YAML/JSON
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    base = [t for t in typing.get_args(hint) if t is not type(None)] if origin is not None else [hint]
-    if value is None and type(None) in typing.get_args(hint):
-        return None
-    if base and base[0] is int and isinstance(value, str) and where.rsplit(".", 1)[-1].endswith("_bytes"):
-        return parse_bytes(value, where)
-    if base and base[0] in (int, float, str, bool) and not isinstance(value, base[0]):
-        if base[0] is int and isinstance(value, float) and value.is_integer():
-            return int(value)
-        _fail(where, value, f"expected {base[0].__name__}", f"write it as {with_article(base[0].__name__)}")
-    return value
-
-
-def parse_bytes(text: str, where: str) -> int:
-    """A `*_bytes` key given as a size string ("2.5G", "512M", "64K", binary units) in bytes, read by the
-    parser the command line's sizes use; anything else is one line naming the key."""
-    from offload.swap.measure import parse_size  # here, not at the top: this module imports no torch
-
-    try:
-        return parse_size(text)
-    except ValueError:
-        _fail(where, text, "not a size", 'write a byte count or a size such as "2.5G", "512M" or "64K"')
 
 
 def load_config(config: Config | dict | str | pathlib.Path | None) -> Config:
@@ -350,44 +280,5 @@ def load_config(config: Config | dict | str | pathlib.Path | None) -> Config:
     if isinstance(config, Config):
         return config
     if isinstance(config, (str, pathlib.Path)):
-        return _build(Config, read_settings_file(pathlib.Path(config)), "")
-    return _build(Config, config, "")
-
-
-def read_settings_file(path: pathlib.Path, flag: str = "config") -> dict:
-    """The mapping in a .json or .yaml file; anything else is a one-line ValueError naming the file."""
-    where = f"{flag}={str(path)!r}"
-    if not path.is_file():
-        raise ValueError(f"{where}: no such file; pass the path of a .json or .yaml file")
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError:
-        raise ValueError(f"{where}: not a text file; pass a .json or .yaml file") from None
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:  # its message spans lines: keep the problem and where
-            mark = getattr(e, "problem_mark", None)
-            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ValueError(f"{where}: not valid YAML ({getattr(e, 'problem', None) or e}{at}); "
-                             "fix the file") from None
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not valid JSON ({e}); fix the file or use .yaml") from None
-    if data is not None and not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a mapping of keys at the top level, got a {type(data).__name__}; "
-                         "see the config reference, docs/config.md")
-    return data or {}
-
-
-def set_dotted(data: dict, path: str, value) -> None:
-    """data["a"]["b"] = value for path "a.b", making the sections on the way."""
-    *parents, last = path.split(".")
-    for part in parents:
-        data = data.setdefault(part, {})
-    data[last] = value
-
+        return build(Config, read_settings_file(pathlib.Path(config)), "")
+    return build(Config, config, "")

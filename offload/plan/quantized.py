@@ -305,7 +305,7 @@ def _pending(bnb, module: nn.Module, p, where: str, kind: str, blocksize: int = 
             made = _record_4bit(bnb, module, new, where)
         if [(p.dtype, p.shape) for p in made.pieces] != [(p.dtype, p.shape) for p in pieces]:
             raise RuntimeError(f"{where}: bitsandbytes made {[(p.dtype, p.shape) for p in made.pieces]}, offload "
-                               f"planned {[(p.dtype, p.shape) for p in pieces]} (offload.quantized.layout); a "
+                               f"planned {[(p.dtype, p.shape) for p in pieces]} (offload.plan.quantized.layout); a "
                                "bitsandbytes version offload does not know: report it with `offload doctor`'s output")
         record.pieces, record.aliases, record._dequantize = made.pieces, made.aliases, made._dequantize
         return new

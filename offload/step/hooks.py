@@ -10,7 +10,7 @@ around a unit's call (torch.utils.checkpoint.checkpoint(block, ...)) fires the f
 recomputes the unit in backward: that fetch is part of the unit's backward use (recorded as the backward's,
 after the output hook's fetch: one event in the trace, as without checkpointing), and the recomputed forward
 does not release, since its own backward follows at once. The engine's own checkpointing runs inside the hooks
-and fires none of them again ([Note: activation checkpointing] in offload.activations).
+and fires none of them again ([Note: activation checkpointing] in offload.step.activations).
 
 [Note: backward without weights]
 An embedding lookup's backward reads the indices, not the table: a use of a unit by a module whose
@@ -22,7 +22,7 @@ outside the module's hooks. As a guard, the use must also leave the unit's param
 with no more references than before it (anything autograd saved of them holds one; fewer is no sign of
 saving: an I/O thread letting go of the buffer it read the weights into, just after the fetch completed);
 a torch that cannot count them fetches always. With partitioned weights (zero_stage 3) the fetch is a gather, so the ranks
-agree on the answer ([Note: collective order] in offload.ranks): a count one rank read while another
+agree on the answer ([Note: collective order] in offload.state.ranks): a count one rank read while another
 thread held a reference for a moment must not make it gather alone.
 """
 
@@ -54,7 +54,7 @@ def _tensors_requiring_grad(tree):
 
 def register(prefetcher, weights, rt, unit, module: torch.nn.Module) -> list:
     """Hooks `module` (the unit's root or a module using its tied parameters) to fetch/release `unit` through
-    `prefetcher` (offload.prefetch); `weights`: the unit's handle; `rt`: the runtime (telemetry, ranks)."""
+    `prefetcher` (offload.step.prefetch); `weights`: the unit's handle; `rt`: the runtime (telemetry, ranks)."""
     starts: list[tuple[float, int | None]] = []  # forward start times and storage refs (a stack: a module may call itself)
     lookup = getattr(type(module), "forward", None) is torch.nn.Embedding.forward  # [Note: backward without weights]
 
