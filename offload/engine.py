@@ -37,7 +37,7 @@ from offload.plan.placement import Placement, PlacementError, activations_advice
 from offload.plan.precision import resolve_precision
 from offload.step.prefetch import agreed_policy
 from offload.state.residency import WeightHandle
-from offload.step.runtime import Runtime
+from offload.state.runtime import Runtime
 from offload.plan.units import Unit, forward_order, partition
 from offload.scheduler.policy import ResidencyPolicy
 from offload.scheduler.trace import ExecutionTrace

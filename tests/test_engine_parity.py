@@ -195,7 +195,7 @@ class DelayedEngine:
 @pytest.mark.parametrize("param,optim,precision", [("cpu", "cpu", "fp32"), ("nvme", "nvme", "bf16")])
 def test_parity_with_injected_delays(tmp_path, monkeypatch, param, optim, precision):
     from offload.swap import SwapStore, ThreadsEngine
-    from offload.step.runtime import Runtime
+    from offload.state.runtime import Runtime
 
     monkeypatch.setenv("OFFLOAD_TEST_COPY_DELAY_S", "0.003")  # before each copy-stream job
     monkeypatch.setattr(Runtime, "open_store", staticmethod(lambda cfg, rank=0: SwapStore(
