@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .buffers import ALIGN_BYTES, aligned_empty, is_aligned, round_up
-from .engines import Block, IOEngine, host_buffer, open_engine
+from .backends import Block, IOBackend, host_buffer, open_backend
 from .errors import SwapCorruptionError, SwapIOError
 from .pending import Pending, PendingTimeout, held, io_timeout_s
 from .rundir import make_run_dir, open_unlinked, supports_direct, write_owner
@@ -240,7 +240,7 @@ def remove_run_dirs() -> None:
 class SwapStore:
     """Tensors under string keys in a private run directory; see the module docstring."""
 
-    def __init__(self, directory, *, engine: str | IOEngine = "auto", block_bytes: int = DEFAULT_BLOCK_BYTES,
+    def __init__(self, directory, *, backend: str | IOBackend = "auto", block_bytes: int = DEFAULT_BLOCK_BYTES,
                  queue_depth: int = DEFAULT_QUEUE_DEPTH, threads: int = DEFAULT_THREADS,
                  checksum: bool = DEFAULT_CHECKSUM, direct: bool | None = None,
                  background_bytes: int | None = None):
@@ -250,9 +250,10 @@ class SwapStore:
         self.block_bytes = block_bytes
         self.checksum = checksum
         self._closed = True  # until construction succeeds (so __del__ of a half-built store is a no-op)
-        self._owns_engine = isinstance(engine, str)
-        self.engine = (open_engine(engine, queue_depth=queue_depth, threads=threads, background_bytes=background_bytes)
-                       if self._owns_engine else engine)
+        self._owns_backend = isinstance(backend, str)
+        self.backend = (open_backend(backend, queue_depth=queue_depth, threads=threads,
+                                     background_bytes=background_bytes)
+                        if self._owns_backend else backend)
         try:
             self.run_dir, self._owner = make_run_dir(directory)
             try:
@@ -269,17 +270,17 @@ class SwapStore:
                 self._remove_files()
                 raise
         except BaseException:
-            if self._owns_engine:
-                self.engine.close()
+            if self._owns_backend:
+                self.backend.close()
             raise
         self._closed = False
         self._lock = threading.Lock()
         self._index: dict[str, Entry] = {}
         self._extents = Extents()
         self._pending: dict[str, set[Ticket]] = {}
-        # An engine that completes every block on one thread (libaio's reaper) hands checksums to
+        # A backend that completes every block on one thread (libaio's reaper) hands checksums to
         # helpers: computed inline they delayed resubmission and cost about a quarter of the bandwidth.
-        serial = checksum and getattr(self.engine, "serial_completions", False)
+        serial = checksum and getattr(self.backend, "serial_completions", False)
         self._digest_pool = ThreadPoolExecutor(2, thread_name_prefix="swap-digest") if serial else None
         _open_stores.add(self)
 
@@ -343,7 +344,7 @@ class SwapStore:
 
         verify=False (checksums on): the blocks are not hashed here; the caller hashes what it reads
         and passes the digests to `check_digests` before it uses or writes back any of it.
-        urgent: its blocks go ahead of queued ones that are not ([Note: urgent blocks] in swap/engines.py)."""
+        urgent: its blocks go ahead of queued ones that are not ([Note: urgent blocks] in swap/backends.py)."""
         self._check_open()
         _check_host(into, "into")
         if not into.is_contiguous():
@@ -424,7 +425,7 @@ class SwapStore:
                 "disk_bytes": self.disk_bytes}
 
     def close(self) -> None:
-        """Wait for in-flight I/O (up to the I/O timeout in all), stop the engine, close the data file (its
+        """Wait for in-flight I/O (up to the I/O timeout in all), stop the backend, close the data file (its
         bytes go) and remove the run directory. Idempotent; errors of the transfers it waits for are their
         waiters' to raise, not close()'s. A transfer stuck past the timeout keeps its thread and the file
         descriptor (a late write must not land in a reused fd), so the bytes stay until the process ends;
@@ -446,8 +447,8 @@ class SwapStore:
         if stuck:  # a thread may still be in the kernel with our fd: remove the files, leave fd and threads
             self._remove_files()
             return
-        if self._owns_engine:
-            self.engine.close()
+        if self._owns_backend:
+            self.backend.close()
         if self._digest_pool is not None:
             self._digest_pool.shutdown(wait=True)
         os.close(self._fd)
@@ -586,7 +587,7 @@ class SwapStore:
             with self._lock:
                 self._pending.setdefault(key, set()).add(ticket)
             ticket._finish = self._unpending(key, ticket, ticket._finish)
-            self.engine.submit(blocks)
+            self.backend.submit(blocks)
         return ticket
 
     def _unpending(self, key, ticket, finish):
@@ -603,7 +604,7 @@ class SwapStore:
         return run
 
     def _block_done(self, ticket, i, valid, crcs, write, block: Block, result: int) -> None:
-        """Runs on an engine thread per block: length check, then the checksum (record or verify).
+        """Runs on a backend thread per block: length check, then the checksum (record or verify).
         Whatever fails in here reaches the ticket: a block that never reports would hang its waiter."""
         try:
             if result != block.nbytes:
@@ -631,7 +632,7 @@ class SwapStore:
         what = f"short {'write' if write else 'read'}: {max(result, 0)} of {block.nbytes} bytes"
         if result < 0:
             what = f"swap {'write' if write else 'read'} failed"
-        if block.error is not None:  # why the engine failed it (e.g. its thread died)
+        if block.error is not None:  # why the backend failed it (e.g. its thread died)
             what += f" ({block.error!r})"
         err = SwapIOError(-result if result < 0 else errno.EIO, what, path=str(self.path), offset=block.offset,
                           nbytes=block.nbytes)

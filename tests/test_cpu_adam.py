@@ -258,7 +258,7 @@ def test_step_digests_match_the_swap_store(backend, numel, block_bytes, tmp_path
     the update itself is the same as without them."""
     from offload.swap import SwapStore
 
-    with SwapStore(tmp_path, engine="threads", block_bytes=block_bytes, checksum=True) as store:
+    with SwapStore(tmp_path, backend="threads", block_bytes=block_bytes, checksum=True) as store:
         gen = torch.Generator().manual_seed(numel)
         p, m, g = (torch.randn(numel, generator=gen) for _ in range(3))
         v = torch.rand(numel, generator=gen)
