@@ -3,11 +3,12 @@
 Installed as offload.swap. Knows keys and bytes, never parameters; imports nothing else of offload.
 """
 
-from .buffers import ALIGN_BYTES, BufferPool, PoolExhaustedError, aligned_empty, round_up
 from .backends import Block, IOBackend, LibaioBackend, ThreadsBackend, libaio_available, open_backend
+from .buffers import ALIGN_BYTES, BufferPool, PoolExhaustedError, aligned_empty, round_up
 from .errors import SwapCorruptionError, SwapIOError
-from .rundir import RunDir, clean, list_runs
-from .store import SwapStore, Ticket, remove_run_dirs
+from .rundir import RunDir, clean, list_runs, remove_run_dirs
+from .store import SwapStore
+from .transfer import Ticket
 
 __all__ = [
     "ALIGN_BYTES", "Block", "BufferPool", "IOBackend", "LibaioBackend", "PoolExhaustedError", "RunDir",

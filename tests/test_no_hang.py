@@ -83,13 +83,13 @@ def test_a_failing_completion_callback_fails_the_ticket(tmp_path, monkeypatch, b
 
     with SwapStore(tmp_path, backend=backend, block_bytes=64 << 10, checksum=True) as store:
         store.write("x", x).wait()
-        real = swap.store.block_digest
-        monkeypatch.setattr(swap.store, "block_digest", broken)
+        real = swap.integrity.block_digest
+        monkeypatch.setattr(swap.integrity, "block_digest", broken)
         err = within(10, lambda: store.read("x", torch.empty_like(x)).wait())
         assert isinstance(err, MemoryError) and "injected" in str(err)
         err = within(10, lambda: store.write("y", x).wait())
         assert isinstance(err, MemoryError) and "y" not in store  # a failed write leaves the key missing
-        monkeypatch.setattr(swap.store, "block_digest", real)
+        monkeypatch.setattr(swap.integrity, "block_digest", real)
         out = torch.empty_like(x)
         store.read("x", out).wait()
         assert torch.equal(out, x)

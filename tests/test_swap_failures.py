@@ -234,15 +234,15 @@ def test_interpreter_exit_removes_files_and_crashed_runs_are_cleanable(tmp_path)
 
 @pytest.fixture(params=["numpy", pytest.param("compiled", marks=pytest.mark.compiled_kernel)])
 def word_digest(request):
-    """swap.store's block digests from numpy's two passes, or from offload's compiled single pass."""
+    """swap.integrity's block digests from numpy's two passes, or from offload's compiled single pass."""
     from offload import swap
     from offload.kernels import cpu_adam
 
-    swap.store.use_word_digest(None)  # numpy's, even where an engine built earlier installed the kernel's
+    swap.integrity.use_word_digest(None)  # numpy's, even where an engine built earlier installed the kernel's
     if request.param == "compiled" and not cpu_adam.use_for_swap_digests():
         pytest.skip("the CPU Adam kernel is unavailable here")
     yield request.param
-    swap.store.use_word_digest(None)
+    swap.integrity.use_word_digest(None)
 
 
 @pytest.mark.compiled_kernel
@@ -251,7 +251,7 @@ def test_compiled_word_digest_equals_numpys(nbytes):
     """offload's single pass gives the (sum, xor) numpy's two passes give, wrap-around included, so
     digests recorded by either verify under the other."""
     from offload.kernels import cpu_adam
-    from offload.swap.store import _numpy_word_digest
+    from offload.swap.integrity import _numpy_word_digest
 
     kernel = cpu_adam._get_kernel()
     if kernel is None:
@@ -267,7 +267,7 @@ def test_compiled_word_digest_equals_numpys(nbytes):
 
 @pytest.mark.parametrize("nbytes", [1, 7, 8, 4095, 4096, 65536 + 5])
 def test_block_digest_sees_any_single_byte_change_and_zeroing(nbytes, word_digest):
-    from offload.swap.store import block_digest
+    from offload.swap.integrity import block_digest
 
     buf = swap.aligned_empty(nbytes).random_(1, 256)
     ref = block_digest(buf.data_ptr(), nbytes)

@@ -140,7 +140,7 @@ def test_digests_from_the_caller(tmp_path):
     """write(digests=) records the caller's digests; read(verify=False) leaves the check to the caller,
     whose check_digests names the first differing block (its file offset and length)."""
     from offload.swap import SwapCorruptionError
-    from offload.swap.store import block_digest
+    from offload.swap.integrity import block_digest
 
     with SwapStore(tmp_path, backend="threads", block_bytes=8192, checksum=True) as store:
         x = torch.randn(5000)  # 20000 bytes: two 8 KiB blocks and a partial last page

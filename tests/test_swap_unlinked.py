@@ -198,7 +198,7 @@ def test_clean_list_shows_live_runs_and_their_bytes(tmp_path, capsys):
 
 
 def test_list_runs_reads_the_exact_bytes_where_owner_json_lags(tmp_path, monkeypatch):
-    monkeypatch.setattr(swap.store, "OWNER_RECORD_S", 1e9)  # owner.json rewritten only when grown by 1/8
+    monkeypatch.setattr(swap.rundir, "OWNER_RECORD_S", 1e9)  # owner.json rewritten only when grown by 1/8
     with SwapStore(tmp_path, backend="threads") as store:
         store.write("a", torch.ones(1 << 20)).wait()
         store.write("b", torch.ones(1)).wait()  # one more 4 KiB page: not recorded
