@@ -6,19 +6,6 @@ One small Protocol, two backends:
 - `threads`: os.preadv/os.pwritev in a pool of `threads` workers (works everywhere).
 `auto` takes libaio when libaio.so.1 loads, else threads, and says which in the log.
 
-[Note: urgent blocks]
-A block marked `urgent` (a weight fetch the compute will wait for) goes ahead of every queued block that
-is not, in the order urgent blocks came; blocks already with the drive are not preempted. So a fetch
-issued while the optimizer's window pipeline keeps the queue full waits for what is in flight, not for
-the windows queued behind it (a 3b preset's first fetch would otherwise wait behind every deferred
-step's window: bench/RESULTS.md, "fetches first").
-Blocks already with the drive are the rest of its wait, so the libaio backend can also keep the bytes of
-non-urgent blocks in flight under `background_bytes`: at full depth (32 blocks of 8 MiB) a weight fetch
-waits behind 256 MiB of state windows, while 2-4 such blocks in flight already reach the drive's
-bandwidth (stalls with and without the limit: bench/RESULTS.md, "aio.background_bytes").
-Urgent blocks still take any free slot. The swap layer's default is no limit (what `offload bench nvme`
-measures: the drive at full depth); the Engine passes `aio.background_bytes`.
-
 A backend knows nothing about keys, checksums or files' meaning: it gets `Block`s and calls each
 block's `done(block, result)` exactly once, with result = bytes moved or -errno, on its own thread.
 That holds on every path ([Note: no wait without an end] in swap/pending.py): `submit` never raises (a
@@ -38,6 +25,19 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from .pending import io_timeout_s, start_thread
+
+# [Note: urgent blocks]
+# A block marked `urgent` (a weight fetch the compute will wait for) goes ahead of every queued block that
+# is not, in the order urgent blocks came; blocks already with the drive are not preempted. So a fetch
+# issued while the optimizer's window pipeline keeps the queue full waits for what is in flight, not for
+# the windows queued behind it (a 3b preset's first fetch would otherwise wait behind every deferred
+# step's window: bench/RESULTS.md, "fetches first").
+# Blocks already with the drive are the rest of its wait, so the libaio backend can also keep the bytes of
+# non-urgent blocks in flight under `background_bytes`: at full depth (32 blocks of 8 MiB) a weight fetch
+# waits behind 256 MiB of state windows, while 2-4 such blocks in flight already reach the drive's
+# bandwidth (stalls with and without the limit: bench/RESULTS.md, "aio.background_bytes").
+# Urgent blocks still take any free slot. The swap layer's default is no limit (what `offload bench nvme`
+# measures: the drive at full depth); the Engine passes `aio.background_bytes`.
 
 log = logging.getLogger("swap")
 

@@ -7,14 +7,6 @@ first write) for the write, closing it (removing the files) for the read. Host b
 pre-faulted and not timed. By default the timed write rewrites keys already on disk, as training
 does every step and as DeepSpeed's ds_io does after its warm-up loop; the first write into fresh
 blocks is reported too (first_write_gbps), as it is slower on thin-provisioned or copy-on-write disks.
-
-[Note: bounded host memory]
-SIZE is what goes to the drive, not what is held in RAM: the bytes move through a ring of RING_SLOTS
-host slots of one key each, a key being one full I/O queue of the store (block_bytes x queue depth, or
-x threads, capped at CHUNK_BYTES), and a slot is written from (or read into) again only after its last
-transfer completed. So one key is in flight while the next is queued behind it, the drive always has a
-full queue, and RSS stays at the ring (512 MiB at most) whatever SIZE is, where one host buffer of SIZE
-would hold all of it (peak RSS both ways: bench/RESULTS.md, "Figures that code comments carried").
 """
 
 from __future__ import annotations
@@ -28,6 +20,14 @@ import torch
 
 from .buffers import aligned_empty, round_up
 from .store import DEFAULT_BLOCK_BYTES, DEFAULT_CHECKSUM, DEFAULT_QUEUE_DEPTH, DEFAULT_THREADS, SwapStore
+
+# [Note: bounded host memory]
+# SIZE is what goes to the drive, not what is held in RAM: the bytes move through a ring of RING_SLOTS
+# host slots of one key each, a key being one full I/O queue of the store (block_bytes x queue depth, or
+# x threads, capped at CHUNK_BYTES), and a slot is written from (or read into) again only after its last
+# transfer completed. So one key is in flight while the next is queued behind it, the drive always has a
+# full queue, and RSS stays at the ring (512 MiB at most) whatever SIZE is, where one host buffer of SIZE
+# would hold all of it (peak RSS both ways: bench/RESULTS.md, "Figures that code comments carried").
 
 CHUNK_BYTES = 256 << 20  # the largest key: a ring slot ([Note: bounded host memory])
 RING_SLOTS = 2           # one key in flight while the next is queued

@@ -5,19 +5,12 @@ Layout under the user's swap directory (nvme_path):
         owner.json                                   0600: pid, host, process start time, bytes, fd
 The store's data file lives in the run directory but has no name there ([Note: unlinked data file]), so
 `ls` and `du` do not show it; owner.json says which fd of which process holds it (/proc/<pid>/fd/<fd>, where
-list_runs reads its exact bytes when allowed to) and its size as last recorded. Two runs sharing one nvme_path never collide (the token is random, mkdir is
-exclusive). A directory whose owner process is gone (or whose pid now belongs to a younger process) is
-stale: its bytes went with its process, and `offload clean DIR` removes what is left (owner.json, and the
-named data.bin of versions before the data file was unlinked); live runs are left alone unless forced.
-
-[Note: unlinked data file]
-A process can end without running any cleanup: SIGKILL, the OOM killer, a crash in C code, a SIGTERM
-whose default action ends it at once. A named data file would then keep gigabytes on the drive until
-someone removes it. So the data file is created without a name: O_TMPFILE in the run directory where the
-file system supports it (ext4, xfs, btrfs, tmpfs), else opened under a name that is unlinked at once. The
-kernel frees its blocks when the last descriptor closes, however the process ends. O_DIRECT works on it as
-on any file. A forked child closes its copy of the descriptor ([Note: files at exit]), so a DataLoader worker
-outliving its parent does not hold the bytes.
+list_runs reads its exact bytes when allowed to) and its size as last recorded. Two runs sharing one
+nvme_path never collide (the token is random, mkdir is exclusive). A directory whose owner process is gone
+(or whose pid now belongs to a younger process) is stale: its bytes went with its process, and `offload
+clean DIR` removes what is left (owner.json, and the named data.bin of versions before the data file was
+unlinked); live runs are left alone unless forced. An open store holds its run as an `OpenRun`; the runs
+still open are closed at exit and forgotten in a forked child ([Note: files at exit]).
 """
 
 from __future__ import annotations
@@ -41,6 +34,15 @@ import psutil
 
 from .buffers import ALIGN_BYTES, aligned_empty
 from .errors import SwapIOError
+
+# [Note: unlinked data file]
+# A process can end without running any cleanup: SIGKILL, the OOM killer, a crash in C code, a SIGTERM
+# whose default action ends it at once. A named data file would then keep gigabytes on the drive until
+# someone removes it. So the data file is created without a name: O_TMPFILE in the run directory where the
+# file system supports it (ext4, xfs, btrfs, tmpfs), else opened under a name that is unlinked at once. The
+# kernel frees its blocks when the last descriptor closes, however the process ends. O_DIRECT works on it as
+# on any file. A forked child closes its copy of the descriptor ([Note: files at exit]), so a DataLoader worker
+# outliving its parent does not hold the bytes.
 
 log = logging.getLogger("swap")
 

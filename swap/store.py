@@ -5,18 +5,8 @@ key -> Entry(offset, nbytes, per-block checksum). Entries are 4 KiB-granular ext
 fallocate, so O_DIRECT writes land in allocated blocks. The file has no name ([Note: unlinked data
 file] in swap/rundir.py): its bytes go when the process ends, however it ends; the run directory's
 owner.json records its size as it grows, `describe()` and `disk_bytes` say where it is and what it holds.
-
-[Note: what a failed write leaves]
-A write removes its key from the index before the first byte moves and puts it back only when every
-block has completed (and verified its length). So a failed write leaves the key missing, never a
-key that reads back a mix of old and new bytes. An overwrite of the same padded size reuses the
-extent in place (no doubled disk use for the common swap-out of the same unit).
-
-[Note: copies]
-An aligned contiguous tensor moves without a copy: its 4 KiB-multiple body goes straight between
-its memory and the file, and only a partial last page (< 4 KiB) bounces through a page-sized buffer,
-so bytes past the tensor (a neighbour in a flat buffer) are never written. Anything else bounces
-through one aligned staging buffer.
+The store keeps the index of keys and extents; the bytes move as checked blocks (swap/transfer.py, with
+swap/integrity.py's digests), and swap/rundir.py's OpenRun holds the run directory and the data file.
 """
 
 from __future__ import annotations
@@ -38,6 +28,18 @@ from .integrity import digest_bounds, digest_spans
 from .pending import PendingTimeout, io_timeout_s
 from .rundir import OpenRun, hold_open, let_go
 from .transfer import Ticket, Transfers, failed_ticket
+
+# [Note: what a failed write leaves]
+# A write removes its key from the index before the first byte moves and puts it back only when every
+# block has completed (and verified its length). So a failed write leaves the key missing, never a
+# key that reads back a mix of old and new bytes. An overwrite of the same padded size reuses the
+# extent in place (no doubled disk use for the common swap-out of the same unit).
+
+# [Note: copies]
+# An aligned contiguous tensor moves without a copy: its 4 KiB-multiple body goes straight between
+# its memory and the file, and only a partial last page (< 4 KiB) bounces through a page-sized buffer,
+# so bytes past the tensor (a neighbour in a flat buffer) are never written. Anything else bounces
+# through one aligned staging buffer.
 
 log = logging.getLogger("swap")
 
