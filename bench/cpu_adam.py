@@ -89,13 +89,13 @@ def ours_job(b: dict, digest_bounds=None):
 def digest_bounds(numel: int) -> list:
     """The engine's swap blocks over a numel-element fp32 state (its default aio.block_bytes)."""
     from offload.plan.config import AioConfig
-    from offload.swap.store import digest_bounds as bounds
+    from offload.swap.integrity import digest_bounds as bounds
 
     return bounds(numel, 4, AioConfig().block_bytes)
 
 
 def separate_hashes_job(b: dict, bounds: list):
-    from offload.swap.store import tensor_digests
+    from offload.swap.integrity import tensor_digests
 
     def run():
         for _ in range(2):  # verify after the read, record before the write

@@ -61,7 +61,7 @@ HELP = {
     "aio.engine": '"auto" (libaio when importable, else threads), "libaio" or "threads"',
     "aio.block_bytes": "bytes per I/O request, a multiple of 4096",
     "aio.queue_depth": "I/O requests in flight",
-    "aio.threads": "worker threads of the threads engine",
+    "aio.threads": "worker threads of the threads backend",
     "lr_schedule.warmup_steps": "optimizer steps of linear warmup up to the base lr (then the decay, if any)",
     "loss_scale.initial": "initial fp16 loss scale",
     "loss_scale.growth_interval": "optimizer steps without overflow before the scale doubles",

@@ -1,16 +1,17 @@
-"""swap: how bytes reach NVMe. Aligned host buffers and pools, the swap store, I/O engines.
+"""swap: how bytes reach NVMe. Aligned host buffers and pools, the swap store, I/O backends.
 
 Installed as offload.swap. Knows keys and bytes, never parameters; imports nothing else of offload.
 """
 
+from .backends import Block, IOBackend, LibaioBackend, ThreadsBackend, libaio_available, open_backend
 from .buffers import ALIGN_BYTES, BufferPool, PoolExhaustedError, aligned_empty, round_up
-from .engines import Block, IOEngine, LibaioEngine, ThreadsEngine, libaio_available, open_engine
 from .errors import SwapCorruptionError, SwapIOError
-from .rundir import RunDir, clean, list_runs
-from .store import SwapStore, Ticket, remove_run_dirs
+from .rundir import RunDir, clean, list_runs, remove_run_dirs
+from .store import SwapStore
+from .transfer import Ticket
 
 __all__ = [
-    "ALIGN_BYTES", "Block", "BufferPool", "IOEngine", "LibaioEngine", "PoolExhaustedError", "RunDir",
-    "SwapCorruptionError", "SwapIOError", "SwapStore", "ThreadsEngine", "Ticket", "aligned_empty",
-    "clean", "libaio_available", "list_runs", "open_engine", "remove_run_dirs", "round_up",
+    "ALIGN_BYTES", "Block", "BufferPool", "IOBackend", "LibaioBackend", "PoolExhaustedError", "RunDir",
+    "SwapCorruptionError", "SwapIOError", "SwapStore", "ThreadsBackend", "Ticket", "aligned_empty",
+    "clean", "libaio_available", "list_runs", "open_backend", "remove_run_dirs", "round_up",
 ]

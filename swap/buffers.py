@@ -1,20 +1,4 @@
 """Host buffers that O_DIRECT can use whole: 4 KiB-aligned, padded, pre-faulted (pinned with CUDA).
-
-[Note: why pre-fault]
-io_submit on pages that were never touched stalls on page faults inside the kernel, and reads into
-fresh pages run several times slower than into touched ones. So every buffer handed out here is
-populated before its first I/O: large ones through madvise(MADV_POPULATE_WRITE) (the kernel zero-fills
-them in one pass), small ones by zeroing. Large buffers are also 2 MiB-aligned and marked MADV_HUGEPAGE:
-O_DIRECT pins the user pages of every transfer, and with huge pages that is one page per 2 MiB instead
-of 512, which speeds up 1 MiB reads and writes alike. Figures for both: bench/RESULTS.md, "NVMe swap"
-and "Figures that code comments carried".
-
-[Note: pinned buffers are our own]
-With CUDA, pinned (page-locked) buffers are the same populated mappings, registered with
-cudaHostRegister, not torch's pinned allocator: that one rounds every request up to a power of two
-(a 40 MiB unit home would hold 64 MiB) and caches freed blocks, so the bytes the process holds would
-not be the bytes the tier accountants count. A registered mapping holds its size rounded to 4 KiB, and
-is unregistered before it is unmapped (_Mapping.__del__ runs before the mapping's own deallocation).
 """
 
 from __future__ import annotations
@@ -26,6 +10,22 @@ import time
 
 import numpy as np
 import torch
+
+# [Note: why pre-fault]
+# io_submit on pages that were never touched stalls on page faults inside the kernel, and reads into
+# fresh pages run several times slower than into touched ones. So every buffer handed out here is
+# populated before its first I/O: large ones through madvise(MADV_POPULATE_WRITE) (the kernel zero-fills
+# them in one pass), small ones by zeroing. Large buffers are also 2 MiB-aligned and marked MADV_HUGEPAGE:
+# O_DIRECT pins the user pages of every transfer, and with huge pages that is one page per 2 MiB instead
+# of 512, which speeds up 1 MiB reads and writes alike. Figures for both: bench/RESULTS.md, "NVMe swap"
+# and "Figures that code comments carried".
+
+# [Note: pinned buffers are our own]
+# With CUDA, pinned (page-locked) buffers are the same populated mappings, registered with
+# cudaHostRegister, not torch's pinned allocator: that one rounds every request up to a power of two
+# (a 40 MiB unit home would hold 64 MiB) and caches freed blocks, so the bytes the process holds would
+# not be the bytes the tier accountants count. A registered mapping holds its size rounded to 4 KiB, and
+# is unregistered before it is unmapped (_Mapping.__del__ runs before the mapping's own deallocation).
 
 ALIGN_BYTES = 4096
 _MMAP_MIN_BYTES = 1 << 20  # below this, a malloc'd block + zero_() is cheaper than an mmap syscall

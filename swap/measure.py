@@ -2,19 +2,11 @@
 
 Used by `offload bench nvme`, `offload tune nvme` and bench/nvme.py. Figures are GB/s (1e9 bytes/s).
 "task" times span the first submission to the last completion; "e2e" times add what a user pays
-around it: opening the store (run directory, O_DIRECT probe, engine start, and with warm-up the
+around it: opening the store (run directory, O_DIRECT probe, I/O backend start, and with warm-up the
 first write) for the write, closing it (removing the files) for the read. Host buffers are
 pre-faulted and not timed. By default the timed write rewrites keys already on disk, as training
 does every step and as DeepSpeed's ds_io does after its warm-up loop; the first write into fresh
 blocks is reported too (first_write_gbps), as it is slower on thin-provisioned or copy-on-write disks.
-
-[Note: bounded host memory]
-SIZE is what goes to the drive, not what is held in RAM: the bytes move through a ring of RING_SLOTS
-host slots of one key each, a key being one full I/O queue of the store (block_bytes x queue depth, or
-x threads, capped at CHUNK_BYTES), and a slot is written from (or read into) again only after its last
-transfer completed. So one key is in flight while the next is queued behind it, the drive always has a
-full queue, and RSS stays at the ring (512 MiB at most) whatever SIZE is, where one host buffer of SIZE
-would hold all of it (peak RSS both ways: bench/RESULTS.md, "Figures that code comments carried").
 """
 
 from __future__ import annotations
@@ -28,6 +20,14 @@ import torch
 
 from .buffers import aligned_empty, round_up
 from .store import DEFAULT_BLOCK_BYTES, DEFAULT_CHECKSUM, DEFAULT_QUEUE_DEPTH, DEFAULT_THREADS, SwapStore
+
+# [Note: bounded host memory]
+# SIZE is what goes to the drive, not what is held in RAM: the bytes move through a ring of RING_SLOTS
+# host slots of one key each, a key being one full I/O queue of the store (block_bytes x queue depth, or
+# x threads, capped at CHUNK_BYTES), and a slot is written from (or read into) again only after its last
+# transfer completed. So one key is in flight while the next is queued behind it, the drive always has a
+# full queue, and RSS stays at the ring (512 MiB at most) whatever SIZE is, where one host buffer of SIZE
+# would hold all of it (peak RSS both ways: bench/RESULTS.md, "Figures that code comments carried").
 
 CHUNK_BYTES = 256 << 20  # the largest key: a ring slot ([Note: bounded host memory])
 RING_SLOTS = 2           # one key in flight while the next is queued
@@ -97,7 +97,7 @@ def measure(directory, size_bytes: int, *, engine: str = "auto", block_bytes: in
     probes = {i: v.clone() for i, v in last.items()}
 
     t_open = time.perf_counter()
-    store = SwapStore(directory, engine=engine, block_bytes=block_bytes, queue_depth=queue_depth,
+    store = SwapStore(directory, backend=engine, block_bytes=block_bytes, queue_depth=queue_depth,
                       threads=threads, checksum=checksum)
     try:
         t0 = time.perf_counter()
@@ -113,14 +113,14 @@ def measure(directory, size_bytes: int, *, engine: str = "auto", block_bytes: in
         t2 = time.perf_counter()
         _cycle(store.read, keys, slots)
         t3 = time.perf_counter()
-        engine_name, direct = store.engine.name, store.direct
+        engine_name, direct = store.backend.name, store.direct
     finally:
         store.close()
     t_closed = time.perf_counter()
     if not all(torch.equal(last[i], probes[i]) for i in last):
         raise OSError(errno.EIO, f"swap bench: bytes read back from {directory} differ from bytes written: the drive, "
-                      "its filesystem or the I/O engine returned wrong data; run it again with --engine threads to "
-                      "tell the engine from the drive, and check the drive")
+                      "its filesystem or the I/O backend returned wrong data; run it again with --engine threads to "
+                      "tell the backend from the drive, and check the drive")
     gb = size_bytes / 1e9
     return {
         "dir": str(directory), "size_bytes": size_bytes, "engine": engine_name, "block_bytes": block_bytes,
@@ -150,7 +150,7 @@ def format_table(r: dict) -> str:
 COLUMNS = """\
 task: from the first request submitted to the last completed: the drive through our I/O queue (what the
       I/O bound of a training step uses); e2e: task plus what a user pays around it: opening the store
-      (run directory, O_DIRECT probe, engine start, and the warm-up write) before the write, closing it
+      (run directory, O_DIRECT probe, I/O backend start, and the warm-up write) before the write, closing it
       (removing the files) after the read. Host memory: a {ring:.0f} MiB ring, whatever the size."""
 
 
@@ -160,7 +160,7 @@ SWEEP_THREADS = (1, 2, 4, 8)
 
 
 def sweep_configs(engines=("libaio", "threads")) -> list[dict]:
-    """block size x queue depth for libaio, block size x threads for threads (each engine ignores
+    """block size x queue depth for libaio, block size x threads for threads (each backend ignores
     the other's knob, so sweeping it would only repeat runs)."""
     configs = []
     for engine in engines:

@@ -1,21 +1,4 @@
 """Results that other threads owe: completed exactly once, waited for with an end.
-
-[Note: no wait without an end]
-A transfer completes on another thread (an I/O engine's, a copy stream's). With a plain Event, a
-completion callback that raises or a thread that dies leaves the event unset, and its waiter (or
-close() at interpreter exit) blocks forever. So such a result is a `Pending`: whoever owes it
-completes it exactly once, with an error when anything went wrong; a thread started with
-`start_thread` fails everything it still owed if it dies; and every wait ends after the I/O timeout
-with an error naming what was pending, its bytes and how long it waited. The timeout is generous
-(a drive may stall for seconds, never for minutes) and only says that something is stuck.
-
-[Note: held sections]
-A signal handler that raises (offload.signals: SIGTERM and Ctrl-C stop a run) interrupts the main
-thread at any instruction. Between registering a transfer and handing all its blocks to the engine,
-that would leave a transfer that never completes: close() then waits for it until the I/O timeout (seen:
-`offload train` stopped by SIGTERM hung in SwapStore.close), or an engine with blocks never queued. Such
-a section runs inside `held()`; a handler that calls `defer(raise_it)` while one is open returns, and the
-section's end calls raise_it instead, once everything it started is queued.
 """
 
 from __future__ import annotations
@@ -26,6 +9,23 @@ import os
 import threading
 import time
 from typing import Callable, Iterable
+
+# [Note: no wait without an end]
+# A transfer completes on another thread (an I/O backend's, a copy stream's). With a plain Event, a
+# completion callback that raises or a thread that dies leaves the event unset, and its waiter (or
+# close() at interpreter exit) blocks forever. So such a result is a `Pending`: whoever owes it
+# completes it exactly once, with an error when anything went wrong; a thread started with
+# `start_thread` fails everything it still owed if it dies; and every wait ends after the I/O timeout
+# with an error naming what was pending, its bytes and how long it waited. The timeout is generous
+# (a drive may stall for seconds, never for minutes) and only says that something is stuck.
+
+# [Note: held sections]
+# A signal handler that raises (offload.signals: SIGTERM and Ctrl-C stop a run) interrupts the main
+# thread at any instruction. Between registering a transfer and handing all its blocks to the backend,
+# that would leave a transfer that never completes: close() then waits for it until the I/O timeout (seen:
+# `offload train` stopped by SIGTERM hung in SwapStore.close), or a backend with blocks never queued. Such
+# a section runs inside `held()`; a handler that calls `defer(raise_it)` while one is open returns, and the
+# section's end calls raise_it instead, once everything it started is queued.
 
 log = logging.getLogger("swap")
 

@@ -5,23 +5,17 @@ Layout under the user's swap directory (nvme_path):
         owner.json                                   0600: pid, host, process start time, bytes, fd
 The store's data file lives in the run directory but has no name there ([Note: unlinked data file]), so
 `ls` and `du` do not show it; owner.json says which fd of which process holds it (/proc/<pid>/fd/<fd>, where
-list_runs reads its exact bytes when allowed to) and its size as last recorded. Two runs sharing one nvme_path never collide (the token is random, mkdir is
-exclusive). A directory whose owner process is gone (or whose pid now belongs to a younger process) is
-stale: its bytes went with its process, and `offload clean DIR` removes what is left (owner.json, and the
-named data.bin of versions before the data file was unlinked); live runs are left alone unless forced.
-
-[Note: unlinked data file]
-A process can end without running any cleanup: SIGKILL, the OOM killer, a crash in C code, a SIGTERM
-whose default action ends it at once. A named data file would then keep gigabytes on the drive until
-someone removes it. So the data file is created without a name: O_TMPFILE in the run directory where the
-file system supports it (ext4, xfs, btrfs, tmpfs), else opened under a name that is unlinked at once. The
-kernel frees its blocks when the last descriptor closes, however the process ends. O_DIRECT works on it as
-on any file. A forked child closes its copy of the descriptor (swap/store.py), so a DataLoader worker
-outliving its parent does not hold the bytes.
+list_runs reads its exact bytes when allowed to) and its size as last recorded. Two runs sharing one
+nvme_path never collide (the token is random, mkdir is exclusive). A directory whose owner process is gone
+(or whose pid now belongs to a younger process) is stale: its bytes went with its process, and `offload
+clean DIR` removes what is left (owner.json, and the named data.bin of versions before the data file was
+unlinked); live runs are left alone unless forced. An open store holds its run as an `OpenRun`; the runs
+still open are closed at exit and forgotten in a forked child ([Note: files at exit]).
 """
 
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import logging
@@ -31,19 +25,31 @@ import shutil
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Protocol
 
 import psutil
 
 from .buffers import ALIGN_BYTES, aligned_empty
 from .errors import SwapIOError
 
+# [Note: unlinked data file]
+# A process can end without running any cleanup: SIGKILL, the OOM killer, a crash in C code, a SIGTERM
+# whose default action ends it at once. A named data file would then keep gigabytes on the drive until
+# someone removes it. So the data file is created without a name: O_TMPFILE in the run directory where the
+# file system supports it (ext4, xfs, btrfs, tmpfs), else opened under a name that is unlinked at once. The
+# kernel frees its blocks when the last descriptor closes, however the process ends. O_DIRECT works on it as
+# on any file. A forked child closes its copy of the descriptor ([Note: files at exit]), so a DataLoader worker
+# outliving its parent does not hold the bytes.
+
 log = logging.getLogger("swap")
 
 RUN_PREFIX = "offload-swap-"
 OWNER_FILE = "owner.json"
 OPEN_FLAGS = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+OWNER_RECORD_S = 1.0  # owner.json's size is rewritten at a growth this long after its last record (or by 1/8)
 
 
 def _process_start(pid: int) -> float | None:
@@ -232,3 +238,129 @@ def _probe_direct(run_dir: Path) -> bool:
         raise
     finally:
         os.close(fd)
+
+
+def _choose_direct(run_dir: Path, direct: bool | None) -> bool:
+    ok = supports_direct(run_dir)
+    if direct and not ok:
+        raise ValueError(f"direct=True: {run_dir.parent} refuses O_DIRECT (a tmpfs?); "
+                         f"use direct=None to fall back to buffered I/O, or a directory on a disk")
+    return ok if direct is None else bool(direct)
+
+
+class OpenRun:
+    """An open store's run directory and the unlinked data file in it (`fd`, with O_DIRECT when `direct`);
+    owner.json records the file's size as it grows. `closed` is set when the store's close begins, or in a
+    forked child that forgot it ([Note: files at exit])."""
+
+    def __init__(self, directory: str | os.PathLike, direct: bool | None):
+        self.closed = True  # until made
+        self.run_dir, self._owner = make_run_dir(directory)
+        self.fd = None
+        try:
+            self.direct = _choose_direct(self.run_dir, direct)
+            self.fd, self.file_kind = open_unlinked(self.run_dir, os.O_RDWR | (os.O_DIRECT if self.direct else 0))
+            # What errors name: the directory the bytes are in and where the process holds them.
+            self.path = f"{self.run_dir}/(unlinked data file, /proc/{os.getpid()}/fd/{self.fd})"
+            self._owner_lock, self._owner_time = threading.Lock(), time.monotonic()
+            with self._owner_lock:
+                self._update_owner(fd=self.fd, data=self.file_kind)
+        except BaseException:
+            if self.fd is not None:
+                os.close(self.fd)
+            self.remove()
+            raise
+        self.closed = False
+
+    def record_size_if_needed(self, end_bytes: Callable[[], int]) -> None:
+        """After the file grew to end_bytes(): its new size into owner.json, for `offload clean --list` where
+        it cannot read the size from /proc. Rewriting owner.json costs about 1 ms (create, write, rename), and
+        a model's first writes grow the file thousands of times, so it is rewritten only when the size grew by
+        an eighth since the last record or that record is older than OWNER_RECORD_S. A failure to write it is
+        logged (the swap itself is fine)."""
+        end, recorded = end_bytes(), self._owner["bytes"]
+        if end == recorded:  # the common case: rewritten in place
+            return
+        if end < recorded + recorded // 8 and time.monotonic() - self._owner_time < OWNER_RECORD_S:
+            return
+        try:
+            with self._owner_lock:  # the size read under the lock: a later writer never records an older one
+                self._update_owner(bytes=end_bytes())
+                self._owner_time = time.monotonic()
+        except OSError as e:
+            log.warning("swap: cannot record the data file's size in %s/owner.json: %s", self.run_dir, e)
+
+    def release(self, *, keep_fd: bool = False) -> None:
+        """Closes the data file (its bytes go) unless keep_fd, and removes the run directory."""
+        self.closed = True
+        if not keep_fd:
+            os.close(self.fd)
+        self.remove()
+
+    def remove(self) -> None:
+        """Removes the run directory (owner.json); the data file, held open, keeps its bytes until closed."""
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: close the inherited data file and never touch the run directory."""
+        self.closed = True
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+    def _update_owner(self, **changes) -> None:
+        """Rewrite owner.json with `changes`; the caller holds _owner_lock."""
+        if any(self._owner.get(k) != v for k, v in changes.items()):
+            self._owner = {**self._owner, **changes}
+            write_owner(self.run_dir, self._owner)
+
+
+class Closes(Protocol):
+    """What holds an OpenRun: a SwapStore."""
+
+    def close(self) -> None: ...
+
+
+# [Note: files at exit]
+# The data file's bytes need no cleanup: they go with the process ([Note: unlinked data file] in
+# swap/rundir.py). What close() removes is the run directory with its owner.json; stores still open are
+# closed at interpreter exit (atexit: also after an uncaught exception or Ctrl-C's KeyboardInterrupt). The
+# store installs no signal handler: a SIGTERM keeps its default action and ends the process at once, even
+# inside a long C call, leaving a stale run directory (owner.json only) that `offload clean` removes; a
+# process that ends itself with os._exit (offload.watchdog) removes its run directories first (remove_run_dirs).
+# A forked child (a DataLoader worker) closes its copy of the parent's data files and forgets the stores,
+# so it neither holds their bytes after the parent ended nor removes the parent's run directories.
+_open_runs: "weakref.WeakKeyDictionary[Closes, OpenRun]" = weakref.WeakKeyDictionary()
+
+
+def hold_open(store: Closes, run: OpenRun) -> None:
+    """`store` holds `run` open until it closes: closed at interpreter exit, forgotten in a forked child."""
+    _open_runs[store] = run
+
+
+def let_go(store: Closes) -> None:
+    """`store` is closing: nothing more to do for it at exit."""
+    _open_runs.pop(store, None)
+
+
+def _forget_runs_in_child() -> None:
+    for run in list(_open_runs.values()):
+        run.forget_after_fork()
+    _open_runs.clear()
+
+
+os.register_at_fork(after_in_child=_forget_runs_in_child)
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    for store in list(_open_runs.keys()):
+        store.close()
+
+
+def remove_run_dirs() -> None:
+    """Removes the run directory of every store this process holds open, leaving the stores as they are: for
+    a process about to end with os._exit (which runs no atexit), whose data files' bytes go with it."""
+    for run in list(_open_runs.values()):
+        run.remove()

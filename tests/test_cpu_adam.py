@@ -253,12 +253,12 @@ def test_out_alignment(backend, offset):
 @pytest.mark.parametrize("numel", [1, 7, 1024, 1025, 3 * 2048 + 5, 200_001])
 @pytest.mark.parametrize("block_bytes", [8192, 1 << 20])  # 1 MiB: several 64 Ki-element chunks per block
 def test_step_digests_match_the_swap_store(backend, numel, block_bytes, tmp_path):
-    """[Note: swap digests in the step]: the digests the step returns are swap.store.block_digest of each
+    """[Note: swap digests in the step]: the digests the step returns are swap.integrity.block_digest of each
     block before and after the update (odd tails, partial last pages, chunks split at block starts), and
     the update itself is the same as without them."""
     from offload.swap import SwapStore
 
-    with SwapStore(tmp_path, engine="threads", block_bytes=block_bytes, checksum=True) as store:
+    with SwapStore(tmp_path, backend="threads", block_bytes=block_bytes, checksum=True) as store:
         gen = torch.Generator().manual_seed(numel)
         p, m, g = (torch.randn(numel, generator=gen) for _ in range(3))
         v = torch.rand(numel, generator=gen)

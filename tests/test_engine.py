@@ -445,13 +445,14 @@ def test_fetched_copies_reuse_pooled_host_memory(tmp_path, monkeypatch, param):
                 assert all(a == b for a, b in zip(seen[::2], seen[1::2]))  # the buffer just given back, again
                 assert alone and eng.placement.shared_sizes
                 staged = []  # per nvme read: did it go through a staging buffer (an unaligned destination)?
+                from offload.swap import store as swap_store
 
-                def destination(into, nbytes, original=eng.rt.store._destination):
+                def destination(into, nbytes, original=swap_store._destination):
                     dst, was_staged = original(into, nbytes)
                     staged.append(was_staged)
                     return dst, was_staged
 
-                monkeypatch.setattr(eng.rt.store, "_destination", destination)
+                monkeypatch.setattr(swap_store, "_destination", destination)
                 alone[0].fetch()
                 alone[0].wait_for_fetch()
                 buf, faulted = alone[0]._lent  # a size no other unit has: fresh memory, not held between uses,

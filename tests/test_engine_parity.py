@@ -168,8 +168,8 @@ def test_overlapped_step_runs_during_backward(tmp_path):
         assert eng.step() is True and eng.stats()["step"] == 1
 
 
-class DelayedEngine:
-    """Wraps an I/O engine so every completion arrives after a random delay."""
+class DelayedBackend:
+    """Wraps an I/O backend so every completion arrives after a random delay."""
 
     def __init__(self, inner, delay_s: float):
         self.inner, self.delay_s, self.name = inner, delay_s, f"delayed-{inner.name}"
@@ -194,12 +194,12 @@ class DelayedEngine:
 
 @pytest.mark.parametrize("param,optim,precision", [("cpu", "cpu", "fp32"), ("nvme", "nvme", "bf16")])
 def test_parity_with_injected_delays(tmp_path, monkeypatch, param, optim, precision):
-    from offload.swap import SwapStore, ThreadsEngine
+    from offload.swap import SwapStore, ThreadsBackend
     from offload.state.runtime import Runtime
 
     monkeypatch.setenv("OFFLOAD_TEST_COPY_DELAY_S", "0.003")  # before each copy-stream job
     monkeypatch.setattr(Runtime, "open_store", staticmethod(lambda cfg, rank=0: SwapStore(
-        cfg.swap_dir(rank), engine=DelayedEngine(ThreadsEngine(4), 0.003), checksum=True)))
+        cfg.swap_dir(rank), backend=DelayedBackend(ThreadsBackend(4), 0.003), checksum=True)))
     torch.manual_seed(0)
     out = train_both(MLP(), config(tmp_path, param, optim, precision), mlp_batches(5), steps=5)
     check(*out[:4])

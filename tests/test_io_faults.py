@@ -1,6 +1,6 @@
-"""Swap I/O failures as a drive delivers them, under a real Engine: the swap store's I/O engine is
-tests/test_swap_failures.py's FaultyEngine around the real one, completing the chosen blocks with -EIO or
--ENOSPC on an engine thread, so the error reaches the engine through the ticket it waits on (not from a
+"""Swap I/O failures as a drive delivers them, under a real Engine: the swap store's I/O backend is
+tests/test_swap_failures.py's FaultyBackend around the real one, completing the chosen blocks with -EIO or
+-ENOSPC on a backend thread, so the error reaches the engine through the ticket it waits on (not from a
 mock's write()). In a forward's weight fetch, in the backward's write-back of the gradient accumulator and
 in the optimizer's window writes: the error names the errno and the swap file; the micro-step rolls back
 (nothing changed yet) or the engine fails (states partly updated); close() leaves no thread and no fd;
@@ -22,7 +22,7 @@ from offload import swap
 from offload.step.pipeline import Phase, StepFailed
 from offload.swap import SwapIOError, SwapStore
 from tests.engine_util import MLP, mlp_batches, train
-from tests.test_swap_failures import FaultyEngine
+from tests.test_swap_failures import FaultyBackend
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
 
@@ -45,10 +45,10 @@ class Faults:
 
 @pytest.fixture
 def faults(monkeypatch):
-    """Every SwapStore opened meanwhile runs its blocks through a FaultyEngine asking `faults`."""
+    """Every SwapStore opened meanwhile runs its blocks through a FaultyBackend asking `faults`."""
     f = Faults()
-    real_open_engine, real_write, real_read = swap.store.open_engine, SwapStore.write, SwapStore.read
-    monkeypatch.setattr(swap.store, "open_engine", lambda *a, **k: FaultyEngine(real_open_engine(*a, **k), f))
+    real_open_backend, real_write, real_read = swap.store.open_backend, SwapStore.write, SwapStore.read
+    monkeypatch.setattr(swap.store, "open_backend", lambda *a, **k: FaultyBackend(real_open_backend(*a, **k), f))
 
     def submitting(real):
         def call(self, key, *args, **kwargs):  # a store submits a key's blocks on the calling thread
@@ -81,7 +81,7 @@ def threads() -> list[str]:
 
 
 def settled(before: list[str], timeout_s: float = 10.0) -> list[str]:
-    """The thread names once the FaultyEngine's completion threads (which end at once) are gone."""
+    """The thread names once the FaultyBackend's completion threads (which end at once) are gone."""
     deadline = time.monotonic() + timeout_s
     while threads() != before and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -100,7 +100,7 @@ WHERE = {
 
 @pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC])
 @pytest.mark.parametrize("where", WHERE)
-def test_a_swap_error_on_an_engine_thread(tmp_path, faults, where, err):
+def test_a_swap_error_on_a_backend_thread(tmp_path, faults, where, err):
     gas, when, call, outcome = WHERE[where]
     torch.manual_seed(0)
     model, batches = MLP(), mlp_batches(4 * gas)

@@ -14,10 +14,10 @@ import torch
 
 from offload import swap
 from offload.scheduler.streams import CopyStream, JobThread, Worker
-from offload.swap import SwapIOError, SwapStore, open_engine
+from offload.swap import SwapIOError, SwapStore, open_backend
 from offload.swap.pending import PendingTimeout, io_timeout_s
 
-ENGINES = ["threads", pytest.param("libaio", marks=pytest.mark.libaio)]  # libaio: tests/conftest.py
+BACKENDS = ["threads", pytest.param("libaio", marks=pytest.mark.libaio)]  # libaio: tests/conftest.py
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -47,7 +47,7 @@ def within(seconds: float, fn):
     return box.get("error")
 
 
-class SilentEngine:
+class SilentBackend:
     """Takes blocks and never completes them: a drive that stopped answering, or a lost completion."""
 
     name, serial_completions = "silent", False
@@ -72,24 +72,24 @@ def test_io_timeout_comes_from_the_environment(monkeypatch):
         io_timeout_s()
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_a_failing_completion_callback_fails_the_ticket(tmp_path, monkeypatch, engine):
-    """block_digest raising inside the per-block callback (on the engine's or a digest thread) reaches the
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_failing_completion_callback_fails_the_ticket(tmp_path, monkeypatch, backend):
+    """block_digest raising inside the per-block callback (on the backend's or a digest thread) reaches the
     waiter; the store stays usable and closes."""
     x = torch.arange(50_000, dtype=torch.float32)
 
     def broken(addr, nbytes):
         raise MemoryError("injected in a completion callback")
 
-    with SwapStore(tmp_path, engine=engine, block_bytes=64 << 10, checksum=True) as store:
+    with SwapStore(tmp_path, backend=backend, block_bytes=64 << 10, checksum=True) as store:
         store.write("x", x).wait()
-        real = swap.store.block_digest
-        monkeypatch.setattr(swap.store, "block_digest", broken)
+        real = swap.integrity.block_digest
+        monkeypatch.setattr(swap.integrity, "block_digest", broken)
         err = within(10, lambda: store.read("x", torch.empty_like(x)).wait())
         assert isinstance(err, MemoryError) and "injected" in str(err)
         err = within(10, lambda: store.write("y", x).wait())
         assert isinstance(err, MemoryError) and "y" not in store  # a failed write leaves the key missing
-        monkeypatch.setattr(swap.store, "block_digest", real)
+        monkeypatch.setattr(swap.integrity, "block_digest", real)
         out = torch.empty_like(x)
         store.read("x", out).wait()
         assert torch.equal(out, x)
@@ -97,15 +97,15 @@ def test_a_failing_completion_callback_fails_the_ticket(tmp_path, monkeypatch, e
 
 
 def test_a_dead_threads_worker_fails_what_was_queued_and_every_later_block(tmp_path, monkeypatch, caplog):
-    from offload.swap import engines
+    from offload.swap import backends
 
-    with SwapStore(tmp_path, engine="threads", threads=1, block_bytes=64 << 10) as store:
+    with SwapStore(tmp_path, backend="threads", threads=1, block_bytes=64 << 10) as store:
         store.write("a", torch.ones(1000)).wait()
 
         def broken(self):
             raise RuntimeError("injected queue failure")
 
-        monkeypatch.setattr(engines._Queue, "pop", broken)
+        monkeypatch.setattr(backends._Queue, "pop", broken)
         err = within(10, lambda: store.write("b", torch.ones(100_000)).wait())
         assert isinstance(err, SwapIOError) and err.errno == errno.EIO
         assert "worker thread died" in str(err) and "injected queue failure" in str(err)
@@ -124,7 +124,7 @@ def test_a_dead_libaio_reaper_fails_what_it_owed_and_every_later_block(tmp_path,
     def broken(*args):
         raise OSError(errno.EINVAL, "injected io_getevents failure")
 
-    with SwapStore(tmp_path, engine="libaio", block_bytes=64 << 10) as store:
+    with SwapStore(tmp_path, backend="libaio", block_bytes=64 << 10) as store:
         store.write("a", torch.ones(1000)).wait()
         monkeypatch.setattr(aio, "io_getevents", broken)
         err = within(10, lambda: store.write("b", torch.ones(100_000)).wait())
@@ -133,17 +133,17 @@ def test_a_dead_libaio_reaper_fails_what_it_owed_and_every_later_block(tmp_path,
         assert "b" not in store
         err = within(10, lambda: store.read("a", torch.empty(1000)).wait())  # submitted after its death
         assert isinstance(err, SwapIOError) and "reaper thread died" in str(err)
-        assert not store.engine._reaper.is_alive()
+        assert not store.backend._reaper.is_alive()
         assert any("thread died" in r.message for r in caplog.records)
         assert within(10, store.close) is None
     assert not store.run_dir.exists()
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_submit_after_close_fails_the_blocks(engine):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_submit_after_close_fails_the_blocks(backend):
     from offload.swap import ALIGN_BYTES, Block, aligned_empty
 
-    eng = open_engine(engine)
+    eng = open_backend(backend)
     eng.close()
     got = []
     buf = aligned_empty(ALIGN_BYTES)
@@ -153,8 +153,8 @@ def test_submit_after_close_fails_the_blocks(engine):
 
 def test_a_transfer_that_never_completes_times_out_naming_it(tmp_path, monkeypatch):
     monkeypatch.setenv("OFFLOAD_IO_TIMEOUT_S", "0.5")
-    engine = SilentEngine()
-    store = SwapStore(tmp_path, engine=engine, block_bytes=64 << 10)
+    backend = SilentBackend()
+    store = SwapStore(tmp_path, backend=backend, block_bytes=64 << 10)
     ticket = store.write("layers.3/bf16#0", torch.ones(100_000))
     err = within(10, ticket.wait)
     assert isinstance(err, PendingTimeout) and isinstance(err, TimeoutError)
@@ -174,7 +174,7 @@ class Silent:
     name, serial_completions = "silent", False
     def submit(self, blocks): pass
     def close(self): pass
-s = SwapStore(sys.argv[1], engine=Silent())
+s = SwapStore(sys.argv[1], backend=Silent())
 s.write("stuck", torch.ones(1000))
 print(s.run_dir, flush=True)
 """

@@ -187,13 +187,13 @@ def test_a_signal_inside_a_swap_submission_is_raised_once_it_is_queued(tmp_path,
 
     monkeypatch.setenv("OFFLOAD_IO_TIMEOUT_S", "5")
     store = SwapStore(str(tmp_path))
-    queue = store.engine.submit
+    queue = store.backend.submit
 
     def submit(blocks):
         os.kill(os.getpid(), signal.SIGTERM)  # handled at the next instruction: inside the section
         queue(blocks)
 
-    monkeypatch.setattr(store.engine, "submit", submit)
+    monkeypatch.setattr(store.backend, "submit", submit)
     with pytest.raises(offload.Stopped):
         with offload.stop_on_signals():
             store.write("k", torch.ones(4096))

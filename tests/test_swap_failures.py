@@ -1,4 +1,4 @@
-"""Failures: errors injected at the engine boundary (ENOSPC, EIO, EACCES, short transfers), a full
+"""Failures: errors injected at the I/O backend boundary (ENOSPC, EIO, EACCES, short transfers), a full
 file system at allocation, corrupted and truncated files, permission bits, cleanup on close/exit/crash."""
 
 import errno
@@ -14,15 +14,15 @@ import torch
 
 from offload import swap
 from offload import swap
-from offload.swap import SwapCorruptionError, SwapIOError, SwapStore, clean, list_runs, open_engine
+from offload.swap import SwapCorruptionError, SwapIOError, SwapStore, clean, list_runs, open_backend
 from offload.swap.rundir import RUN_PREFIX, create_file
 from tests.unprivileged import unwritable_dir
 
-ENGINES = ["threads", pytest.param("libaio", marks=pytest.mark.libaio)]  # libaio: tests/conftest.py
+BACKENDS = ["threads", pytest.param("libaio", marks=pytest.mark.libaio)]  # libaio: tests/conftest.py
 
 
-class FaultyEngine:
-    """Wraps a real engine; `fail(block)` returns None (do the I/O) or the result to report instead."""
+class FaultyBackend:
+    """Wraps a real backend; `fail(block)` returns None (do the I/O) or the result to report instead."""
 
     name = "faulty"
 
@@ -35,7 +35,7 @@ class FaultyEngine:
             result = self.fail(b)
             if result is None:
                 real.append(b)
-            else:  # complete from another thread, as a real engine would
+            else:  # complete from another thread, as a real backend would
                 threading.Thread(target=b.done, args=(b, result)).start()
         self.inner.submit(real)
 
@@ -43,13 +43,13 @@ class FaultyEngine:
         self.inner.close()
 
 
-@pytest.fixture(params=ENGINES)
+@pytest.fixture(params=BACKENDS)
 def faulty(request, tmp_path):
     plan = {"fail": lambda b: None}
-    engine = FaultyEngine(open_engine(request.param, queue_depth=4, threads=2), lambda b: plan["fail"](b))
-    with SwapStore(tmp_path, engine=engine, block_bytes=64 << 10, checksum=True) as store:
+    backend = FaultyBackend(open_backend(request.param, queue_depth=4, threads=2), lambda b: plan["fail"](b))
+    with SwapStore(tmp_path, backend=backend, block_bytes=64 << 10, checksum=True) as store:
         yield store, plan
-    engine.close()
+    backend.close()
 
 
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO, errno.EACCES])
@@ -90,7 +90,7 @@ def test_full_file_system_at_allocation(tmp_path, monkeypatch):
     def no_space(fd, old_end, new_end):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    with SwapStore(tmp_path, engine="threads") as store:
+    with SwapStore(tmp_path, backend="threads") as store:
         store.write("a", torch.ones(1000)).wait()
         monkeypatch.setattr(swap.store, "_grow", no_space)
         with pytest.raises(SwapIOError, match="cannot grow swap file") as e:
@@ -102,9 +102,9 @@ def test_full_file_system_at_allocation(tmp_path, monkeypatch):
         assert torch.equal(out, torch.ones(1000))
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_corrupted_entry_raises_instead_of_returning_garbage(tmp_path, engine, word_digest):
-    with SwapStore(tmp_path, engine=engine, block_bytes=64 << 10, checksum=True) as store:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_corrupted_entry_raises_instead_of_returning_garbage(tmp_path, backend, word_digest):
+    with SwapStore(tmp_path, backend=backend, block_bytes=64 << 10, checksum=True) as store:
         x = torch.arange(100_000, dtype=torch.int32)
         store.write("x", x).wait()
         store.write("y", x + 1).wait()
@@ -129,7 +129,7 @@ def test_permission_bits_and_no_symlink_following(tmp_path, monkeypatch):
     """A name planted as a symlink is refused, never followed: O_EXCL alone refuses it (so the outcome
     cannot tell O_NOFOLLOW's absence), hence the flags of the open itself are checked too."""
     base = tmp_path / "new" / "swap"
-    with SwapStore(base, engine="threads") as store:
+    with SwapStore(base, backend="threads") as store:
         store.write("a", torch.ones(10)).wait()
         assert stat.S_IMODE(base.stat().st_mode) == 0o700
         assert stat.S_IMODE(store.run_dir.stat().st_mode) == 0o700
@@ -171,7 +171,7 @@ def test_probe_falls_back_to_buffered_when_o_direct_is_refused(tmp_path, monkeyp
     monkeypatch.setattr(os, "open", refuse_direct)
     monkeypatch.setattr(swap.rundir, "_direct_cache", {})
     caplog.set_level("WARNING", logger="swap")
-    with SwapStore(tmp_path, engine="threads") as s1, SwapStore(tmp_path, engine="threads") as s2:
+    with SwapStore(tmp_path, backend="threads") as s1, SwapStore(tmp_path, backend="threads") as s2:
         assert not s1.direct and not s2.direct
         s1.write("a", torch.ones(5000)).wait()
         out = torch.empty(5000)
@@ -183,7 +183,7 @@ def test_probe_falls_back_to_buffered_when_o_direct_is_refused(tmp_path, monkeyp
 
 
 def test_close_removes_files_and_is_idempotent(tmp_path):
-    store = SwapStore(tmp_path, engine="threads")
+    store = SwapStore(tmp_path, backend="threads")
     store.write("a", torch.ones(1 << 20)).wait()
     assert store.disk_bytes >= 4 << 20
     store.close()
@@ -234,15 +234,15 @@ def test_interpreter_exit_removes_files_and_crashed_runs_are_cleanable(tmp_path)
 
 @pytest.fixture(params=["numpy", pytest.param("compiled", marks=pytest.mark.compiled_kernel)])
 def word_digest(request):
-    """swap.store's block digests from numpy's two passes, or from offload's compiled single pass."""
+    """swap.integrity's block digests from numpy's two passes, or from offload's compiled single pass."""
     from offload import swap
     from offload.kernels import cpu_adam
 
-    swap.store.use_word_digest(None)  # numpy's, even where an engine built earlier installed the kernel's
+    swap.integrity.use_word_digest(None)  # numpy's, even where an engine built earlier installed the kernel's
     if request.param == "compiled" and not cpu_adam.use_for_swap_digests():
         pytest.skip("the CPU Adam kernel is unavailable here")
     yield request.param
-    swap.store.use_word_digest(None)
+    swap.integrity.use_word_digest(None)
 
 
 @pytest.mark.compiled_kernel
@@ -251,7 +251,7 @@ def test_compiled_word_digest_equals_numpys(nbytes):
     """offload's single pass gives the (sum, xor) numpy's two passes give, wrap-around included, so
     digests recorded by either verify under the other."""
     from offload.kernels import cpu_adam
-    from offload.swap.store import _numpy_word_digest
+    from offload.swap.integrity import _numpy_word_digest
 
     kernel = cpu_adam._get_kernel()
     if kernel is None:
@@ -267,7 +267,7 @@ def test_compiled_word_digest_equals_numpys(nbytes):
 
 @pytest.mark.parametrize("nbytes", [1, 7, 8, 4095, 4096, 65536 + 5])
 def test_block_digest_sees_any_single_byte_change_and_zeroing(nbytes, word_digest):
-    from offload.swap.store import block_digest
+    from offload.swap.integrity import block_digest
 
     buf = swap.aligned_empty(nbytes).random_(1, 256)
     ref = block_digest(buf.data_ptr(), nbytes)

@@ -1,4 +1,4 @@
-"""SwapStore round trips on both engines, with O_DIRECT (disk) and buffered (/dev/shm) I/O."""
+"""SwapStore round trips on both I/O backends, with O_DIRECT (disk) and buffered (/dev/shm) I/O."""
 
 import os
 import pathlib
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from offload.swap import ALIGN_BYTES, SwapStore, aligned_empty
 
-ENGINES = ["threads", "libaio"]  # libaio: marked below (tests/conftest.py)
+BACKENDS = ["threads", "libaio"]  # libaio: marked below (tests/conftest.py)
 SHM = pathlib.Path("/dev/shm")
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool, torch.float16,
           torch.bfloat16, torch.float32, torch.float64, torch.complex64]
@@ -26,11 +26,11 @@ def _modes():
 
 
 @pytest.fixture(params=[pytest.param((e, fs, d), id=f"{e}-{fs}", marks=[pytest.mark.libaio] if e == "libaio" else [])
-                        for e in ENGINES for fs, d in _modes()])
+                        for e in BACKENDS for fs, d in _modes()])
 def store(request, tmp_path):
-    engine, fs, direct = request.param
+    backend, fs, direct = request.param
     base = tmp_path if fs == "disk" else SHM / f"offload-test-{uuid.uuid4().hex[:8]}"
-    s = SwapStore(base, engine=engine, block_bytes=256 << 10, queue_depth=8, threads=3, checksum=True,
+    s = SwapStore(base, backend=backend, block_bytes=256 << 10, queue_depth=8, threads=3, checksum=True,
                   direct=direct)
     assert s.direct is direct
     yield s
@@ -132,17 +132,17 @@ def test_bad_arguments_say_what_to_do(store):
 def test_block_bytes_must_be_a_multiple_of_4096(tmp_path):
     with pytest.raises(ValueError, match="block_bytes=1000: must be a positive multiple of 4096"):
         SwapStore(tmp_path, block_bytes=1000)
-    with pytest.raises(ValueError, match="engine='fast'"):
-        SwapStore(tmp_path, engine="fast")
+    with pytest.raises(ValueError, match="backend='fast'"):
+        SwapStore(tmp_path, backend="fast")
 
 
 def test_digests_from_the_caller(tmp_path):
     """write(digests=) records the caller's digests; read(verify=False) leaves the check to the caller,
     whose check_digests names the first differing block (its file offset and length)."""
     from offload.swap import SwapCorruptionError
-    from offload.swap.store import block_digest
+    from offload.swap.integrity import block_digest
 
-    with SwapStore(tmp_path, engine="threads", block_bytes=8192, checksum=True) as store:
+    with SwapStore(tmp_path, backend="threads", block_bytes=8192, checksum=True) as store:
         x = torch.randn(5000)  # 20000 bytes: two 8 KiB blocks and a partial last page
         bounds = store.digest_bounds(x.numel(), 4)
         assert bounds == [0, 2048, 4096, 5000]
@@ -165,7 +165,7 @@ def test_digests_from_the_caller(tmp_path):
             store.write("y", x, digests=digests[:2])
         with pytest.raises(ValueError, match="no digests"):
             store.check_digests("missing", got)
-    with SwapStore(tmp_path, engine="threads", block_bytes=8192, checksum=False) as plain:
+    with SwapStore(tmp_path, backend="threads", block_bytes=8192, checksum=False) as plain:
         plain.write("x", x, digests=digests).wait()  # checksums off: nothing to record, nothing to check
         with pytest.raises(ValueError, match="checksums off"):
             plain.check_digests("x", digests)

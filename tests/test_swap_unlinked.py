@@ -128,7 +128,7 @@ def test_the_library_installs_no_sigterm_handler(tmp_path):
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
         cfg = {"offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"},
                "nvme_path": str(tmp_path), "units": {"min_numel": 256}}
-        with SwapStore(tmp_path, engine="threads"), offload.initialize(model, cfg):
+        with SwapStore(tmp_path, backend="threads"), offload.initialize(model, cfg):
             assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, before)
@@ -145,7 +145,7 @@ def test_the_data_file_has_no_name_and_owner_json_records_its_bytes(tmp_path, mo
             return real_open(path, flags, *a, **k)
 
         monkeypatch.setattr(os, "open", no_tmpfile)
-    with SwapStore(tmp_path, engine="threads") as store:
+    with SwapStore(tmp_path, backend="threads") as store:
         assert store.file_kind == ("O_TMPFILE" if tmpfile else "unlinked after open")
         store.write("a", torch.ones(1 << 20)).wait()
         store.write("b", torch.ones(3 << 20)).wait()
@@ -163,7 +163,7 @@ def test_the_data_file_has_no_name_and_owner_json_records_its_bytes(tmp_path, mo
 
 
 def test_a_forked_child_does_not_hold_the_data_file(tmp_path):
-    with SwapStore(tmp_path, engine="threads") as store:
+    with SwapStore(tmp_path, backend="threads") as store:
         store.write("a", torch.ones(1 << 20)).wait()
         fd = int(store.fd_path.rsplit("/", 1)[1])
         pid = os.fork()
@@ -184,7 +184,7 @@ def test_clean_list_shows_live_runs_and_their_bytes(tmp_path, capsys):
     old.mkdir()
     (old / OWNER_FILE).write_text(json.dumps({"pid": _dead_pid(), "host": os.uname().nodename, "started": 1.0}))
     (old / "data.bin").write_bytes(b"x" * 8192)
-    with SwapStore(tmp_path, engine="threads") as live:
+    with SwapStore(tmp_path, backend="threads") as live:
         live.write("a", torch.ones(1 << 20)).wait()
         assert main(["clean", str(tmp_path), "--list", "--json"]) == 0
         out = capsys.readouterr().out
@@ -198,8 +198,8 @@ def test_clean_list_shows_live_runs_and_their_bytes(tmp_path, capsys):
 
 
 def test_list_runs_reads_the_exact_bytes_where_owner_json_lags(tmp_path, monkeypatch):
-    monkeypatch.setattr(swap.store, "OWNER_RECORD_S", 1e9)  # owner.json rewritten only when grown by 1/8
-    with SwapStore(tmp_path, engine="threads") as store:
+    monkeypatch.setattr(swap.rundir, "OWNER_RECORD_S", 1e9)  # owner.json rewritten only when grown by 1/8
+    with SwapStore(tmp_path, backend="threads") as store:
         store.write("a", torch.ones(1 << 20)).wait()
         store.write("b", torch.ones(1)).wait()  # one more 4 KiB page: not recorded
         assert json.loads((store.run_dir / OWNER_FILE).read_text())["bytes"] == 4 << 20

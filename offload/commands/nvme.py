@@ -10,7 +10,7 @@ import sys
 from offload.flags import size_arg
 from offload.train import DEFAULT_SWAP_DIR
 from offload.swap import clean, list_runs
-from offload.swap.engines import ENGINES
+from offload.swap.backends import BACKENDS
 from offload.swap.measure import aio_section, format_table, measure, parse_size, ring_bytes, sweep, sweep_configs
 from offload.swap.store import DEFAULT_BLOCK_BYTES, DEFAULT_CHECKSUM, DEFAULT_QUEUE_DEPTH, DEFAULT_THREADS
 
@@ -46,7 +46,7 @@ def register(subparsers) -> None:
                        help="directory on the drive to measure (a run subdirectory is created in it and removed "
                             "afterwards; default %(default)s, where `offload train` swaps)")
     bench.add_argument("--size", default="1G", help="bytes to write then read, e.g. 4G (default 1G)")
-    bench.add_argument("--engine", choices=ENGINES, default="auto")
+    bench.add_argument("--engine", choices=BACKENDS, default="auto")
     bench.add_argument("--block-bytes", type=size_arg, default=DEFAULT_BLOCK_BYTES, metavar="SIZE",
                        help=f"bytes per I/O request (default {DEFAULT_BLOCK_BYTES >> 20}M, as training's aio.block_bytes)")
     bench.add_argument("--queue-depth", type=int, default=DEFAULT_QUEUE_DEPTH)

@@ -35,7 +35,7 @@ import torch
 
 from offload import swap
 from offload.kernels import kernel_cache
-from offload.swap.store import tensor_digests
+from offload.swap.integrity import tensor_digests
 
 __all__ = ["CPUAdam", "StepDigests", "adam_step", "grad_sq_sum", "kernel_backend", "kernel_isa", "set_isa",
            "set_num_threads", "get_num_threads", "open_host_cache", "close_host_cache", "host_cache_stats"]
@@ -203,14 +203,14 @@ def kernel_backend() -> str:
 
 
 def use_for_swap_digests() -> bool:
-    """Hands swap.store the compiled kernel's single pass for its block digests (swap.store.use_word_digest)
+    """Hands swap.integrity the compiled kernel's single pass for its block digests (swap.integrity.use_word_digest)
     when CPU Adam's backend here is the compiled one; True if it did. The same (sum, xor) as numpy's two
     passes, faster: with swap checksums on, every block read from nvme is hashed, tens of GB a step for a 7b
     LoRA (bench/RESULTS.md, "LoRA on the 7b preset" and "Figures that code comments carried")."""
     if kernel_backend() != "compiled":
         return False
     kernel = _get_kernel()
-    swap.store.use_word_digest(lambda addr, n8: kernel.word_digest(addr, n8, -1))
+    swap.integrity.use_word_digest(lambda addr, n8: kernel.word_digest(addr, n8, -1))
     return True
 
 
@@ -327,7 +327,7 @@ def _check_hparams(step, lr, beta1, beta2, eps, weight_decay, grad_scale) -> Non
 
 class StepDigests(NamedTuple):
     """Swap block digests of (param, exp_avg, exp_avg_sq) before and after a step; one tuple of
-    swap.store.block_digest values per array, one value per span of the `digest_bounds` given."""
+    swap.integrity.block_digest values per array, one value per span of the `digest_bounds` given."""
     before: tuple[tuple[int, ...], ...]
     after: tuple[tuple[int, ...], ...]
 

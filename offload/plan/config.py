@@ -73,7 +73,7 @@ class BudgetsConfig:
 
 @dataclass(frozen=True)
 class AioConfig:
-    """The swap layer's I/O engine (`offload tune nvme` prints the best section for a drive)."""
+    """The swap layer's I/O backend (`offload tune nvme` prints the best section for a drive)."""
 
     engine: str = "auto"
     block_bytes: int = 8 << 20     # bytes per I/O request: 8 MiB trains faster than 1 MiB (bench/RESULTS.md)

@@ -19,7 +19,7 @@ from offload.kernels.cpu_adam import grad_sq_sum
 from offload.state.ranks import reduced
 from offload.state.residency import HOME_STATE, R, _Handle
 from offload.plan.units import Unit
-from offload.swap.store import tensor_digests
+from offload.swap.integrity import tensor_digests
 
 KINDS = ("master", "exp_avg", "exp_avg_sq", "grad")
 STATES = KINDS[:3]  # what a read-ahead loads: the gradient may not be final yet

@@ -209,7 +209,7 @@ class WeightHandle(_Handle):
         """On the reader thread: nvme -> pool chunk -> hbm, chunk by chunk, the next chunk's read in flight
         while the previous one is copied up (READ_AHEAD chunks of the pool at most). Where hbm is host memory
         (the CPU backend) every chunk is read straight into the hbm copy at once: no pool chunk, no copy.
-        The reads are urgent ([Note: urgent blocks] in swap/engines.py): the compute waits for them, while
+        The reads are urgent ([Note: urgent blocks] in swap/backends.py): the compute waits for them, while
         the optimizer's queued window I/O can wait."""
         if update is not None:
             update.wait()

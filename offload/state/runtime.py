@@ -88,7 +88,7 @@ class Runtime:
         a = cfg.aio
         if cfg.swap_checksum:
             cpu_adam.use_for_swap_digests()
-        return SwapStore(cfg.swap_dir(rank), engine=a.engine, block_bytes=a.block_bytes, queue_depth=a.queue_depth,
+        return SwapStore(cfg.swap_dir(rank), backend=a.engine, block_bytes=a.block_bytes, queue_depth=a.queue_depth,
                          threads=a.threads, checksum=cfg.swap_checksum, background_bytes=a.background_bytes or None)
 
     def close(self, handles=()) -> None:

@@ -40,7 +40,7 @@ class Prefetcher:
             if w.state in (R.NVME, R.DRAM):
                 self.make_room(w.nbytes)  # on demand: earlier gradients leave hbm first
             # This unit's own reads first: fetches run in turn on the reader thread and the drive serves urgent
-            # reads in the order they came ([Note: urgent blocks] in swap/engines.py), so a unit fetched after
+            # reads in the order they came ([Note: urgent blocks] in swap/backends.py), so a unit fetched after
             # its prefetches would wait for their reads.
             if w.update is None:  # a deferred step's unit waits for its step on the reader thread: not before others
                 w.fetch()

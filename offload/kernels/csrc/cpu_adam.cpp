@@ -122,7 +122,7 @@ double sq_range(const void* g, int64_t begin, int64_t end) {
 }
 
 // The swap digest of fp32 elements [begin, end) (begin even): sum and xor of the little-endian 64-bit
-// words; an odd last element counts as swap.store.block_digest counts a 4-byte tail (s += u, x ^= u << 1).
+// words; an odd last element counts as swap.integrity.block_digest counts a 4-byte tail (s += u, x ^= u << 1).
 // Written once as a plain loop and defined in each ISA namespace below, where the compiler vectorizes it
 // to that region's width (sums and xors commute, so lane order does not matter). It reads what the step
 // has in cache (see [Note: swap digests in the step]).
@@ -607,7 +607,7 @@ Coeffs adam_coeffs(int64_t step, double lr, double beta1, double beta2, double e
 // bounds, the step hashes each chunk of param/exp_avg/exp_avg_sq right before updating it (the loads
 // that bring the chunk into cache) and right after (still in cache), and returns per block and array
 // the (sum, xor) of the inputs and of the outputs, which the caller checks against the digests recorded
-// at write time and hands to the next write. Same digest as swap.store.block_digest (tested).
+// at write time and hands to the next write. Same digest as swap.integrity.block_digest (tested).
 at::Tensor adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                      c10::optional<at::Tensor> out, int64_t step, double lr, double beta1, double beta2, double eps,
                      double weight_decay, bool adamw, double grad_scale, int64_t num_threads, int64_t isa,
@@ -707,7 +707,7 @@ int64_t threads_used(int64_t numel, int64_t num_threads) {
 }
 
 // The swap digest (sum, xor) of the 64-bit words in the `nbytes` (a multiple of 8) at `addr`: one pass
-// where swap.store's numpy fallback makes two (swap.store.use_word_digest).
+// where swap.integrity's numpy fallback makes two (swap.integrity.use_word_digest).
 std::pair<uint64_t, uint64_t> word_digest(int64_t addr, int64_t nbytes, int64_t isa) {
   TORCH_CHECK(nbytes >= 0 && nbytes % 8 == 0, "offload word_digest: nbytes must be a multiple of 8, got ", nbytes);
   uint64_t s = 0, x = 0;

@@ -1,4 +1,4 @@
-"""The two I/O engines behind one Protocol: every block completes exactly once, errors as -errno."""
+"""The two I/O backends behind one Protocol: every block completes exactly once, errors as -errno."""
 
 import errno
 import os
@@ -7,12 +7,12 @@ import threading
 import pytest
 import torch
 
-from offload.swap import ALIGN_BYTES, Block, aligned_empty, libaio_available, open_engine
+from offload.swap import ALIGN_BYTES, Block, aligned_empty, libaio_available, open_backend
 
-ENGINES = ["threads", pytest.param("libaio", marks=pytest.mark.libaio)]  # libaio: tests/conftest.py
+BACKENDS = ["threads", pytest.param("libaio", marks=pytest.mark.libaio)]  # libaio: tests/conftest.py
 
 
-def _run(engine, blocks_spec):
+def _run(backend, blocks_spec):
     results, lock, all_done = {}, threading.Lock(), threading.Event()
 
     def done(block, res):
@@ -23,77 +23,77 @@ def _run(engine, blocks_spec):
                 all_done.set()
 
     blocks = [Block(w, fd, off, addr, n, done) for w, fd, off, addr, n in blocks_spec]
-    engine.submit(blocks)
+    backend.submit(blocks)
     assert all_done.wait(30)
     return [results[id(b)] for b in blocks]
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", BACKENDS)
 def test_more_blocks_than_queue_depth_round_trip(tmp_path, name):
-    engine = open_engine(name, queue_depth=4, threads=3)
-    assert engine.name == name
+    backend = open_backend(name, queue_depth=4, threads=3)
+    assert backend.name == name
     n, size = 37, 3 * ALIGN_BYTES
     src = aligned_empty(n * size).random_(0, 256)
     dst = aligned_empty(n * size)
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     try:
-        res = _run(engine, [(True, fd, i * size, src.data_ptr() + i * size, size) for i in range(n)])
+        res = _run(backend, [(True, fd, i * size, src.data_ptr() + i * size, size) for i in range(n)])
         assert res == [size] * n
-        res = _run(engine, [(False, fd, i * size, dst.data_ptr() + i * size, size) for i in range(n)])
+        res = _run(backend, [(False, fd, i * size, dst.data_ptr() + i * size, size) for i in range(n)])
         assert res == [size] * n and torch.equal(src, dst)
-        res = _run(engine, [(False, fd, n * size, dst.data_ptr(), size)])  # past the end of file
+        res = _run(backend, [(False, fd, n * size, dst.data_ptr(), size)])  # past the end of file
         assert res == [0]
     finally:
         os.close(fd)
-        engine.close()
+        backend.close()
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", BACKENDS)
 def test_errors_come_back_as_negative_errno(tmp_path, name):
-    engine = open_engine(name, queue_depth=2, threads=2)
+    backend = open_backend(name, queue_depth=2, threads=2)
     buf = aligned_empty(ALIGN_BYTES)
     fd = os.open(tmp_path / "g", os.O_RDONLY | os.O_CREAT, 0o600)
     good_fd = os.open(tmp_path / "ok", os.O_RDWR | os.O_CREAT, 0o600)
     bad_fd = os.open(tmp_path / "h", os.O_RDONLY | os.O_CREAT, 0o600)
     os.close(bad_fd)  # (opened last, so no later open reuses its number during the test)
     try:
-        res = _run(engine, [(True, fd, 0, buf.data_ptr(), ALIGN_BYTES),  # write to a read-only fd
+        res = _run(backend, [(True, fd, 0, buf.data_ptr(), ALIGN_BYTES),  # write to a read-only fd
                             (False, bad_fd, 0, buf.data_ptr(), ALIGN_BYTES)])
         assert res == [-errno.EBADF, -errno.EBADF]
         # a refused block in the middle of a batch fails alone; its neighbours still complete
         mixed = [(True, good_fd, 0, buf.data_ptr(), ALIGN_BYTES), (False, bad_fd, 0, buf.data_ptr(), ALIGN_BYTES),
                  (True, good_fd, ALIGN_BYTES, buf.data_ptr(), ALIGN_BYTES)]
-        assert _run(engine, mixed) == [ALIGN_BYTES, -errno.EBADF, ALIGN_BYTES]
+        assert _run(backend, mixed) == [ALIGN_BYTES, -errno.EBADF, ALIGN_BYTES]
     finally:
         os.close(fd)
         os.close(good_fd)
-        engine.close()
+        backend.close()
 
 
-def test_open_engine_validates_and_auto_says_which(caplog, monkeypatch):
+def test_open_backend_validates_and_auto_says_which(caplog, monkeypatch):
     from offload import swap
 
-    monkeypatch.setattr(swap.engines, "_announced", set())
+    monkeypatch.setattr(swap.backends, "_announced", set())
     caplog.set_level("INFO", logger="swap")
-    engine = open_engine("auto")
-    assert engine.name == ("libaio" if libaio_available() else "threads")
-    assert any(f"auto -> {engine.name}" in r.message for r in caplog.records)
-    engine.close()
-    open_engine("auto").close()
+    backend = open_backend("auto")
+    assert backend.name == ("libaio" if libaio_available() else "threads")
+    assert any(f"auto -> {backend.name}" in r.message for r in caplog.records)
+    backend.close()
+    open_backend("auto").close()
     assert sum("auto ->" in r.message for r in caplog.records) == 1  # once per process
     with pytest.raises(ValueError, match="queue_depth=0"):
-        open_engine("libaio", queue_depth=0)
+        open_backend("libaio", queue_depth=0)
     with pytest.raises(ValueError, match="threads=0"):
-        open_engine("threads", threads=0)
+        open_backend("threads", threads=0)
     with pytest.raises(ValueError, match="background_bytes=0"):
-        open_engine("libaio", background_bytes=0)
+        open_backend("libaio", background_bytes=0)
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", BACKENDS)
 def test_urgent_blocks_go_ahead_of_queued_ones(tmp_path, name):
     """[Note: urgent blocks]: with the drive busy (one block in flight, its completion held), urgent blocks
     submitted after normal ones are served first, in their own order; nothing is lost."""
-    engine = open_engine(name, queue_depth=1, threads=1)
+    backend = open_backend(name, queue_depth=1, threads=1)
     size = ALIGN_BYTES
     buf = aligned_empty(8 * size).random_(0, 256)
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
@@ -112,35 +112,35 @@ def test_urgent_blocks_go_ahead_of_queued_ones(tmp_path, name):
         def block(i, urgent=False):
             return Block(True, fd, i * size, buf.data_ptr() + i * size, size, done, urgent)
 
-        engine.submit([block(0)])
+        backend.submit([block(0)])
         assert held.wait(30)  # block 0 is with the drive (done): the rest queue behind it
-        engine.submit([block(1), block(2), block(3)])
-        engine.submit([block(4, True), block(5, True)])
-        engine.submit([block(6)])
+        backend.submit([block(1), block(2), block(3)])
+        backend.submit([block(4, True), block(5, True)])
+        backend.submit([block(6)])
         release.set()
         assert all_done.wait(30)
         # libaio's slot is free again while block 0's completion runs: block 1 went to the drive at once
         in_flight = [0, 1] if name == "libaio" else [0]
         assert order == in_flight + [4, 5] + [i for i in (1, 2, 3, 6) if i not in in_flight]
     finally:
-        engine.close()
+        backend.close()
         os.close(fd)
 
 
 @pytest.mark.skipif(not libaio_available(), reason="libaio.so.1 not installed")
 def test_background_bytes_keeps_queued_state_blocks_from_the_drive_while_urgent_ones_pass(tmp_path):
     """[Note: urgent blocks]: with background_bytes one block, only one non-urgent block is with the drive
-    at a time (the rest wait in the engine's queue, where urgent ones pass them), and urgent blocks still
+    at a time (the rest wait in the backend's queue, where urgent ones pass them), and urgent blocks still
     take the free slots at once; with no limit every free slot takes a queued block."""
     for limit in (ALIGN_BYTES, None):
-        engine = open_engine("libaio", queue_depth=8, background_bytes=limit)
+        backend = open_backend("libaio", queue_depth=8, background_bytes=limit)
         buf = aligned_empty(8 * ALIGN_BYTES).random_(0, 256)
         fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
         order, seen, held, release, all_done = [], [], threading.Event(), threading.Event(), threading.Event()
 
         def done(block, res):
             assert res == ALIGN_BYTES
-            seen.append(engine._background_in_flight)
+            seen.append(backend._background_in_flight)
             if not order and not held.is_set():
                 held.set()
                 assert release.wait(30)  # the reaper is held: what is in flight stays in flight
@@ -152,16 +152,16 @@ def test_background_bytes_keeps_queued_state_blocks_from_the_drive_while_urgent_
             return Block(True, fd, i * ALIGN_BYTES, buf.data_ptr() + i * ALIGN_BYTES, ALIGN_BYTES, done, urgent)
 
         try:
-            engine.submit([block(0)])
+            backend.submit([block(0)])
             assert held.wait(30)
-            engine.submit([block(1), block(2), block(3)])
-            in_flight = 8 - len(engine._free_slots)
-            engine.submit([block(4, True), block(5, True)])
-            engine.submit([block(6)])
+            backend.submit([block(1), block(2), block(3)])
+            in_flight = 8 - len(backend._free_slots)
+            backend.submit([block(4, True), block(5, True)])
+            backend.submit([block(6)])
             release.set()
             assert all_done.wait(30)
         finally:
-            engine.close()
+            backend.close()
             os.close(fd)
         if limit is None:
             assert in_flight == 3 and sorted(order) == list(range(7))

@@ -1,28 +1,15 @@
-"""I/O engines: move aligned blocks between host memory and a file descriptor, asynchronously.
+"""I/O backends: move aligned blocks between host memory and a file descriptor, asynchronously.
 
-One small Protocol, two engines:
+One small Protocol, two backends:
 - `libaio`: Linux AIO through the `libaio` package; blocks are batched into io_submit calls with
   at most `queue_depth` in flight; one reaper thread collects completions.
 - `threads`: os.preadv/os.pwritev in a pool of `threads` workers (works everywhere).
 `auto` takes libaio when libaio.so.1 loads, else threads, and says which in the log.
 
-[Note: urgent blocks]
-A block marked `urgent` (a weight fetch the compute will wait for) goes ahead of every queued block that
-is not, in the order urgent blocks came; blocks already with the drive are not preempted. So a fetch
-issued while the optimizer's window pipeline keeps the queue full waits for what is in flight, not for
-the windows queued behind it (a 3b preset's first fetch would otherwise wait behind every deferred
-step's window: bench/RESULTS.md, "fetches first").
-Blocks already with the drive are the rest of its wait, so the libaio engine can also keep the bytes of
-non-urgent blocks in flight under `background_bytes`: at full depth (32 blocks of 8 MiB) a weight fetch
-waits behind 256 MiB of state windows, while 2-4 such blocks in flight already reach the drive's
-bandwidth (stalls with and without the limit: bench/RESULTS.md, "aio.background_bytes").
-Urgent blocks still take any free slot. The swap layer's default is no limit (what `offload bench nvme`
-measures: the drive at full depth); the Engine passes `aio.background_bytes`.
-
-An engine knows nothing about keys, checksums or files' meaning: it gets `Block`s and calls each
+A backend knows nothing about keys, checksums or files' meaning: it gets `Block`s and calls each
 block's `done(block, result)` exactly once, with result = bytes moved or -errno, on its own thread.
 That holds on every path ([Note: no wait without an end] in swap/pending.py): `submit` never raises (a
-block it cannot take completes with -errno), and when an engine's thread dies or its worker meets an
+block it cannot take completes with -errno), and when a backend's thread dies or its worker meets an
 unexpected error, the blocks it owed complete with -EIO and `block.error` saying why.
 """
 
@@ -39,9 +26,22 @@ from typing import Callable, Protocol, Sequence
 
 from .pending import io_timeout_s, start_thread
 
+# [Note: urgent blocks]
+# A block marked `urgent` (a weight fetch the compute will wait for) goes ahead of every queued block that
+# is not, in the order urgent blocks came; blocks already with the drive are not preempted. So a fetch
+# issued while the optimizer's window pipeline keeps the queue full waits for what is in flight, not for
+# the windows queued behind it (a 3b preset's first fetch would otherwise wait behind every deferred
+# step's window: bench/RESULTS.md, "fetches first").
+# Blocks already with the drive are the rest of its wait, so the libaio backend can also keep the bytes of
+# non-urgent blocks in flight under `background_bytes`: at full depth (32 blocks of 8 MiB) a weight fetch
+# waits behind 256 MiB of state windows, while 2-4 such blocks in flight already reach the drive's
+# bandwidth (stalls with and without the limit: bench/RESULTS.md, "aio.background_bytes").
+# Urgent blocks still take any free slot. The swap layer's default is no limit (what `offload bench nvme`
+# measures: the drive at full depth); the Engine passes `aio.background_bytes`.
+
 log = logging.getLogger("swap")
 
-ENGINES = ("auto", "libaio", "threads")
+BACKENDS = ("auto", "libaio", "threads")
 
 
 @dataclass(eq=False, slots=True)
@@ -55,19 +55,19 @@ class Block:
     nbytes: int
     done: Callable[["Block", int], None]
     urgent: bool = False  # [Note: urgent blocks]
-    error: BaseException | None = None  # set by the engine when it fails the block for a reason errno cannot say
+    error: BaseException | None = None  # set by the backend when it fails the block for a reason errno cannot say
 
 
-class IOEngine(Protocol):
+class IOBackend(Protocol):
     name: str
     serial_completions: bool  # True when every `done` runs on one thread (callers then keep it light)
 
     def submit(self, blocks: Sequence[Block]) -> None:
         """Queue blocks (urgent ones first: [Note: urgent blocks]); each one's `done` is called exactly once,
-        later, from an engine thread. Never raises."""
+        later, from a backend thread. Never raises."""
 
     def close(self) -> None:
-        """Finish everything in flight, then release the engine's threads and kernel context."""
+        """Finish everything in flight, then release the backend's threads and kernel context."""
 
 
 def host_buffer(addr: int, nbytes: int):
@@ -78,12 +78,12 @@ def host_buffer(addr: int, nbytes: int):
 def _complete(block: Block, result: int) -> None:
     try:
         block.done(block, result)
-    except BaseException:  # a bad callback must not kill the engine thread (the store's never raises)
+    except BaseException:  # a bad callback must not kill the backend thread (the store's never raises)
         log.exception("swap: completion callback failed")
 
 
 def _fail_with(blocks, error: BaseException) -> None:
-    """Completes `blocks` with -EIO, `error` saying why (the engine cannot move them)."""
+    """Completes `blocks` with -EIO, `error` saying why (the backend cannot move them)."""
     for b in blocks:
         b.error = error
         _complete(b, -errno.EIO)
@@ -123,7 +123,7 @@ class _Queue:
         return out
 
 
-class ThreadsEngine:
+class ThreadsBackend:
     """os.preadv/os.pwritev from `threads` worker threads; short transfers are continued, not failed."""
 
     name = "threads"
@@ -139,7 +139,7 @@ class ThreadsEngine:
 
     def submit(self, blocks: Sequence[Block]) -> None:
         with self._cond:
-            gone = self._dead or (RuntimeError("ThreadsEngine.submit after close()") if self._closing else None)
+            gone = self._dead or (RuntimeError("ThreadsBackend.submit after close()") if self._closing else None)
             if gone is None:
                 self._queue.extend(blocks)
                 self._cond.notify(len(blocks))
@@ -192,13 +192,13 @@ class ThreadsEngine:
             t.join()
 
 
-class LibaioEngine:
+class LibaioBackend:
     """Linux AIO: batched io_submit, at most `queue_depth` blocks in flight, one reaper thread.
 
     [Note: why the raw bindings]
     The `libaio` package's AIOBlock builds an iovec array, a ctypes buffer and a dict entry per
     transfer; on a busy 2-core machine that Python work, not the drive, caps 1 MiB writes well below
-    fio's rate (bench/RESULTS.md, "Figures that code comments carried"). So this engine keeps
+    fio's rate (bench/RESULTS.md, "Figures that code comments carried"). So this backend keeps
     `queue_depth` preallocated iocbs (the package's ctypes structures and io_submit/io_getevents
     bindings) and only fills in five fields per block.
 
@@ -239,7 +239,7 @@ class LibaioEngine:
 
     def submit(self, blocks: Sequence[Block]) -> None:
         with self._cond:
-            gone = self._dead or (RuntimeError("LibaioEngine.submit after close()") if self._closing else None)
+            gone = self._dead or (RuntimeError("LibaioBackend.submit after close()") if self._closing else None)
             if gone is None:
                 self._waiting.extend(blocks)
                 refused = self._pump_locked()
@@ -376,13 +376,13 @@ def libaio_available() -> bool:
     return True
 
 
-def open_engine(name: str = "auto", *, queue_depth: int = 32, threads: int = 4,
-                background_bytes: int | None = None) -> IOEngine:
-    """The engine called `name`; `auto` takes libaio when libaio.so.1 loads, else threads. background_bytes
+def open_backend(name: str = "auto", *, queue_depth: int = 32, threads: int = 4,
+                 background_bytes: int | None = None) -> IOBackend:
+    """The backend called `name`; `auto` takes libaio when libaio.so.1 loads, else threads. background_bytes
     (libaio; None: no limit) caps the non-urgent bytes in flight ([Note: urgent blocks]); the threads
-    engine has at most `threads` blocks in flight anyway."""
-    if name not in ENGINES:
-        raise ValueError(f"engine={name!r}: unknown I/O engine; use one of {', '.join(ENGINES)}")
+    backend has at most `threads` blocks in flight anyway."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend={name!r}: unknown I/O backend; use one of {', '.join(BACKENDS)}")
     if queue_depth < 1:
         raise ValueError(f"queue_depth={queue_depth}: must be >= 1; 32 suits most NVMe drives")
     if threads < 1:
@@ -393,12 +393,12 @@ def open_engine(name: str = "auto", *, queue_depth: int = 32, threads: int = 4,
         name = "libaio" if libaio_available() else "threads"
         if name not in _announced:  # said once per process, not once per store
             _announced.add(name)
-            log.info("swap: I/O engine auto -> %s%s", name, "" if name == "libaio" else " (libaio.so.1 did not load)")
+            log.info("swap: I/O backend auto -> %s%s", name, "" if name == "libaio" else " (libaio.so.1 did not load)")
     if name == "libaio":
         try:
-            return LibaioEngine(queue_depth, background_bytes)
+            return LibaioBackend(queue_depth, background_bytes)
         except (ImportError, OSError) as e:
             raise ValueError(
-                f"engine='libaio': cannot load Linux AIO ({e}); install libaio1 and the `libaio` "
-                f"package, or use engine='threads'") from e
-    return ThreadsEngine(threads)
+                f"backend='libaio': cannot load Linux AIO ({e}); install libaio1 and the `libaio` "
+                f"package, or use backend='threads' (the config's aio.engine)") from e
+    return ThreadsBackend(threads)
