@@ -1,5 +1,5 @@
 """zero_stage 3's gathers run ahead of use on their own thread ([Note: partitioned weights] in
-offload.state.residency), issued in one order on every rank ([Note: collective order] in offload.state.ranks), and
+offload.state.gather), issued in one order on every rank ([Note: collective order] in offload.state.ranks), and
 train to the same numbers as gathers run when each unit is used."""
 
 import threading
@@ -7,7 +7,7 @@ import threading
 import torch
 
 from offload.scheduler.streams import CopyStream
-from offload.state.residency import WeightHandle
+from offload.state.gather import ShardGather
 from tests import test_stream_ordering
 from tests.test_zero import CHUNK_BYTES, _assert_trains_like_one_process, run_ranks, single_in_rank_order
 
@@ -87,26 +87,24 @@ def test_a_gather_ahead_waits_for_its_shard_on_the_gather_stream_and_compute_wai
     the host does not wait for the device."""
     h2d, gather = CopyStream("h2d", torch.device("cuda")), CopyStream("gather", torch.device("cuda"))
 
-    class Unit:  # what _gather_ahead touches of a handle
-        _ready_at = None
-
-        def _gather(self, group):
+    class Unit(ShardGather):  # the broadcasts recorded, not run
+        def run(self, group):
             self.broadcast = cuda.current_stream().launch("broadcast")
             self.thread = threading.current_thread().name
 
-    unit = Unit()
-    unit.rt = type("rt", (), {"ranks": type("ranks", (), {"gather": "the gather group"})()})()
+    ranks = type("ranks", (), {"gather": "the gather group"})()
+    unit = Unit("unit", [], [], torch.zeros(2), ranks, None, gather)
     try:
         cuda.default.launch("free/alloc: the unit's hbm copy")
         shard = h2d.copy(torch.zeros(2), torch.ones(2))  # the shard's copy up, an event on the h2d stream
         may_run = threading.Event()
-        done = gather.submit(lambda s: (may_run.wait(5), WeightHandle._gather_ahead(unit, s)), shard,
+        done = gather.submit(lambda s: (may_run.wait(5), unit.run_after(s)), shard,
                              device_work=True)
         cuda.default.launch("the previous unit's forward")  # queued after the fetch: the gather must not wait
         may_run.set()
         done.wait_on_compute()
         g = gather._stream
-        assert unit.thread == "offload-gather" and unit._ready_at is not None
+        assert unit.thread == "offload-gather" and unit.ready_at is not None
         assert g.after(h2d._stream) == len(h2d._stream.work)  # after the shard's copy
         assert g.after(cuda.default, g.work.index("broadcast")) == 1  # the allocation, not the forward
         assert cuda.default.after(g) >= g.work.index("broadcast") + 1, cuda.log  # compute after the broadcast

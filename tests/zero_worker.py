@@ -103,9 +103,10 @@ def trace_gathers(events: list) -> None:
     import threading
 
     from offload.step.prefetch import Prefetcher
+    from offload.state.gather import ShardGather
     from offload.state.residency import R, WeightHandle
 
-    use, fetch, gather = Prefetcher.fetch_for_use, WeightHandle.fetch, WeightHandle._gather
+    use, fetch, gather = Prefetcher.fetch_for_use, WeightHandle.fetch, ShardGather.run
 
     def traced_use(self, unit, backward=False):
         events.append(["use", unit.name])
@@ -117,10 +118,10 @@ def trace_gathers(events: list) -> None:
         return fetch(self)
 
     def traced_gather(self, group):
-        events.append(["gather", self.unit.name, threading.current_thread().name])
+        events.append(["gather", self.name, threading.current_thread().name])
         return gather(self, group)
 
-    Prefetcher.fetch_for_use, WeightHandle.fetch, WeightHandle._gather = traced_use, traced_fetch, traced_gather
+    Prefetcher.fetch_for_use, WeightHandle.fetch, ShardGather.run = traced_use, traced_fetch, traced_gather
 
 
 def state_bytes_of(eng) -> int:

@@ -569,7 +569,7 @@ def unit_buffers(engine, unit, kind: str, write: bool = False, keep: bool = True
     indices of the chunks / windows to visit (default: every one this rank holds)."""
     st, w = engine.states[unit.index], engine.weights[unit.index]
     if kind == "weight":
-        w.wait_for_write()  # new weights written behind by the last step
+        w.writer.wait_for_write()  # new weights written behind by the last step
         spans, home, key, dtype = w.chunks, w.home, w.key, w.dtype
         flat = w.hbm if w.home == "hbm" else w.dram
     else:
@@ -642,7 +642,7 @@ def unit_values(engine, unit: Unit, frozen: bool = True):
         weights = _gather_weights(engine, w)
     elif any(not s.trainable for s in unit.slots):
         if w.home == "nvme":
-            w.wait_for_write()
+            w.writer.wait_for_write()
             weights = _read_chunks(engine, w.key, w.chunks, w.dtype)
         else:
             weights = w.hbm if w.home == "hbm" else w.dram
@@ -667,8 +667,8 @@ def _gather_master(engine, unit, st) -> torch.Tensor:
 
 
 def _gather_weights(engine, w) -> torch.Tensor:
-    """A partitioned unit's weights whole on every rank ([Note: partitioned weights] in offload.state.residency)."""
-    w.wait_for_write()
+    """A partitioned unit's weights whole on every rank ([Note: partitioned weights] in offload.state.gather)."""
+    w.writer.wait_for_write()
     return _gathered(engine, w.chunks, w.owner, w.dtype, w.home, lambda i: chunk_key(w.key, i),
                      lambda i: w.dram[w.span(i)])
 

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import collections
 import enum
-import threading
 import time
 
 import torch
 
 from offload.plan.chunks import chunk_key, packed, weight_chunks
 from offload.plan.memory import READ_AHEAD  # chunks of one fetch in flight: one read while the previous is copied up
-from offload.state.tiers import Tiers
 from offload.plan.units import Unit
+from offload.state.gather import ShardGather
+from offload.state.tiers import Tiers
+from offload.state.weight_writer import WeightWriter, settle
 
 
 class Residency(enum.Enum):
@@ -68,6 +69,10 @@ class WeightHandle(_Handle):
     Parameters point at views of it while fetched and at an empty placeholder while released, so a user
     touching a released parameter gets an empty tensor, never freed memory (during a backward that needs
     no weights, a zero expanded to each parameter's shape: shape_only).
+
+    Two parts of its own: `gather`, the stage-3 gather of partitioned weights (offload.state.gather, None
+    where the unit is not partitioned), and `writer`, which writes the optimizer's new weights into the home
+    (offload.state.weight_writer).
     """
 
     def __init__(self, unit: Unit, home: str, dtype: torch.dtype, rt):
@@ -81,15 +86,8 @@ class WeightHandle(_Handle):
         self.unit, self.dtype, self.rt = unit, dtype, rt
         self.key = unit.key(f"weight.{str(dtype).removeprefix('torch.')}")
         self.chunks = weight_chunks(unit.numel, unit.trainable_numel, rt.chunk_numel)
-        # [Note: partitioned weights] zero_stage 3 over several ranks: a fetched unit's home holds only the
-        # chunks this rank owns (placement.weight_owners; dram: back to back, nvme: their keys), and a fetch
-        # copies those into hbm, then each chunk is broadcast from its owner. With zero_gather_ahead (the
-        # default) the fetch queues that gather on the gather thread (rt.gather) behind its own reads, so it
-        # runs ahead of the unit's use, beside the compute of the units before it; every rank issues the same
-        # fetches in the same order, since the prefetcher's room is one all ranks share (offload.step.prefetch).
-        # Without it the gather runs on the compute thread when the unit is used. The time the compute thread
-        # waits on a gather (after the unit's own shard arrived) is the collective's `exposed_s`. With
-        # offload_param none the shard stays in the hbm tier (shard_tier) and is handled as a dram home.
+        # zero_stage 3 over several ranks: the home holds only the chunks this rank owns, the rest come by the
+        # gather ([Note: partitioned weights] in offload.state.gather)
         self.partitioned = owner is not None
         self.owner = owner or [rt.rank] * len(self.chunks)
         self.held = [i for i, r in enumerate(self.owner) if r == rt.rank]  # the chunks at this rank's home
@@ -98,13 +96,13 @@ class WeightHandle(_Handle):
         self.nbytes = unit.numel * dtype.itemsize
         self.hbm = tiers.empty("hbm", unit.numel, dtype, f"{unit.name} weights")
         self.dram = tiers.empty(self.shard_tier, local_numel, dtype, f"{unit.name} weights") if home == "dram" else None
+        self.gather = (ShardGather(unit.name, self.chunks, self.owner, self.hbm, rt.ranks, rt.telemetry, rt.gather)
+                       if self.partitioned else None)
+        self.writer = WeightWriter(self, rt.staging, rt.store, rt.h2d, rt.telemetry)
         self._pending = None       # completion of the transfer in flight (partitioned, ahead: the gather's)
         self._t0 = 0.0
-        self._ready_at = None      # partitioned, gathered ahead: when this rank's shard was in hbm
         self._placeholder = torch.empty(0, dtype=dtype, device=self.hbm.device)
         self.shaped = False        # released parameters hold their shapes for a backward (shape_only)
-        self._write_lock = threading.Lock()
-        self._writes: list = []    # (ticket, chunk buffer, t0) of new weights written behind to nvme
         self.update = None         # completion of this unit's deferred step, which the next fetch waits for ([Note: split step])
         self._accumulators = None  # the parameters' AccumulateGrad nodes, held (refs())
         self._lent = None          # the pool buffer under the hbm copy ([Note: reused host memory for hbm] in offload.state.tiers)
@@ -194,16 +192,8 @@ class WeightHandle(_Handle):
                 self._pending = self.rt.h2d.copy(self.hbm, self.dram)
             self._t0 = time.perf_counter()
             self._set(R.DRAM_TO_HBM, R.DRAM)
-        if self.partitioned and self.rt.gather is not None:  # [Note: partitioned weights]: queued behind the reads
-            self._ready_at = None
-            self._pending = self.rt.gather.submit(self._gather_ahead, self._pending, tensors=(self.hbm,),
-                                                  device_work=True)
-
-    def _gather_ahead(self, shard) -> None:
-        """On the gather thread: once this rank's shard is in hbm, the gather."""
-        shard.wait_on_compute()  # CUDA: the gather stream waits for the shard's copy, not the host
-        self._ready_at = time.perf_counter()
-        self._gather(self.rt.ranks.gather)
+        if self.gather is not None and self.gather.ahead:  # [Note: partitioned weights]: queued behind the reads
+            self._pending = self.gather.submit(self._pending)
 
     def _read_chunks(self, update=None) -> None:
         """On the reader thread: nvme -> pool chunk -> hbm, chunk by chunk, the next chunk's read in flight
@@ -213,7 +203,7 @@ class WeightHandle(_Handle):
         the optimizer's queued window I/O can wait."""
         if update is not None:
             update.wait()
-        self.wait_for_write()  # new weights written behind land before they are read back
+        self.writer.wait_for_write()  # new weights written behind land before they are read back
         pool, store, tel = self.rt.staging, self.rt.store, self.rt.telemetry
         direct = self.hbm.device.type == "cpu"
         if direct:
@@ -249,7 +239,7 @@ class WeightHandle(_Handle):
                 drain()
         finally:
             for _, buf, ticket, _ in flight:  # after a failure: no read may still write into a lent chunk
-                _settle(ticket)
+                settle(ticket)
                 if not direct:
                     pool.release(buf)
 
@@ -257,7 +247,7 @@ class WeightHandle(_Handle):
         """Moves an in-flight fetch one step on if its transfer (and gather) finished; never blocks. A gather
         that runs when the unit is used (zero_gather_ahead off) waits for that use."""
         if (self.state in (R.NVME_TO_HBM, R.DRAM_TO_HBM) and self._pending.done()
-                and (not self.partitioned or self.rt.gather is not None)):
+                and (self.gather is None or self.gather.ahead)):
             self._finish_fetch()
 
     def wait_for_fetch(self) -> None:
@@ -273,30 +263,15 @@ class WeightHandle(_Handle):
         t0 = time.perf_counter()
         self._pending.wait_on_compute()  # on CUDA a copy's event: the compute stream waits, not the host
         self._pending = None
-        ahead = self.partitioned and self.rt.gather is not None
+        ahead = self.gather is not None and self.gather.ahead
         if self.state is R.DRAM_TO_HBM:
             held = sum(self.chunks[i][1] - self.chunks[i][0] for i in self.held)
-            end = self._ready_at if ahead else time.perf_counter()
+            end = self.gather.ready_at if ahead else time.perf_counter()
             self.rt.telemetry.link("dram_to_hbm", held * self.dtype.itemsize, end - self._t0)
-        if ahead:  # the compute thread's wait from when the shard was in hbm: [Note: partitioned weights]
-            self.rt.telemetry.exposed("all_gather", max(0.0, time.perf_counter() - max(t0, self._ready_at)))
-        elif self.partitioned:  # on use: the compute thread runs the whole gather
-            self.rt.telemetry.exposed("all_gather", self._gather(self.rt.ranks.compute))
+        if self.gather is not None:  # the gather's exposed time: [Note: partitioned weights]
+            self.gather.finish(t0)
         self._attach()
         self._set(R.HBM, self.state)
-
-    def _gather(self, group) -> float:
-        """[Note: partitioned weights] Each chunk from its owner into every rank's hbm copy (as bytes); returns
-        the seconds it took."""
-        import torch.distributed as dist
-
-        t0, ranks = time.perf_counter(), self.rt.ranks
-        for (b, e), owner in zip(self.chunks, self.owner):
-            ranks.run("all_gather (a broadcast per chunk)", self.unit.name,
-                      lambda: dist.broadcast(self.hbm[b:e].view(torch.uint8), src=owner, group=group))
-        seconds = time.perf_counter() - t0
-        self.rt.telemetry.collective("all_gather", self.nbytes, seconds)
-        return seconds
 
     # -- release: hbm -> home -------------------------------------------------------------------------
     def release(self) -> None:
@@ -314,7 +289,7 @@ class WeightHandle(_Handle):
         """After a failure: a fetch in flight is settled (its error, if any, was reported) and dropped,
         a fetched copy released; the weights are at home."""
         if self.state in (R.NVME_TO_HBM, R.DRAM_TO_HBM):
-            _settle(self._pending)
+            settle(self._pending)
             self._pending = None
             self._free_hbm()
             self._set(HOME_STATE[self.home], self.state)
@@ -323,92 +298,13 @@ class WeightHandle(_Handle):
         if self.shaped:
             self._detach()
 
-    # -- new weights from the optimizer (on the d2h thread when the step overlaps backward) ------------
-    # [Note: updates beside residency]
-    # The optimizer writes a unit's new weights to its home copy while the hbm copy may still be attached
-    # (the unit's backward is over once its gradients are final, but units are released when backward()
-    # ends, and a step outside backward first releases every fetched copy, kept ones included: see
-    # Prefetcher.release_all in offload.step.prefetch). So an update never changes the residency state: dram homes and the CPU
-    # backend's hbm are written in place (the trainable prefix only; frozen weights are never written),
-    # an nvme home chunk by chunk through pool chunks written behind, which the next fetch waits for.
-    def new_weights(self, i: int, begin: int, end: int) -> torch.Tensor:
-        """The buffer the optimizer writes the new weights of elements [begin, end) (state window i) into,
-        at its start; then call `commit(i, begin, end, buf)`."""
-        if self.home == "dram":
-            return self.dram[self.span(i, begin, end)]
-        if self.home == "hbm" and self.hbm.device.type == "cpu":
-            return self.hbm[begin:end]
-        cb, ce = self.chunks[i]
-        buf = self.rt.staging.acquire(ce - cb, self.dtype, f"{self.unit.name} new weights")
-        if self.home == "nvme" and end < ce:  # frozen weights share this chunk: written back unchanged
-            try:
-                self.rt.store.read(chunk_key(self.key, i), into=buf).wait()
-            except BaseException:
-                self.rt.staging.release(buf)
-                raise
-        return buf
-
-    def commit(self, i: int, begin: int, end: int, buf: torch.Tensor) -> None:
-        """After the optimizer filled `new_weights(i, ...)`: nvme chunks are written behind;
-        accelerator-resident weights are copied up (the window only)."""
-        if self.home == "dram" or (self.home == "hbm" and self.hbm.device.type == "cpu"):
-            return
-        if self.home == "nvme":
-            try:
-                ticket = self.rt.store.write(chunk_key(self.key, i), buf)
-            except BaseException:
-                self.rt.staging.release(buf)
-                raise
-            with self._write_lock:
-                self._writes.append((ticket, buf, time.perf_counter()))
-            return
-        try:
-            self.rt.h2d.copy(self.hbm[begin:end], buf[:end - begin]).wait()
-        finally:
-            self.rt.staging.release(buf)
-
-    def window(self, i: int, begin: int, end: int):
-        """(tensor of elements [begin, end) as at home, release()): a view of a resident home, or chunk i read
-        from nvme into a pool chunk that release() returns. For sending a window's weights to other ranks
-        (offload.step.pipeline.share_new_weights)."""
-        if self.home != "nvme":
-            return (self.dram[self.span(i, begin, end)] if self.home == "dram" else self.hbm[begin:end]), lambda: None
-        cb, ce = self.chunks[i]  # the chunk whole: frozen weights may share it
-        chunk = self.rt.staging.acquire(ce - cb, self.dtype, f"{self.unit.name} weights to share")
-        try:
-            self.rt.store.read(chunk_key(self.key, i), into=chunk).wait()
-        except BaseException:
-            self.rt.staging.release(chunk)
-            raise
-        return chunk[begin - cb:end - cb], lambda: self.rt.staging.release(chunk)
-
-    def discard(self, buf: torch.Tensor) -> None:
-        """A `new_weights` buffer that will not be committed (the step failed) goes back unwritten."""
-        if not (self.home == "dram" or (self.home == "hbm" and self.hbm.device.type == "cpu")):
-            self.rt.staging.release(buf)
-
-    def wait_for_write(self) -> None:
-        with self._write_lock:
-            writes, self._writes = self._writes, []
-        error = None
-        for ticket, buf, t0 in writes:
-            try:
-                ticket.wait()
-                self.rt.telemetry.link("dram_to_nvme", buf.numel() * buf.element_size(), time.perf_counter() - t0)
-            except BaseException as e:  # every chunk is settled and returned before the first error is raised
-                error = error or e
-                _settle(ticket)
-            self.rt.staging.release(buf)
-        if error is not None:
-            raise error
-
     def close(self) -> None:
         """Settles the transfers in flight and returns every byte charged for these weights (hbm-home
         weights stay the module's parameters; the engine only stops counting them)."""
         if self.state in (R.NVME_TO_HBM, R.DRAM_TO_HBM):
-            _settle(self._pending)  # a failed fetch: its error was raised to the forward that waited
+            settle(self._pending)  # a failed fetch: its error was raised to the forward that waited
         try:
-            self.wait_for_write()
+            self.writer.wait_for_write()
         finally:
             if self.hbm.untyped_storage().nbytes():  # charged while it has storage (_alloc_hbm, _free_hbm)
                 if self.home == "hbm":
@@ -428,10 +324,3 @@ def _read(store, key: str, buf: torch.Tensor, pool):
         pool.release(buf)
         raise
 
-
-def _settle(completion) -> None:
-    """Waits for a transfer whose result no longer matters (its error was or will be reported elsewhere)."""
-    try:
-        completion.wait()
-    except Exception:  # an interrupt (Ctrl-C, offload.Stopped) is not held back
-        pass

@@ -489,28 +489,28 @@ def share_new_weights(rt, unit: Unit, st, w) -> None:
     arithmetic to trip over, and a broadcast needs none)."""
     import torch.distributed as dist
 
-    w.wait_for_write()  # the owner's windows, written behind by its step, are read back from their home
+    w.writer.wait_for_write()  # the owner's windows, written behind by its step, are read back from their home
     for i, (b, e) in enumerate(st.windows):
         t0 = time.perf_counter()
         if st.owner[i] == rt.rank:
-            src, release = w.window(i, b, e)
+            src, release = w.writer.home_weights(i, b, e)
             try:
                 rt.ranks.run("broadcast", f"{unit.name} window {i}'s new weights",
                              lambda: dist.broadcast(src.view(torch.uint8), src=rt.rank, group=rt.ranks.compute))
             finally:
                 release()
         else:
-            buf = w.new_weights(i, b, e)
+            buf = w.writer.new_weights(i, b, e)
             try:
                 rt.ranks.run("broadcast", f"{unit.name} window {i}'s new weights",
                              lambda: dist.broadcast(buf[:e - b].view(torch.uint8), src=st.owner[i],
                                                     group=rt.ranks.compute))
             except BaseException:
-                w.discard(buf)
+                w.writer.discard(buf)
                 raise
-            w.commit(i, b, e, buf)
+            w.writer.commit(i, b, e, buf)
         rt.telemetry.collective("broadcast", (e - b) * w.dtype.itemsize, time.perf_counter() - t0)
-    w.wait_for_write()
+    w.writer.wait_for_write()
 
 
 def _delta(now: dict, before: dict) -> dict:

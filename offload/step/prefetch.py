@@ -87,7 +87,7 @@ def agreed_policy(placement, hbm, ahead: bool, agree) -> tuple[int, int, int, in
     """(lookahead, reuse_distance, reuse_bytes, grad_reserve, room) of the residency policy. With
     partitioned weights (zero_stage 3) the same on every rank: the placement may shrink each knob to each
     rank's own budgets, and a unit fetched or kept on one rank and not on another would be gathered by one
-    and not the other ([Note: partitioned weights] in offload.state.residency); so the smallest of each over the
+    and not the other ([Note: partitioned weights] in offload.state.gather); so the smallest of each over the
     ranks, the largest reserve, and with the gathers run ahead the room (module note: the hbm bytes free now,
     the engine built and nothing fetched). Otherwise each rank's own, and room None (its free bytes).
     agree: Ranks.agree."""

@@ -115,7 +115,7 @@ class WindowPipeline:
             index, i = self.last
             self.last = None
             self.states[index].wait_stored(i)
-            self.weights[index].wait_for_write()
+            self.weights[index].writer.wait_for_write()
 
 
 def step_window(rt, st: OptimState, w, unit: Unit, i: int, lr: float, grad_scale: float) -> None:
@@ -124,7 +124,7 @@ def step_window(rt, st: OptimState, w, unit: Unit, i: int, lr: float, grad_scale
     b, e = st.windows[i]
     hashed = st.digest_bounds(i) is not None  # nvme states with swap checksums, read unverified
     # Until the states are checked the new weights stay out of the live copy (a dram or CPU hbm home).
-    home = w.new_weights(i, b, e)
+    home = w.writer.new_weights(i, b, e)
     live = w.home == "dram" or (w.home == "hbm" and w.hbm.device.type == "cpu")
     out = rt.staging.acquire(e - b, home.dtype, f"{unit.name} new weights") if hashed and live else home[:e - b]
     try:
@@ -139,12 +139,12 @@ def step_window(rt, st: OptimState, w, unit: Unit, i: int, lr: float, grad_scale
         if hashed and live:
             home[:e - b].copy_(out)
     except BaseException:
-        w.discard(home)
+        w.writer.discard(home)
         raise
     finally:
         if hashed and live:
             rt.staging.release(out)
-    w.commit(i, b, e, home)
+    w.writer.commit(i, b, e, home)
     st.store(i)
 
 
