@@ -1,6 +1,6 @@
-"""Checkpoints (offload.checkpoint.sharded): exact resume for every placement and step path, into another
-placement and in a new process; damaged files detected; interrupted saves harmless to the previous
-checkpoint; engine.state_dict() with real values; `offload train --resume`; export to Hugging Face."""
+"""Checkpoints (offload.checkpoint.saving, loading, state_dict): exact resume for every placement and step
+path, into another placement and in a new process; damaged files detected; interrupted saves harmless to the
+previous checkpoint; engine.state_dict() with real values; `offload train --resume`; export to Hugging Face."""
 
 from __future__ import annotations
 
@@ -727,7 +727,7 @@ def test_offload_train_saves_on_sigterm_and_stops(tmp_path, monkeypatch):
         return real_loss_of(output)
 
     real_loss_of = training.loss_of
-    monkeypatch.setattr(recipe, "loss_of", preempted)
+    monkeypatch.setattr(training, "loss_of", preempted)
     d = str(tmp_path / "ckpts")
     settings = {"model": "tiny", "steps": 3, "batch_size": 2, "seq_len": 32, "nvme_path": str(tmp_path / "swap"),
                 "no_progress": True, "save_every": 100, "checkpoint_dir": d, "offload_param": "cpu"}

@@ -183,7 +183,7 @@ def _spy_on_saves(monkeypatch) -> dict:
             seen["logits"] = out if isinstance(out, torch.Tensor) else out.logits
         return real(engine, info, directory, lora, merged, **kw)
 
-    monkeypatch.setattr(recipe, "save", save)
+    monkeypatch.setattr(training, "save", save)
     return seen
 
 
