@@ -1,6 +1,6 @@
 """A model larger than memory, weights and optimizer states on nvme: ours, and DeepSpeed beside it.
 
-Ours runs in a subprocess: the model is built on the meta device (offload.train.build: a preset, or a
+Ours runs in a subprocess: the model is built on the meta device (offload.recipe.build: a preset, or a
 Hugging Face directory whose weights stream from its safetensors), offload.initialize is timed (init_s),
 and it trains --steps steps of --batch x --seq tokens, reporting each step's time, loss and bytes per link
 (engine.stats()["last_step"]["links"]). DeepSpeed ZeRO-3 with NVMe offload of both then trains the same
@@ -52,7 +52,7 @@ def worker(args) -> None:
     from offload.kernels.cpu_adam import kernel_backend
     from offload.data import BatchSampler, load_tokens
     from offload.models import loss_of
-    from offload.train import build
+    from offload.recipe import build
 
     cfg = load_config({"precision": args.precision, "offload_param": {"device": "nvme"},
                        "offload_optimizer": {"device": "nvme"}, "nvme_path": args.dir,

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from offload.checkpoint import sharded as checkpoint
+from offload.checkpoint import loading, saving, state_dict as state_dicts
+from offload.checkpoint.values import unit_values
 
 from offload.kernels import cpu_adam
 
@@ -30,7 +31,7 @@ from offload.state.activation_tier import InputTier
 from offload.plan.attention import attention_line
 from offload.step.activations import Checkpointing, UnitInputs, no_cache
 from offload.plan.config import Config, LossScaleConfig, load_config
-from offload.state.materialize import materialize, unit_values
+from offload.state.materialize import materialize
 from offload.state.optim import OptimState
 from offload.step.pipeline import Phase, StepPipeline
 from offload.plan.placement import Placement, PlacementError, activations_advice, fits_with_activations, plan_placement
@@ -90,7 +91,7 @@ class Engine(nn.Module):
                  ) if self.placement.weight_owners else None  # [Note: collective order] in offload.state.ranks
         self.trace = ExecutionTrace(self.placement.knobs.prefetch_units, agree=agree)
         self._closed = False
-        self.checkpoint_run_id: str | None = None  # the run its checkpoints belong to (offload.checkpoint.sharded.run_id)
+        self.checkpoint_run_id: str | None = None  # the run its checkpoints belong to (offload.checkpoint.saving.run_id)
         self.weights: list[WeightHandle | None] = [None] * len(self.units)  # filled by materialize
         self.states: list[OptimState | None] = [None] * len(self.units)
         _WRAPPED.add(model)  # from here on its parameters become the engine's placeholders
@@ -119,7 +120,7 @@ class Engine(nn.Module):
                                       else None)  # [Note: activation checkpointing] in offload.step.activations
         self._checkpointing = (Checkpointing(self.units, self.unit_inputs, lambda: self.pipeline.in_backward)
                                if cfg.activation_checkpointing else None)
-        self._guards = checkpoint.guard_module(model)  # model.state_dict() would read placeholders: kept after close
+        self._guards = state_dicts.guard_module(model)  # model.state_dict() would read placeholders: kept after close
         _serve_save_pretrained(self, model)
         log.info("%s", self.placement.describe())
         # On stderr, where a user sees it: a training script's logging may show no INFO. Over ranks rank 0
@@ -265,7 +266,8 @@ class Engine(nn.Module):
         for unit in self.units:
             if trainable_only and not unit.trainable_numel:
                 continue
-            for slot, value in unit_values(self, unit, frozen=not trainable_only):
+            for slot, value in unit_values(self.rt, self.weights[unit.index], self.states[unit.index],
+                                           frozen=not trainable_only):
                 for n in names[slot.param]:
                     yield n, value
 
@@ -280,9 +282,9 @@ class Engine(nn.Module):
         tier: fp32 masters (frozen parameters upcast), like FSDP's full state dict; persistent buffers.
         Holds the whole model in memory: for a large one use save_checkpoint(). Over ranks call it on every
         rank; sharded=True: each parameter a DTensor holding this rank's dim-0 slice, like FSDP2's sharded
-        state dict, for torch.distributed.checkpoint ([Note: sharded state dicts] in offload.checkpoint.sharded).
+        state dict, for torch.distributed.checkpoint ([Note: sharded state dicts] in offload.checkpoint.state_dict).
         keep_vars: no effect."""
-        sd = checkpoint.state_dict(self, prefix, sharded)
+        sd = state_dicts.state_dict(self, prefix, sharded)
         if destination is None:
             return sd
         destination.update(sd)
@@ -293,7 +295,7 @@ class Engine(nn.Module):
         torch's `strict` semantics; checks names and shapes before writing anything. Takes a full or a
         sharded state dict (DTensors, gathered a unit at a time: then call it on every rank). assign: no
         effect."""
-        return checkpoint.load_state_dict(self, state_dict, strict)
+        return state_dicts.load_state_dict(self, state_dict, strict)
 
     def save_checkpoint(self, directory: str, name: str | None = None, keep: int | None = None,
                         extra: dict | None = None) -> str:
@@ -301,17 +303,17 @@ class Engine(nn.Module):
         then points <directory>/latest at it and keeps the newest `keep`; `extra`: your JSON state, returned
         by load_checkpoint. With delayed_update the pending update is saved, not applied. Between steps
         only (also between the micro-steps of an accumulation window). Returns the path. See
-        offload.checkpoint.sharded for the format. Over several ranks (zero_stage 0, every rank holding the same
+        offload.checkpoint.saving for what it holds. Over several ranks (zero_stage 0, every rank holding the same
         states) call it on every rank: rank 0 writes, the others wait for it; zero_stage 1-3 over ranks: every
-        rank writes the states it holds ([Note: ranks] in offload.checkpoint.sharded)."""
-        return checkpoint.save(self, directory, name, keep, extra)
+        rank writes the states it holds ([Note: ranks] in offload.checkpoint.saving)."""
+        return saving.save(self, directory, name, keep, extra)
 
     def load_checkpoint(self, path: str) -> dict:
         """Loads a checkpoint (a checkpoint directory, or a directory whose `latest` names one) into this
         engine, whatever its placement; verifies names, shapes and checksums before changing anything.
         Returns the checkpoint's `extra`. Over several ranks every rank calls it; it may have been saved at
         another world size or zero_stage."""
-        return checkpoint.load(self, path)
+        return loading.load(self, path)
 
     def start_trace(self) -> None:
         """Starts recording a timeline (compute, copy streams, NVMe I/O, CPU Adam); see save_trace."""
@@ -363,7 +365,7 @@ class Engine(nn.Module):
 
 def _serve_save_pretrained(engine: "Engine", model: nn.Module) -> None:
     """`model.save_pretrained(dir)` (a PEFT or transformers model) writes the engine's values: the model's own
-    state_dict() would read placeholders (checkpoint.guard_module refuses it). A PEFT model gets the
+    state_dict() would read placeholders (state_dicts.guard_module refuses it). A PEFT model gets the
     trainable parameters only (its adapter: no frozen base weight is read), a transformers model the whole
     state_dict(). An explicit state_dict= is passed through as given."""
     original = getattr(model, "save_pretrained", None)

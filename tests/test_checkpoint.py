@@ -1,6 +1,6 @@
-"""Checkpoints (offload.checkpoint.sharded): exact resume for every placement and step path, into another
-placement and in a new process; damaged files detected; interrupted saves harmless to the previous
-checkpoint; engine.state_dict() with real values; `offload train --resume`; export to Hugging Face."""
+"""Checkpoints (offload.checkpoint.saving, loading, state_dict): exact resume for every placement and step
+path, into another placement and in a new process; damaged files detected; interrupted saves harmless to the
+previous checkpoint; engine.state_dict() with real values; `offload train --resume`; export to Hugging Face."""
 
 from __future__ import annotations
 
@@ -623,20 +623,20 @@ def test_load_state_dict_writes_the_homes(tmp_path, before, after):
 # --- offload train and the checkpoint command ------------------------------------------------------------------
 
 def test_offload_train_resume_continues_the_loss_curve(tmp_path, capsys):
-    from offload import train as recipe
+    from offload import train as training
 
     d = str(tmp_path / "ckpts")
     settings = {"model": "tiny", "steps": 4, "batch_size": 2, "seq_len": 32, "nvme_path": str(tmp_path / "swap"),
                 "no_progress": True, "save_every": 2, "checkpoint_dir": d, "keep_checkpoints": 3, "clip": 0.5}
-    straight = recipe.train({**settings, "out": str(tmp_path / "run1"), "resume": "latest"})  # none yet: step 0
+    straight = training.train({**settings, "out": str(tmp_path / "run1"), "resume": "latest"})  # none yet: step 0
     assert "no checkpoint in" in capsys.readouterr().err
     assert fmt.list_checkpoints(d) == ["step00000002", "step00000004"]
-    resumed = recipe.train({**settings, "out": str(tmp_path / "run2"), "resume": os.path.join(d, "step00000002")})
+    resumed = training.train({**settings, "out": str(tmp_path / "run2"), "resume": os.path.join(d, "step00000002")})
     assert resumed["losses"] == straight["losses"][2:] and resumed["run"]["start_step"] == 2
     with pytest.raises(ValueError, match=r"trained with batch_size=2 \(here batch_size=4\)"):
-        recipe.train({**settings, "batch_size": 4, "resume": "latest"})
+        training.train({**settings, "batch_size": 4, "resume": "latest"})
     with pytest.raises(ValueError, match="nothing is left to train"):
-        recipe.train({**settings, "resume": "latest"})
+        training.train({**settings, "resume": "latest"})
 
     assert main(["checkpoint", "inspect", d, "--verify", "--json"]) == 0
     info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -716,7 +716,7 @@ def test_export_loads_with_from_pretrained_and_gives_the_engines_logits(tmp_path
 
 
 def test_offload_train_saves_on_sigterm_and_stops(tmp_path, monkeypatch):
-    from offload import train as recipe
+    from offload import train as training
 
     calls = []
 
@@ -724,10 +724,10 @@ def test_offload_train_saves_on_sigterm_and_stops(tmp_path, monkeypatch):
         if not calls:
             os.kill(os.getpid(), signal.SIGTERM)
         calls.append(1)
-        return recipe_loss_of(output)
+        return real_loss_of(output)
 
-    recipe_loss_of = recipe.loss_of
-    monkeypatch.setattr(recipe, "loss_of", preempted)
+    real_loss_of = training.loss_of
+    monkeypatch.setattr(training, "loss_of", preempted)
     d = str(tmp_path / "ckpts")
     settings = {"model": "tiny", "steps": 3, "batch_size": 2, "seq_len": 32, "nvme_path": str(tmp_path / "swap"),
                 "no_progress": True, "save_every": 100, "checkpoint_dir": d, "offload_param": "cpu"}
@@ -735,10 +735,10 @@ def test_offload_train_saves_on_sigterm_and_stops(tmp_path, monkeypatch):
 
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Stopped) as stop:  # after the save, the run stops as for any signal (exit 143)
-        recipe.train({**settings, "out": str(tmp_path / "run1")})
+        training.train({**settings, "out": str(tmp_path / "run1")})
     report = stop.value.report
     assert stop.value.exit_code == 143 and report["stopped"]["signal"] == "SIGTERM"
     assert len(report["losses"]) == 1 and fmt.list_checkpoints(d) == ["step00000001"]
     assert signal.getsignal(signal.SIGTERM) is before  # restored
-    resumed = recipe.train({**settings, "out": str(tmp_path / "run2"), "resume": "latest"})
+    resumed = training.train({**settings, "out": str(tmp_path / "run2"), "resume": "latest"})
     assert resumed["run"]["start_step"] == 1 and len(resumed["losses"]) == 2

@@ -46,7 +46,7 @@ def test_bench_nvme_bad_input_is_a_one_line_error(tmp_path, capsys):
 def test_bench_nvme_defaults_to_what_training_uses(tmp_path, monkeypatch, capsys):
     """No --dir, no --block-bytes: the swap directory and the block size of `offload train`'s default run."""
     from offload.plan.config import Config
-    from offload.train import DEFAULT_SWAP_DIR
+    from offload.recipe import DEFAULT_SWAP_DIR
 
     monkeypatch.chdir(tmp_path)
     assert main(["bench", "nvme", "--size", "16M", "--engine", "threads", "--json"]) == 0

@@ -11,7 +11,7 @@ import warnings
 import pytest
 
 import offload
-from offload import train as recipe
+from offload import recipe
 from offload.cli import _user_warning, main
 from offload.plan.config import Config
 from offload.plan.settings import CHUNK_ALIGN_BYTES
@@ -289,13 +289,13 @@ def test_offload_train_takes_batch_and_steps_from_a_deepspeed_config(tmp_path):
                                                           "warmup_type": "linear"}},
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
     with pytest.warns(ds.DeepSpeedConfigWarning, match="train_micro_batch_size_per_gpu"):
-        cfg, run = recipe.resolve(recipe._as_namespace({"deepspeed": str(dsfile), "steps": 12}))
+        cfg, run = recipe.resolve(recipe.as_namespace({"deepspeed": str(dsfile), "steps": 12}))
     assert run["batch_size"] == 2 and cfg.gradient_accumulation_steps == 2
     assert (cfg.lr_schedule.type, cfg.lr_schedule.total_steps, cfg.lr_schedule.warmup_steps) == ("linear", 12, 2)
     assert cfg.optimizer.lr == recipe.RECIPE["lr"] and cfg.optimizer.weight_decay == 0.01  # "auto": the recipe's
     assert (cfg.offload_param.device, cfg.offload_optimizer.device) == ("none", "cpu")  # the file's placement
     with pytest.warns(ds.DeepSpeedConfigWarning):
-        cfg, run = recipe.resolve(recipe._as_namespace({"deepspeed": str(dsfile), "batch_size": 3, "lr": 0.5}))
+        cfg, run = recipe.resolve(recipe.as_namespace({"deepspeed": str(dsfile), "batch_size": 3, "lr": 0.5}))
     assert run["batch_size"] == 3 and cfg.optimizer.lr == 0.5  # flags win
 
 

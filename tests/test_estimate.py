@@ -31,13 +31,13 @@ def test_zero_paper_example_7_5b_params_64_ranks(capsys, stage, exact, shown):
 
 
 def test_without_placement_flags_it_says_so_and_how_to_see_what_train_places(capsys):
-    from offload import train as recipe
+    from offload import recipe
 
     assert cli.main(["estimate", "--params", "1e9"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("placement: nothing offloaded (this command's default")
     flags = re.search(r"add (--offload-param \S+ --offload-optimizer \S+) for its figures", line).group(1).split()
-    cfg, _ = recipe.resolve(recipe._as_namespace({}))  # offload train with no flags
+    cfg, _ = recipe.resolve(recipe.as_namespace({}))  # offload train with no flags
     assert flags == ["--offload-param", cfg.offload_param.device, "--offload-optimizer", cfg.offload_optimizer.device]
     assert run_json(capsys, "--params", "1e9", *flags)["model_states"]["hbm_bytes"] == 0
     assert cli.main(["estimate", "--params", "1e9", "--offload-optimizer", "cpu"]) == 0

@@ -123,7 +123,7 @@ def test_offload_train_on_a_disk_that_fills_stops_naming_the_save_and_resumes_el
     the step and the last good checkpoint (step 2, intact), the report of the 3 steps is written, exit 2.
     Resumed from step 2 with swap and checkpoints on another file system, the run continues exactly as a
     run that never failed."""
-    from offload import train as recipe
+    from offload import train as training
 
     mnt = tmp_path / "mnt"
     flags = ["train", "--model", "tiny", "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--no-progress",
@@ -131,7 +131,7 @@ def test_offload_train_on_a_disk_that_fills_stops_naming_the_save_and_resumes_el
     assert main([*flags, "--nvme-path", str(tmp_path / "s0"), "--checkpoint-dir", str(tmp_path / "c0"), "--out",
                  str(tmp_path / "r0")]) == 0
     straight = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["losses"]
-    real_save = recipe.Checkpoints.save
+    real_save = training.Checkpoints.save
 
     def fill_after_step_2(self, engine, step):
         path = real_save(self, engine, step)
@@ -141,7 +141,7 @@ def test_offload_train_on_a_disk_that_fills_stops_naming_the_save_and_resumes_el
 
     with small_fs(mnt, 64):
         ckpts = mnt / "ckpts"
-        monkeypatch.setattr(recipe.Checkpoints, "save", fill_after_step_2)
+        monkeypatch.setattr(training.Checkpoints, "save", fill_after_step_2)
         assert main([*flags, "--nvme-path", str(mnt / "swap"), "--checkpoint-dir", str(ckpts), "--out",
                      str(tmp_path / "r1")]) == 2
         monkeypatch.undo()

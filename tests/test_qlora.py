@@ -112,7 +112,7 @@ def test_a_quantized_base_trains_to_the_plain_loops_losses(tmp_path, base_dir, q
 # -- offload train --quantize: the base quantized as it is materialized ----------------------------------------
 
 def _train_args(base_dir, tmp_path, *extra):
-    from offload import train as recipe
+    from offload import recipe
 
     return recipe.train_parser().parse_args(["--model", base_dir, "--lora", "4", "--seq-len", str(SEQ),
                                              "--batch-size", "2", "--steps", "2", "--nvme-path",
@@ -124,7 +124,7 @@ def _train_args(base_dir, tmp_path, *extra):
 def test_quantize_flag_quantizes_as_from_pretrained_bit_for_bit(tmp_path, base_dir, quant, flag):
     """The engine's records (streamed from the safetensors, quantized unit by unit on the meta-built model)
     equal the ones from_pretrained(..., quantization_config=...) makes, byte for byte, name for name."""
-    from offload import train as recipe
+    from offload import recipe
 
     cfg, run = recipe.resolve(_train_args(base_dir, tmp_path, "--quantize", flag, "--precision", "fp32"))
     model, weights, info = recipe.build(run, cfg)
@@ -146,7 +146,7 @@ def test_quantize_flag_quantizes_as_from_pretrained_bit_for_bit(tmp_path, base_d
 
 
 def test_quantize_needs_lora_and_names_the_reason(tmp_path, base_dir):
-    from offload import train as recipe
+    from offload import recipe
 
     args = recipe.train_parser().parse_args(["--model", base_dir, "--quantize", "nf4"])
     with pytest.raises(ValueError, match=r"--quantize=nf4: a quantized base cannot be trained itself.*add --lora R"):
@@ -156,7 +156,7 @@ def test_quantize_needs_lora_and_names_the_reason(tmp_path, base_dir):
 
 
 def test_without_bitsandbytes_quantize_names_the_extra(tmp_path, base_dir, monkeypatch):
-    from offload import train as recipe
+    from offload import recipe
 
     cfg, run = recipe.resolve(_train_args(base_dir, tmp_path, "--quantize", "nf4"))
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed: its import fails
@@ -168,11 +168,11 @@ def test_the_saved_adapter_loads_on_the_4bit_base_and_merged_loads_alone(tmp_pat
     """--save: peft loads the adapter on from_pretrained's 4-bit base (its path in the adapter config) and gives
     the engine's logits; --save-merged: AutoModelForCausalLM loads the merged model (the base dequantized plus
     alpha/r B A), with the same logits within the 4-bit's own rounding of the merge."""
-    from offload import train as recipe
+    from offload import train as training
 
     args = _train_args(base_dir, tmp_path, "--quantize", "nf4", "--precision", "fp32", "--save",
                        str(tmp_path / "adapter"), "--save-merged", str(tmp_path / "merged"), "--lr", "1e-2")
-    recipe.train(args)
+    training.train(args)
     q = transformers.BitsAndBytesConfig(**QUANT["nf4-dq"])
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=q, dtype=torch.float32)
     loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
@@ -191,7 +191,7 @@ def test_merged_of_a_bf16_base_is_bf16_and_equals_peft_merge_on_its_dequantized_
     """--save-merged of an nf4 run on a bf16 directory: bf16 tensors under a bf16 config, bit for bit what peft's
     merge_and_unload writes on from_pretrained's 4-bit base dequantized (in bf16, its own dtype) with the saved
     adapter; AutoModelForCausalLM and AutoTokenizer load the directory alone."""
-    from offload import train as recipe
+    from offload import train as training
     from offload.integrations.hf_io import iter_safetensors
     from tests.test_train_hf import _save_tokenizer
 
@@ -202,7 +202,7 @@ def test_merged_of_a_bf16_base_is_bf16_and_equals_peft_merge_on_its_dequantized_
     transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(base_dir)
     tok = _save_tokenizer(base_dir, "To be, or not to be, that is the question. " * 20)
     adapter, merged = tmp_path / "adapter", tmp_path / "merged"
-    recipe.train(_train_args(str(base_dir), tmp_path, "--quantize", "nf4", "--save", str(adapter), "--save-merged",
+    training.train(_train_args(str(base_dir), tmp_path, "--quantize", "nf4", "--save", str(adapter), "--save-merged",
                              str(merged), "--lr", "1e-2"))
     assert f"merged      {merged} (Hugging Face directory, bfloat16)" in capsys.readouterr().out
     q = transformers.BitsAndBytesConfig(**QUANT["nf4-dq"])

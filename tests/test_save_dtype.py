@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from offload import train as recipe
+from offload import recipe
 from offload.cli import main
 from offload.integrations.hf_io import iter_safetensors, source_dtype, with_dtype
 
@@ -103,7 +103,7 @@ def test_a_bad_save_dtype_is_one_line(bf16_dir, tmp_path, capsys):
     assert err == ["offload train: error: --save-dtype=bf16: applies to what --save or --save-merged writes; add "
                    "one of them"]
     with pytest.raises(ValueError, match=r"^--save-dtype=half: not a dtype to save in; pass auto, bf16, fp16, fp32$"):
-        recipe.resolve(recipe._as_namespace({"save": str(tmp_path / "s"), "save_dtype": "half"}))
+        recipe.resolve(recipe.as_namespace({"save": str(tmp_path / "s"), "save_dtype": "half"}))
 
 
 def test_the_source_dtype_is_the_configs_else_the_tensors(bf16_dir, tmp_path):

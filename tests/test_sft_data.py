@@ -211,14 +211,14 @@ def test_train_takes_its_loss_on_completions_only(tmp_path):
     """The first step's loss is the model's loss on the first batch with the prompts masked: the same
     number as the seeded start computes on the sampler's batch, and not the loss over every token.
     --eval-data takes the same records."""
-    from offload import train as recipe
+    from offload import train as training
     from offload.models import build_model
 
     path = tmp_path / "alpaca.json"  # short records: the Alpaca prompt is about 120 bytes, and tiny takes 256
     path.write_text(json.dumps([{"instruction": f"Add {a} and {b}.", "output": f"{a + b}"} for a, b in
                                 [(1, 2), (30, 4), (5, 6), (17, 25)]]))
     path = str(path)
-    report = recipe.train({"model": "tiny", "steps": 1, "batch_size": 2, "seq_len": 256, "data": path,
+    report = training.train({"model": "tiny", "steps": 1, "batch_size": 2, "seq_len": 256, "data": path,
                            "eval_data": path, "eval_batches": 1, "precision": "fp32", "offload_param": "cpu",
                            "nvme_path": str(tmp_path / "swap"), "out": str(tmp_path / "run"), "no_progress": True})
     ids, labels = data.make_sampler(load_data(path), 2, 256, seed=0).batch(0)

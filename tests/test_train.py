@@ -1,4 +1,5 @@
-"""The run recipe `offload.train.train`: settings precedence, a short run's report and files, --save."""
+"""The run `offload.train.train` and its recipe (offload.recipe): settings precedence, a short run's report and
+files, --save."""
 
 import argparse
 import json
@@ -8,11 +9,12 @@ import pytest
 import torch
 
 import offload
-from offload import train as recipe
+from offload import recipe
+from offload import train as training
 
 
 def _resolve(**kw):
-    return recipe.resolve(recipe._as_namespace(kw))
+    return recipe.resolve(recipe.as_namespace(kw))
 
 
 def test_defaults_are_the_demo_recipe():
@@ -50,13 +52,13 @@ def test_tier_budget_flags_beat_the_config_file(tmp_path):
 
 def test_unknown_setting_names_the_nearest():
     with pytest.raises(ValueError, match=r"batchsize: unknown train setting; did you mean 'batch_size'\?"):
-        recipe._as_namespace({"batchsize": 4})
+        recipe.as_namespace({"batchsize": 4})
 
 
 def _run(tmp_path, **kw):
     settings = {"model": "tiny", "steps": 3, "batch_size": 4, "seq_len": 64, "nvme_path": str(tmp_path / "swap"),
                 "out": str(tmp_path / "run"), "no_progress": True} | kw
-    return recipe.train(settings)
+    return training.train(settings)
 
 
 def test_short_run_writes_its_report(tmp_path, capsys):

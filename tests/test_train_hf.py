@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import offload
-from offload import train as recipe
+from offload import recipe
+from offload import train as training
 from offload.cli import main
 from offload.integrations.hf_io import SafetensorsWeights, iter_safetensors
 from tests import hf_archs
@@ -169,8 +170,8 @@ def _probe():
 
 
 def _spy_on_saves(monkeypatch) -> dict:
-    """Wraps recipe.save: before the first save, the engine's full state and its logits on the probe batch."""
-    seen, real = {}, recipe.save
+    """Wraps training.save: before the first save, the engine's full state and its logits on the probe batch."""
+    seen, real = {}, training.save
 
     def save(engine, info, directory, lora=None, merged=False, **kw):
         if "state" not in seen:
@@ -182,7 +183,7 @@ def _spy_on_saves(monkeypatch) -> dict:
             seen["logits"] = out if isinstance(out, torch.Tensor) else out.logits
         return real(engine, info, directory, lora, merged, **kw)
 
-    monkeypatch.setattr(recipe, "save", save)
+    monkeypatch.setattr(training, "save", save)
     return seen
 
 

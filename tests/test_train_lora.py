@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import offload
-from offload import train as recipe
+from offload import recipe
 from offload.cli import main
 from offload.data import load_data, make_sampler
 from offload.lora import base_name

@@ -289,7 +289,7 @@ def test_stages_1_2_3_train_like_one_process_with_states_partitioned(tmp_path, s
 def test_checkpoints_over_ranks_resume_exactly_and_at_other_world_sizes(tmp_path, stage):
     """Stage 0, 2 or 3 on 2 ranks saves after step 2 (stage 0: rank 0 writes the states every rank holds;
     stages 2-3: each rank its windows' states, and at stage 3 its chunks of the frozen weights: [Note: ranks]
-    in offload.checkpoint.sharded). Resumed on 2 ranks with another placement it continues bit for bit; resumed by
+    in offload.checkpoint.saving). Resumed on 2 ranks with another placement it continues bit for bit; resumed by
     one process (stage 0) and by 4 ranks (stage 1) it continues as those train, within fp32 summation order."""
     base = {"precision": "fp32", "units": {"min_numel": 512}, "optimizer": {"lr": 1e-2}, "chunk_bytes": CHUNK_BYTES,
             "gradient_clipping": 0.5, "_model": {"frozen": stage == 3}}
@@ -337,7 +337,7 @@ def test_a_sharded_state_dict_holds_each_ranks_slices_and_loads_at_other_world_s
     """state_dict(sharded=True) on 2 stage-3 ranks (frozen weights partitioned, everything on nvme): each rank
     holds its dim-0 slices, together exactly the full state dict; torch.distributed.checkpoint saves them and
     loads them into 4 stage-2 ranks' sharded dicts and into one process's full dict, and load_state_dict
-    puts the same weights in place, bit for bit ([Note: sharded state dicts] in offload.checkpoint.sharded)."""
+    puts the same weights in place, bit for bit ([Note: sharded state dicts] in offload.checkpoint.state_dict)."""
     import torch.distributed.checkpoint as dcp
 
     base = {"precision": "fp32", "units": {"min_numel": 512}, "optimizer": {"lr": 1e-2}, "chunk_bytes": CHUNK_BYTES,

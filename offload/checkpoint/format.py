@@ -1,42 +1,6 @@
 """The checkpoint format on disk: a manifest and data files, written atomically and read back verified.
-It knows manifests, files and tensors, not the engine: offload.checkpoint.sharded fills them from the units'
-homes and writes them back; `offload checkpoint inspect|export` read them alone.
-
-[Note: the format]
-format_version 1:
-    <dir>/<name>/manifest.json   describes every tensor, below
-    <dir>/<name>/rank<r>.bin     raw little-endian bytes, one data file per rank that saved
-    <dir>/latest                 the name of the newest complete checkpoint
-manifest.json: {"format": "offload-checkpoint", "format_version", "world_size", "zero_stage", "precision",
-the step pipeline's counters (offload.checkpoint.sharded, [Note: what a checkpoint holds]), "pending_update", "accumulator", "config", "rng": {rank: ...}, "files": {file: {"rank",
-"nbytes"}}, "extra", "tensors": {name: {"shape", "dtype" (compute dtype), "trainable", "aliases" (the tied
-names of the same parameter), "step", "has_grad", and per kind (master, exp_avg, exp_avg_sq, grad; or
-weight when frozen) {"dtype", "ranges": [{"begin", "end", "file", "offset", "nbytes", "crc32"}]}}},
-"buffers": {name: {"shape", "dtype", "ranges"}}, "run_id", "manifest_sha256"}. A range holds elements
-[begin, end) of the flattened tensor at bytes [offset, offset + nbytes) of `file`, with the crc32 of those bytes; it is at most one
-chunk. The engine's flat buffers, their padding and their windows over ranks are not part of the format,
-so any placement, and any world size, reads a tensor by name and element range (over ranks, a tensor's
-ranges of one kind may lie in several ranks' files).
-
-[Note: a manifest that is checked]
-"manifest_sha256" is the sha256 of the manifest's canonical JSON (sorted keys, no spaces) without that key,
-so a flipped digit in `step_count`, `loss_scale` or a shape is refused by name, as a flipped data byte is by
-its range's crc32; its structure (every key a load reads, of its type) is checked before anything is used.
-"run_id" names the run that wrote it (a run that loads a checkpoint continues its run): `keep` prunes only
-that run's checkpoints. Checkpoints written before these two fields existed still load, with a one-line
-warning that their manifest is not verified (refusing them would strand a user's earlier runs), and are
-never pruned (no run id says whose they are).
-
-[Note: atomic saves]
-Everything is written under <dir>/.tmp-<name> and fsynced; the directory is renamed to <dir>/<name> and
-the parent directory fsynced; only then is `latest` replaced (a temporary file, fsynced, renamed). A save
-interrupted at any point (an exception, SIGKILL, power loss) leaves the previous checkpoint and `latest`
-as they were; a later save of the same name removes the leftover. Files are created with O_CREAT|O_EXCL|
-O_NOFOLLOW, so a name planted in the directory (a symlink at `.latest.tmp`) is never written through.
-`latest` holds one path component naming a checkpoint of its own directory; anything else (`../x`, an
-absolute path, a symlink) is refused. `keep` prunes the oldest complete checkpoints of the saving run (by
-the step in their manifests), never the one `latest` names.
-"""
+It knows manifests, files and tensors, not the engine: offload.checkpoint.saving fills them from the units'
+homes and offload.checkpoint.loading writes them back; `offload checkpoint inspect|export` read them alone."""
 
 from __future__ import annotations
 
@@ -50,6 +14,42 @@ import shutil
 import zlib
 
 import torch
+
+# [Note: the format]
+# format_version 1:
+#     <dir>/<name>/manifest.json   describes every tensor, below
+#     <dir>/<name>/rank<r>.bin     raw little-endian bytes, one data file per rank that saved
+#     <dir>/latest                 the name of the newest complete checkpoint
+# manifest.json: {"format": "offload-checkpoint", "format_version", "world_size", "zero_stage", "precision",
+# the step pipeline's counters (offload.checkpoint.saving, [Note: what a checkpoint holds]), "pending_update",
+# "accumulator", "config", "rng": {rank: ...}, "files": {file: {"rank", "nbytes"}}, "extra", "tensors": {name:
+# {"shape", "dtype" (compute dtype), "trainable", "aliases" (the tied names of the same parameter), "step",
+# "has_grad", and per kind (master, exp_avg, exp_avg_sq, grad; or weight when frozen) {"dtype", "ranges":
+# [{"begin", "end", "file", "offset", "nbytes", "crc32"}]}}}, "buffers": {name: {"shape", "dtype", "ranges"}},
+# "run_id", "manifest_sha256"}. A range holds elements [begin, end) of the flattened tensor at bytes [offset,
+# offset + nbytes) of `file`, with the crc32 of those bytes; it is at most one chunk. The engine's flat
+# buffers, their padding and their windows over ranks are not part of the format, so any placement, and any
+# world size, reads a tensor by name and element range (over ranks, a tensor's ranges of one kind may lie in
+# several ranks' files).
+
+# [Note: a manifest that is checked]
+# "manifest_sha256" is the sha256 of the manifest's canonical JSON (sorted keys, no spaces) without that key,
+# so a flipped digit in `step_count`, `loss_scale` or a shape is refused by name, as a flipped data byte is by
+# its range's crc32; its structure (every key a load reads, of its type) is checked before anything is used.
+# "run_id" names the run that wrote it (a run that loads a checkpoint continues its run): `keep` prunes only
+# that run's checkpoints. Checkpoints written before these two fields existed still load, with a one-line
+# warning that their manifest is not verified (refusing them would strand a user's earlier runs), and are
+# never pruned (no run id says whose they are).
+
+# [Note: atomic saves]
+# Everything is written under <dir>/.tmp-<name> and fsynced; the directory is renamed to <dir>/<name> and
+# the parent directory fsynced; only then is `latest` replaced (a temporary file, fsynced, renamed). A save
+# interrupted at any point (an exception, SIGKILL, power loss) leaves the previous checkpoint and `latest`
+# as they were; a later save of the same name removes the leftover. Files are created with O_CREAT|O_EXCL|
+# O_NOFOLLOW, so a name planted in the directory (a symlink at `.latest.tmp`) is never written through.
+# `latest` holds one path component naming a checkpoint of its own directory; anything else (`../x`, an
+# absolute path, a symlink) is refused. `keep` prunes the oldest complete checkpoints of the saving run (by
+# the step in their manifests), never the one `latest` names.
 
 FORMAT, FORMAT_VERSION = "offload-checkpoint", 1
 MANIFEST, LATEST = "manifest.json", "latest"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from offload.train import DEFAULT_SWAP_DIR
+from offload.recipe import DEFAULT_SWAP_DIR
 
 
 def register(subparsers) -> None:

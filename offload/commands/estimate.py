@@ -14,7 +14,7 @@ from offload.plan.config import Config
 from offload.lora import target_names
 from offload.plan.precision import resolve_precision
 
-# `offload train`'s placement when no flag or config file names one (offload/train.py, resolve)
+# `offload train`'s placement when no flag or config file names one (offload/recipe.py, resolve)
 TRAIN_PLACEMENT = {"offload_param": "nvme", "offload_optimizer": "nvme"}
 
 

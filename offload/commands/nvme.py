@@ -8,7 +8,7 @@ import logging
 import sys
 
 from offload.flags import size_arg
-from offload.train import DEFAULT_SWAP_DIR
+from offload.recipe import DEFAULT_SWAP_DIR
 from offload.swap import clean, list_runs
 from offload.swap.backends import BACKENDS
 from offload.swap.measure import aio_section, format_table, measure, parse_size, ring_bytes, sweep, sweep_configs

@@ -1,9 +1,11 @@
-"""`offload train`: the main job (offload/train.py); with no flags, the `make demo` run."""
+"""`offload train`: the main job (offload/train.py, its recipe in offload/recipe.py); with no flags, the `make
+demo` run."""
 
 from __future__ import annotations
 
 import offload
-from offload import train as recipe
+from offload import recipe
+from offload.train import train
 from offload.signals import Stopped
 
 
@@ -29,7 +31,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     try:
-        recipe.train(args)
+        train(args)
     except Stopped as stop:  # train() said so in one line and printed the partial report: no traceback
         return stop.exit_code
     return 0

@@ -345,7 +345,7 @@ class StepPipeline:
             self._pending = None
             self._to(P.IDLE)
 
-    # -- checkpoints (offload.checkpoint.sharded) -------------------------------------------------------------
+    # -- checkpoints (offload.checkpoint.saving and loading) --------------------------------------------------
     def checkpoint_state(self) -> dict:
         """The counters, the loss scaler and the accepted update not applied yet (delayed_update), as a
         checkpoint saves them. Only between steps (a forward without its backward changes no state): after the

@@ -1,0 +1,72 @@
+"""A unit's flat buffers at their homes, chunk by chunk: `unit_buffers` visits one of them (master, a
+moment, the gradient accumulator, or the weights) from whichever tier holds it, `write_slots` writes
+parameters' elements into it. Checkpoints save and load through them (offload.checkpoint), and
+materialization writes adapters initialized late with them ([Note: adapters initialized late] in
+offload.state.materialize). They take the runtime `rt` (its staging pool, swap store and rank) and the
+unit's handles, never the Engine."""
+
+from __future__ import annotations
+
+import torch
+
+from offload.plan.chunks import chunk_key
+from offload.state.optim import OptimState
+from offload.state.residency import WeightHandle
+
+
+def unit_buffers(rt, w: WeightHandle, st: OptimState | None, kind: str, write: bool = False, keep: bool = True,
+                 only=None):
+    """(begin, end, host tensor) over one of the unit's flat buffers (master, exp_avg, exp_avg_sq, grad, or
+    weight in the compute dtype), one chunk at a time, from its home: nvme chunks through a pool chunk (a
+    key never written reads as zeros: moments before the first step), accelerator-resident ones through a
+    host copy, host-resident ones as views. write: the tensor goes back to its home when the caller asks
+    for the next one (not after an exception). keep=False: it starts zeroed instead of read. only: the
+    indices of the chunks / windows to visit (default: every one this rank holds). `w` and `st` are the
+    unit's weight handle and optimizer state (None for a frozen unit)."""
+    if kind == "weight":
+        w.writer.wait_for_write()  # new weights written behind by the last step
+        spans, home, key, dtype = w.chunks, w.home, w.key, w.dtype
+        flat = w.hbm if w.home == "hbm" else w.dram
+    else:
+        spans, home, key, dtype = st.windows, st.home, w.unit.key(kind, rt.rank), torch.float32
+        flat = st.t.get(kind)
+    held = w.held if kind == "weight" else st.mine  # the chunks / windows this rank holds
+    for i in held if only is None else [i for i in held if i in only]:
+        b, e = spans[i]
+        if home != "nvme":
+            handle = w if kind == "weight" else st
+            at_home = st.grad(i) if kind == "grad" else flat[handle.span(i)]  # grad: in the accumulator's dtype
+            t = at_home.cpu()
+            if not keep:
+                t.zero_()
+            yield b, e, t
+            if write and t is not at_home:
+                at_home.copy_(t)
+            continue
+        k = chunk_key(key, i)
+        buf = rt.staging.acquire(e - b, dtype, f"checkpoint {k}")
+        try:
+            if keep and k in rt.store:
+                rt.store.read(k, into=buf).wait()
+            else:
+                buf.zero_()
+            yield b, e, buf
+            if write:
+                rt.store.write(k, buf).wait()
+        finally:
+            rt.staging.release(buf)
+
+
+def write_slots(rt, w: WeightHandle, st: OptimState | None, kind: str, slots, fill, keep: bool) -> None:
+    """fill(dst, slot, lo, hi) writes elements [lo, hi) of `slot` into dst, for each slot in `slots`,
+    into the unit's `kind` buffer at its home. keep=True: only the chunks the slots touch are read and
+    written back; keep=False: every chunk is written (zero where no slot is)."""
+    only = None
+    if keep:
+        spans = w.chunks if kind == "weight" else st.windows
+        only = {i for i, (b, e) in enumerate(spans) if any(b < s.offset + s.numel and s.offset < e for s in slots)}
+    for b, e, buf in unit_buffers(rt, w, st, kind, write=True, keep=keep, only=only):
+        for s in slots:
+            lo, hi = max(b, s.offset), min(e, s.offset + s.numel)
+            if lo < hi:
+                fill(buf[lo - b:hi - b], s, lo - s.offset, hi - s.offset)
