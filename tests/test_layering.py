@@ -225,7 +225,7 @@ def engine_api() -> set[str]:
 
 
 def test_no_module_reaches_an_engine_field_outside_its_public_api():
-    files = [p for n, p in module_files(ROOT, {"offload": "offload"}).items() if p.name != "engine.py"]  # swap's engine is I/O
+    files = [p for n, p in module_files(ROOT, {"offload": "offload"}).items() if p.name != "engine.py"]  # the Engine itself
     assert not unknown_reaches(files, engine_api()), unknown_reaches(files, engine_api())
 
 

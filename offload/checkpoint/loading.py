@@ -21,7 +21,7 @@ from offload.state.homes import write_slots
 from offload.state.optim import OptimState
 from offload.state.residency import WeightHandle
 from offload.step.pipeline import StepPipeline
-from offload.step.runtime import Runtime
+from offload.state.runtime import Runtime
 
 log = logging.getLogger("offload")
 

@@ -20,7 +20,7 @@ from offload.checkpoint import format as fmt
 from offload.checkpoint.format import CheckpointError
 from offload.checkpoint.state_dict import param_names, state_entries
 from offload.state.homes import unit_buffers
-from offload.step.runtime import Runtime
+from offload.state.runtime import Runtime
 
 # [Note: what a checkpoint holds]
 # Per parameter, by name: its fp32 master, exp_avg and exp_avg_sq and its own Adam step count (trainable),

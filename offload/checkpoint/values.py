@@ -9,7 +9,7 @@ import torch
 from offload.plan.chunks import chunk_key
 from offload.state.optim import OptimState
 from offload.state.residency import WeightHandle
-from offload.step.runtime import Runtime
+from offload.state.runtime import Runtime
 from offload.swap import SwapStore
 
 
