@@ -295,7 +295,7 @@ def _load_unit(engine, unit, entries: dict, files: fmt.Reader, accumulator: bool
     st = engine.states[unit.index]
     if st is not None:
         if accumulator:
-            st.grad_dtype = torch.float32  # the accumulator's own dtype (see OptimState.accumulate)
+            st.grad_dtype = torch.float32  # the accumulator's own dtype (see offload.step.accumulator.accumulate)
         for kind in (*STATES, *("grad",) * accumulator):
             write_slots(engine, unit, kind, st.slots, source(kind, "weight") if kind == "master" else source(kind),
                         keep=False)

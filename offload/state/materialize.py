@@ -49,7 +49,7 @@ import time
 import torch
 from torch import nn
 
-from offload.plan.chunks import chunk_key, gather
+from offload.plan.chunks import chunk_key, copy_spans
 from offload.state.optim import OptimState
 from offload.state.residency import WeightHandle
 from offload.plan.units import Unit
@@ -511,20 +511,20 @@ def place(engine, unit: Unit, late=()) -> None:
         _fill_chunks(engine, w.key, {i: w.chunks[i] for i in w.held}, engine.rt.dtype, pieces)
     elif w.home == "dram":
         for i in w.held:  # every chunk, or with zero_stage 3 the ones this rank owns
-            gather(pieces, *w.chunks[i], w.dram[w.span(i)])
+            copy_spans(pieces, *w.chunks[i], w.dram[w.span(i)])
     else:
-        gather(pieces, 0, unit.numel, w.hbm)
+        copy_spans(pieces, 0, unit.numel, w.hbm)
         w._attach()
     engine.weights[unit.index] = w
     if unit.trainable_numel:
         st = OptimState(unit, p.state_home[unit.index], engine.rt)
         pieces = [(s.offset, values[s.name]) for s in given if s.trainable]
         for i in st.mine:  # every window, or over ranks the ones this rank owns
-            b, e = st.windows[i]
+            b, e = st.chunks[i]
             if st.home == "nvme":
                 _fill_chunks(engine, unit.key("master", engine.rt.rank), {i: (b, e)}, torch.float32, pieces)
             else:
-                gather(pieces, b, e, st.t["master"][st.span(i)])
+                copy_spans(pieces, b, e, st.t["master"][st.span(i)])
         engine.states[unit.index] = st
 
 
@@ -534,7 +534,7 @@ def _fill_chunks(engine, key: str, chunks: dict[int, tuple[int, int]], dtype, pi
     for i, (b, e) in chunks.items():
         buf = engine.rt.staging.acquire(e - b, dtype, f"initial {key}")
         try:
-            gather(pieces, b, e, buf)
+            copy_spans(pieces, b, e, buf)
             engine.rt.store.write(chunk_key(key, i), buf).wait()
         finally:
             engine.rt.staging.release(buf)
@@ -573,7 +573,7 @@ def unit_buffers(engine, unit, kind: str, write: bool = False, keep: bool = True
         spans, home, key, dtype = w.chunks, w.home, w.key, w.dtype
         flat = w.hbm if w.home == "hbm" else w.dram
     else:
-        spans, home, key, dtype = st.windows, st.home, unit.key(kind, engine.rt.rank), torch.float32
+        spans, home, key, dtype = st.chunks, st.home, unit.key(kind, engine.rt.rank), torch.float32
         flat = st.t.get(kind)
     held = w.held if kind == "weight" else st.mine  # the chunks / windows this rank holds
     for i in held if only is None else [i for i in held if i in only]:
@@ -609,7 +609,7 @@ def write_slots(engine, unit, kind: str, slots, fill, keep: bool) -> None:
     only = None
     if keep:
         st, w = engine.states[unit.index], engine.weights[unit.index]
-        spans = w.chunks if kind == "weight" else st.windows
+        spans = w.chunks if kind == "weight" else st.chunks
         only = {i for i, (b, e) in enumerate(spans) if any(b < s.offset + s.numel and s.offset < e for s in slots)}
     for b, e, buf in unit_buffers(engine, unit, kind, write=True, keep=keep, only=only):
         for s in slots:
@@ -633,7 +633,7 @@ def unit_values(engine, unit: Unit, frozen: bool = True):
         master = _gather_master(engine, unit, st)
     elif st is not None:
         if st.home == "nvme":
-            master = _read_chunks(engine, unit.key("master", engine.rt.rank), st.windows, torch.float32)
+            master = _read_chunks(engine, unit.key("master", engine.rt.rank), st.chunks, torch.float32)
         else:
             master = st.t["master"]
     if not frozen:
@@ -662,7 +662,7 @@ def _read_chunks(engine, key: str, chunks, dtype) -> torch.Tensor:
 def _gather_master(engine, unit, st) -> torch.Tensor:
     """A unit's fp32 master whole on every rank ([Note: windows over ranks] in offload.state.optim)."""
     key = unit.key("master", engine.rt.rank)
-    return _gathered(engine, st.windows, st.owner, torch.float32, st.home, lambda i: chunk_key(key, i),
+    return _gathered(engine, st.chunks, st.owner, torch.float32, st.home, lambda i: chunk_key(key, i),
                      lambda i: st.t["master"][st.span(i)])
 
 

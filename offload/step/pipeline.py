@@ -490,7 +490,7 @@ def share_new_weights(rt, unit: Unit, st, w) -> None:
     import torch.distributed as dist
 
     w.wait_for_write()  # the owner's windows, written behind by its step, are read back from their home
-    for i, (b, e) in enumerate(st.windows):
+    for i, (b, e) in enumerate(st.chunks):
         t0 = time.perf_counter()
         if st.owner[i] == rt.rank:
             src, release = w.window(i, b, e)
