@@ -116,7 +116,7 @@ def test_fp16_trains_like_reference(tmp_path):
 
 
 def test_lr_schedule_warmup_then_cosine(tmp_path):
-    from offload.step.pipeline import lr_factor
+    from offload.step.scale import lr_factor
     from offload.plan.config import LRScheduleConfig
 
     s = LRScheduleConfig(type="cosine", warmup_steps=2, total_steps=6, min_ratio=0.1)
