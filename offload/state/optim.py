@@ -86,7 +86,8 @@ class OptimState(_Handle):
         self.mine = [i for i, r in enumerate(self.owner) if r == rt.rank]
         self._local, self.local_numel = packed(self.chunks, self.mine)  # window -> first element in the flats
         self.t: dict[str, torch.Tensor] = {}    # resident homes: the four flats of the owned windows
-        self._staged = [StagedWindow(f"{unit.name}/optim#{i}") for i in range(len(self.chunks))] if home == "nvme" else []
+        self._staged = ([StagedWindow(f"{unit.name}/optim#{i}") for i in range(len(self.chunks))]
+                        if home == "nvme" else [])
         self._grads: list | None = None           # nvme, overlapped step: this backward's gradients, read by window
         self.grad_dtype = torch.float32          # what the accumulator holds: see offload.step.accumulator
         # With swap checksums on, the step hashes the states it reads and writes, so they are read unverified

@@ -91,7 +91,7 @@ class GradientPath:
             if bw.mode is StepMode.DELAYED:  # the previous update, before the accumulator takes this gradient
                 bw.pipe.step_unit(unit)
             t0 = time.perf_counter()
-            if self.rt.world > 1 and not self.rt.sharded:  # sharded: reduced window by window (offload.step.accumulator)
+            if self.rt.world > 1 and not self.rt.sharded:  # sharded: reduced by window (offload.step.accumulator)
                 average_over_ranks(grads, self.rt)
             if not bw.first:
                 self.touched.add(unit.index)  # holds earlier micro-steps' gradients: changed from here
