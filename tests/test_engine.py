@@ -116,7 +116,7 @@ def test_fp16_trains_like_reference(tmp_path):
 
 
 def test_lr_schedule_warmup_then_cosine(tmp_path):
-    from offload.step.pipeline import lr_factor
+    from offload.step.scale import lr_factor
     from offload.plan.config import LRScheduleConfig
 
     s = LRScheduleConfig(type="cosine", warmup_steps=2, total_steps=6, min_ratio=0.1)
@@ -352,6 +352,7 @@ def test_corrupted_optimizer_state_raises_and_keeps_what_was_written(tmp_path, p
     step]): a flipped byte raises SwapCorruptionError, and that unit's weights and swap entries stay as
     they were (nothing computed from the bad bytes is kept)."""
     from offload.swap import SwapCorruptionError
+    from offload.step.windows import WindowCheck
 
     model = MLP()
     eng = offload.initialize(model, cfg(tmp_path, param, "nvme", precision="bf16", gradient_clipping=clip,
@@ -361,7 +362,7 @@ def test_corrupted_optimizer_state_raises_and_keeps_what_was_written(tmp_path, p
     eng.step()
     unit = next(u for u in eng.units if u.name == "blocks.1")
     st, w = eng.states[unit.index], eng.weights[unit.index]
-    assert len(st.digest_bounds(0)) > 3  # several 8 KiB blocks: the step's per-block digests are exercised
+    assert len(WindowCheck(st, 0).bounds) > 3  # several 8 KiB blocks: the step's per-block digests are exercised
     key = st.key("exp_avg_sq", 0)
     entry = eng.store._index[key]
     with open(eng.store.fd_path, "r+b") as f:  # flip one byte in the middle of its third block
@@ -566,7 +567,7 @@ def test_optimizer_reads_windows_ahead(tmp_path, monkeypatch):
     original = step_mod.step_window
 
     def counting(rt, state, w, unit, i, **kw):
-        loaded.append(sum(st.loaded(j) for st in eng.states if st is not None for j in range(len(st.windows))))
+        loaded.append(sum(st.loaded(j) for st in eng.states if st is not None for j in range(len(st.chunks))))
         return original(rt, state, w, unit, i, **kw)
 
     monkeypatch.setattr(step_mod, "step_window", counting)

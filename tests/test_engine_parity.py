@@ -565,7 +565,7 @@ def test_chunk_sizes_change_no_number(tmp_path, monkeypatch, chunk_bytes, param,
     monkeypatch.setenv("OFFLOAD_TEST_COPY_DELAY_S", "0.002")
 
     def check(eng):
-        assert max(len(st.windows) for st in eng.states if st is not None) > (chunk_bytes < 1 << 20)
+        assert max(len(st.chunks) for st in eng.states if st is not None) > (chunk_bytes < 1 << 20)
         assert eng.staging.lent == 0  # every chunk went back to the pool
 
     train_sometimes_exactly(tmp_path, param, optim, "bf16", {"chunk_bytes": chunk_bytes, **extra}, steps=4,

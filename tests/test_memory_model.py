@@ -22,15 +22,15 @@ from offload.plan.placement import engine_plan
 def _slow_d2h(monkeypatch) -> None:
     """Each unit's gradients take 30 ms to reach dram (far longer than a unit's backward here), so they are
     held in hbm until the reserve is full, the worst case the plan is sized for, in every step."""
-    from offload.state.optim import OptimState
+    from offload.step import accumulator
 
-    accumulate = OptimState.accumulate
+    accumulate = accumulator.accumulate
 
-    def slow(self, *a, **kw):
+    def slow(*a, **kw):
         time.sleep(0.03)
-        return accumulate(self, *a, **kw)
+        return accumulate(*a, **kw)
 
-    monkeypatch.setattr(OptimState, "accumulate", slow)
+    monkeypatch.setattr(accumulator, "accumulate", slow)
 
 
 def _measure(model, cfg, vocab: int):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import offload
-import offload.state.optim as optim
+import offload.step.accumulator as accumulator
 import offload.step.windows as step
 from tests.engine_util import MLP, mlp_batches
 
@@ -18,17 +18,17 @@ from tests.engine_util import MLP, mlp_batches
 @pytest.mark.parametrize("place", ["cpu", "nvme"])
 def test_accumulation_and_overlapped_step_run_on_the_d2h_worker(tmp_path, monkeypatch, place, overlap):
     where: dict[str, set[str]] = {"accumulate": set(), "step_window": set()}
-    real_acc, real_step = optim.OptimState.accumulate, step.step_window
+    real_acc, real_step = accumulator.accumulate, step.step_window
 
-    def accumulate(self, *a, **kw):
+    def accumulate(*a, **kw):
         where["accumulate"].add(threading.current_thread().name)
-        return real_acc(self, *a, **kw)
+        return real_acc(*a, **kw)
 
     def step_window(*a, **kw):
         where["step_window"].add(threading.current_thread().name)
         return real_step(*a, **kw)
 
-    monkeypatch.setattr(optim.OptimState, "accumulate", accumulate)
+    monkeypatch.setattr(accumulator, "accumulate", accumulate)
     monkeypatch.setattr(step, "step_window", step_window)
     cfg = {"precision": "bf16", "offload_param": {"device": place}, "offload_optimizer": {"device": place},
            "nvme_path": str(tmp_path), "units": {"min_numel": 512}, "overlap_step": overlap}

@@ -16,7 +16,7 @@ from offload import recipe
 from offload.cli import main
 from offload.data import load_data, make_sampler
 from offload.lora import base_name
-from offload.step.pipeline import lr_factor
+from offload.step.scale import lr_factor
 from tests.test_train_hf import _probe, _save_tokenizer, _spy_on_saves, _tiny_llama
 
 transformers = pytest.importorskip("transformers")

@@ -267,7 +267,7 @@ def test_stages_1_2_3_train_like_one_process_with_states_partitioned(tmp_path, s
     for r in ranks:
         c = r["collectives"]
         # every gradient once per micro-step, fp32: reduce-scattered by rounds where the backend has it, reduced
-        # where it has not or a round is short (4 ranks: [Note: gradient reduce-scatter] in offload.state.optim)
+        # where it has not or a round is short (4 ranks: [Note: gradient reduce-scatter] in offload.step.accumulator)
         grads = {k: c.get(k, {"bytes": 0})["bytes"] for k in ("reduce", "reduce_scatter")}
         assert sum(grads.values()) == 4 * trainable * steps * gas
         assert world > 2 or 0 in grads.values()  # 2 ranks: one path for every round

@@ -1,4 +1,4 @@
-"""The gradients' reduce-scatter at zero_stage 1-3 ([Note: gradient reduce-scatter] in offload.state.optim) and the
+"""The gradients' reduce-scatter at zero_stage 1-3 ([Note: gradient reduce-scatter] in offload.step.accumulator) and the
 bytes each stage moves per step, against the ZeRO paper's volumes, by the collective counters (exact). Run
 as a script this file is one rank of those runs (RANK / WORLD_SIZE / MASTER_* set by the test)."""
 
@@ -109,12 +109,12 @@ def main() -> None:
     import torch.distributed as dist
 
     import offload
-    import offload.state.optim
+    import offload.step.accumulator
     from tests.zero_worker import settled_stats
     from tests.engine_util import MLP, mlp_batches
 
     cfg, out, steps, gas = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    offload.state.optim.USE_REDUCE_SCATTER = sys.argv[5] == "1"
+    offload.step.accumulator.USE_REDUCE_SCATTER = sys.argv[5] == "1"
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg["nvme_path"] = os.path.join(cfg["nvme_path"], f"rank{rank}")
@@ -130,7 +130,7 @@ def main() -> None:
                 losses.append(loss.item())
             ahead_bytes, stats = settled_stats(eng)
             report = {"losses": losses, "collectives": stats["collectives"], "ahead_bytes": ahead_bytes,
-                      "reduce_scatter_agreed": offload.state.optim._AGREED.get(eng.rt.ranks.grad),
+                      "reduce_scatter_agreed": offload.step.accumulator._AGREED.get(eng.rt.ranks.grad),
                       "params": sum(u.numel for u in eng.units), "trainable": sum(u.trainable_numel for u in eng.units),
                       "partitioned": sum(w.unit.numel for w in eng.weights if w.partitioned),
                       "partitioned_trainable": sum(w.unit.trainable_numel for w in eng.weights if w.partitioned),
@@ -152,9 +152,9 @@ def _rounds_of(eng, world: int) -> dict:
     for st in eng.states:
         if st is None:
             continue
-        out["windows"] += len(st.windows)
+        out["windows"] += len(st.chunks)
         for r in rounds(st.owner, world):
-            sizes = [st.windows[i][1] - st.windows[i][0] for i in r]
+            sizes = [st.chunks[i][1] - st.chunks[i][0] for i in r]
             out["padded_rounds"] += len(r) < world or min(sizes) < max(sizes)
             if len(r) >= world - 1:
                 out["collectives_scatter"] += -(-max(sizes) // step)

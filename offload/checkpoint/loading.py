@@ -94,7 +94,7 @@ def _load_unit(rt: Runtime, w: WeightHandle, st: OptimState | None, entries: dic
 
     if st is not None:
         if accumulator:
-            st.grad_dtype = torch.float32  # the accumulator's own dtype (see OptimState.accumulate)
+            st.grad_dtype = torch.float32  # the accumulator's own dtype (see offload.step.accumulator.accumulate)
         for kind in (*STATES, *("grad",) * accumulator):
             write_slots(rt, w, st, kind, st.slots, source(kind, "weight") if kind == "master" else source(kind),
                         keep=False)

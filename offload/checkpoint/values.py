@@ -27,7 +27,7 @@ def unit_values(rt: Runtime, w: WeightHandle, st: OptimState | None, frozen: boo
         master = _gather_master(rt, st)
     elif st is not None:
         if st.home == "nvme":
-            master = _read_chunks(rt.store, unit.key("master", rt.rank), st.windows, torch.float32)
+            master = _read_chunks(rt.store, unit.key("master", rt.rank), st.chunks, torch.float32)
         else:
             master = st.t["master"]
     if not frozen:
@@ -56,7 +56,7 @@ def _read_chunks(store: SwapStore, key: str, chunks, dtype: torch.dtype) -> torc
 def _gather_master(rt: Runtime, st: OptimState) -> torch.Tensor:
     """A unit's fp32 master whole on every rank ([Note: windows over ranks] in offload.state.optim)."""
     key = st.unit.key("master", rt.rank)
-    return _gathered(rt, st.windows, st.owner, torch.float32, st.home, lambda i: chunk_key(key, i),
+    return _gathered(rt, st.chunks, st.owner, torch.float32, st.home, lambda i: chunk_key(key, i),
                      lambda i: st.t["master"][st.span(i)])
 
 

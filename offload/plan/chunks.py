@@ -25,7 +25,7 @@ def planned_chunk_bytes(chunk_bytes: int, largest_numel: int) -> int:
     return min(chunk_bytes, max(CHUNK_ALIGN_BYTES, -(-largest_numel * 4 // CHUNK_ALIGN_BYTES) * CHUNK_ALIGN_BYTES))
 
 
-def windows(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
+def chunk_spans(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
     """[begin, end) element ranges of the chunks of a buffer of `numel` elements."""
     return [(b, min(b + chunk_numel, numel)) for b in range(0, numel, chunk_numel)]
 
@@ -33,8 +33,8 @@ def windows(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
 def weight_chunks(numel: int, trainable_numel: int, chunk_numel: int) -> list[tuple[int, int]]:
     """[begin, end) element ranges of a unit's weight chunks: the trainable prefix's state windows, then the
     frozen rest's chunks (module docstring)."""
-    rest = windows(numel - trainable_numel, chunk_numel)
-    return windows(trainable_numel, chunk_numel) + [(trainable_numel + b, trainable_numel + e) for b, e in rest]
+    rest = chunk_spans(numel - trainable_numel, chunk_numel)
+    return chunk_spans(trainable_numel, chunk_numel) + [(trainable_numel + b, trainable_numel + e) for b, e in rest]
 
 
 def window_owners(counts: list[int], world: int) -> list[list[int]]:
@@ -53,7 +53,7 @@ def window_owners(counts: list[int], world: int) -> list[list[int]]:
 def rounds(owners: list[int], world: int) -> list[list[int]]:
     """A unit's windows (`owners`: the rank that owns each) grouped for reduce-scatters: runs of consecutive
     windows with distinct owners, at most `world` of them, so each rank owns at most one window of a round
-    ([Note: gradient reduce-scatter] in offload.state.optim). With window_owners' map these are windows
+    ([Note: gradient reduce-scatter] in offload.step.accumulator). With window_owners' map these are windows
     [k x world, (k+1) x world), the last round holding the rest (count % world). Every rank computes the same."""
     out: list[list[int]] = []
     seen: set[int] = set()
@@ -81,7 +81,7 @@ def chunk_key(key: str, i: int) -> str:
     return f"{key}#{i}"
 
 
-def gather(grads: list[tuple[int, torch.Tensor]], begin: int, end: int, out: torch.Tensor) -> None:
+def copy_spans(grads: list[tuple[int, torch.Tensor]], begin: int, end: int, out: torch.Tensor) -> None:
     """Writes elements [begin, end) of a unit's flat gradient into `out` from (offset, flat grad) pieces;
     elements no piece covers (padding, parameters without a gradient) are zero."""
     pos = begin

@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from offload.plan.activation_memory import ActivationModel, activation_model, longest_seq
-from offload.plan.chunks import planned_chunk_bytes, weight_chunks, window_owners, windows
+from offload.plan.chunks import chunk_spans, planned_chunk_bytes, weight_chunks, window_owners
 from offload.plan.config import load_config
 from offload.plan.memory import (MINIMUM, OFFLOAD_TIER, STATE_KINDS, TIERS, Knobs, free_holds, grad_reserve,
                             pool_chunks, runtime_parts, totals, working_set_peak)
@@ -117,8 +117,9 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     """Homes per unit and the bytes each tier needs (on `rank` of `world`); `check` runs the preflight
     (raises PlacementError). order: the units of a forward (offload.plan.units.forward_order), for hbm's working
     set (offload.plan.memory). With zero_stage 1-3 over several ranks a rank holds the states of the windows it
-    owns (offload.plan.chunks.window_owners) and two more pool chunks (the gradient reduce, offload.state.optim); with
-    stage 3 also only the weights of its chunks of every unit that is fetched (not the persistent ones).
+    owns (offload.plan.chunks.window_owners) and two more pool chunks (the gradient reduce,
+    offload.step.accumulator); with stage 3 also only the weights of its chunks of every unit that is fetched (not
+    the persistent ones).
     precision: the engine's choice for cfg.precision on `device`; resolved here when not given ("auto").
     activations: the model's activations by formula, counted for cfg.activations' batch and seq when given
     (offload.plan.activation_memory; the preflight then refuses activations that do not fit, naming the longest
@@ -132,11 +133,11 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     if sharded and cfg.zero_stage == 3:  # every chunk of every unit; a state window is its unit's chunk
         owned = window_owners([len(weight_chunks(u.numel, u.trainable_numel, chunk_bytes // 4)) for u in units], world)
         weight_owners = {u.index: o for u, o in zip(units, owned) if not u.persistent}
-        owners = {u.index: o[:len(windows(u.trainable_numel, chunk_bytes // 4))]
+        owners = {u.index: o[:len(chunk_spans(u.trainable_numel, chunk_bytes // 4))]
                   for u, o in zip(units, owned) if u.trainable_numel}
     elif sharded:
         trainable_units = [u for u in units if u.trainable_numel]
-        owned = window_owners([len(windows(u.trainable_numel, chunk_bytes // 4)) for u in trainable_units], world)
+        owned = window_owners([len(chunk_spans(u.trainable_numel, chunk_bytes // 4)) for u in trainable_units], world)
         owners = {u.index: o for u, o in zip(trainable_units, owned)}
     w_home, s_home = OFFLOAD_TIER[cfg.offload_param.device], OFFLOAD_TIER[cfg.offload_optimizer.device]
     if s_home == "hbm" and w_home != "hbm":
@@ -151,7 +152,7 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
         states[weight_home[u.index]] += owned_numel(weight_chunks(u.numel, u.trainable_numel, chunk_bytes // 4),
                                                     weight_owners.get(u.index), rank) * itemsize
         if u.trainable_numel:
-            states[state_home[u.index]] += kinds * 4 * owned_numel(windows(u.trainable_numel, chunk_bytes // 4),
+            states[state_home[u.index]] += kinds * 4 * owned_numel(chunk_spans(u.trainable_numel, chunk_bytes // 4),
                                                                    owners.get(u.index), rank)
         rows.append((u.name, u.numel, weight_home[u.index], state_home.get(u.index, "-")))
     default_hbm, default_dram = _default_budgets(device)
@@ -182,11 +183,11 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     def plan(knobs: Knobs, shape: tuple[int, int] | None = p.activation_shape) -> tuple[list[dict], dict[str, int]]:
         parts = runtime_parts(fetched, trainable, itemsize, fetch_home, s_home, device.type, p.chunk_bytes, knobs,
                               order, [u.numel for u in units], [u.trainable_numel for u in units], hbm_trained)
-        if world > 1 and not sharded and itemsize < 4:  # offload.step.pipeline.average_over_ranks
+        if world > 1 and not sharded and itemsize < 4:  # offload.step.gradients.average_over_ranks
             largest = max((s.numel for u in units for s in u.slots if s.trainable), default=0)
             parts.append({"name": "gradient all-reduce buffer", "tier": "hbm", "bytes": largest * 4,
                           "formula": f"the largest trainable parameter ({largest}) x 4 B, over {world} ranks"})
-        if sharded:  # offload.state.optim.OptimState._accumulate_sharded: the window reduced, and the nvme accumulator
+        if sharded:  # offload.step.accumulator.accumulate over ranks: the window reduced, and the nvme accumulator
             parts.append({"name": "gradient reduce chunks", "tier": "dram", "bytes": 2 * p.chunk_bytes,
                           "formula": f"2 pool chunks x chunk_bytes {p.chunk_bytes} (zero_stage {cfg.zero_stage}, "
                                      f"{world} ranks)"})

@@ -28,7 +28,7 @@ def unit_buffers(rt, w: WeightHandle, st: OptimState | None, kind: str, write: b
         spans, home, key, dtype = w.chunks, w.home, w.key, w.dtype
         flat = w.hbm if w.home == "hbm" else w.dram
     else:
-        spans, home, key, dtype = st.windows, st.home, w.unit.key(kind, rt.rank), torch.float32
+        spans, home, key, dtype = st.chunks, st.home, w.unit.key(kind, rt.rank), torch.float32
         flat = st.t.get(kind)
     held = w.held if kind == "weight" else st.mine  # the chunks / windows this rank holds
     for i in held if only is None else [i for i in held if i in only]:
@@ -63,7 +63,7 @@ def write_slots(rt, w: WeightHandle, st: OptimState | None, kind: str, slots, fi
     written back; keep=False: every chunk is written (zero where no slot is)."""
     only = None
     if keep:
-        spans = w.chunks if kind == "weight" else st.windows
+        spans = w.chunks if kind == "weight" else st.chunks
         only = {i for i, (b, e) in enumerate(spans) if any(b < s.offset + s.numel and s.offset < e for s in slots)}
     for b, e, buf in unit_buffers(rt, w, st, kind, write=True, keep=keep, only=only):
         for s in slots:

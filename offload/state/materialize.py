@@ -17,7 +17,7 @@ import time
 import torch
 from torch import nn
 
-from offload.plan.chunks import chunk_key, gather
+from offload.plan.chunks import chunk_key, copy_spans
 from offload.state.homes import write_slots
 from offload.state.init_order import (adapter_group, check_initializable, default_init, init_events, last_events,
                                       owns_tensors, run_init, scratch)
@@ -281,20 +281,20 @@ def place(rt, unit: Unit, source, weights: list, states: list, late=()) -> None:
         _fill_chunks(rt.staging, rt.store, w.key, {i: w.chunks[i] for i in w.held}, rt.dtype, pieces)
     elif w.home == "dram":
         for i in w.held:  # every chunk, or with zero_stage 3 the ones this rank owns
-            gather(pieces, *w.chunks[i], w.dram[w.span(i)])
+            copy_spans(pieces, *w.chunks[i], w.dram[w.span(i)])
     else:
-        gather(pieces, 0, unit.numel, w.hbm)
+        copy_spans(pieces, 0, unit.numel, w.hbm)
         w._attach()
     weights[unit.index] = w
     if unit.trainable_numel:
         st = OptimState(unit, p.state_home[unit.index], rt)
         pieces = [(s.offset, values[s.name]) for s in given if s.trainable]
         for i in st.mine:  # every window, or over ranks the ones this rank owns
-            b, e = st.windows[i]
+            b, e = st.chunks[i]
             if st.home == "nvme":
                 _fill_chunks(rt.staging, rt.store, unit.key("master", rt.rank), {i: (b, e)}, torch.float32, pieces)
             else:
-                gather(pieces, b, e, st.t["master"][st.span(i)])
+                copy_spans(pieces, b, e, st.t["master"][st.span(i)])
         states[unit.index] = st
 
 
@@ -305,7 +305,7 @@ def _fill_chunks(staging: ChunkPool, store: SwapStore, key: str, chunks: dict[in
     for i, (b, e) in chunks.items():
         buf = staging.acquire(e - b, dtype, f"initial {key}")
         try:
-            gather(pieces, b, e, buf)
+            copy_spans(pieces, b, e, buf)
             store.write(chunk_key(key, i), buf).wait()
         finally:
             staging.release(buf)

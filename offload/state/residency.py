@@ -58,6 +58,11 @@ class _Handle:
             raise IllegalTransition(f"{self.name}: {self.state.value} -> {target.value} (expected from {expect.value})")
         self.state = target
 
+    def to_home(self) -> None:
+        """Back at home from any state, past the table: for a handle whose transfers were settled and whose
+        buffers went back (an optimizer window dropped after a failure or once written, a closed state)."""
+        self.state = HOME_STATE[self.home]
+
 
 class WeightHandle(_Handle):
     """A unit's weights in the compute dtype. Home is hbm (persistent), dram, or nvme (one swap key per

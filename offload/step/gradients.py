@@ -3,7 +3,8 @@
 [Note: the gradient path]
 Each trainable parameter's post-accumulate hook hands its final gradient to its unit; when the unit has all
 of them (or backward ends: `flush_rest`), `flush` moves them hbm -> the unit's accumulator on the d2h
-thread as one job, which also runs the optimizer's work the step mode puts beside it ([Note: step modes] in
+thread as one job (the accumulator and, over ranks, its reduce-scatter: offload.step.accumulator), which
+also runs the optimizer's work the step mode puts beside it ([Note: step modes] in
 offload.plan.modes): the delayed update before the accumulation, the overlapped step after it. The gradients
 stay charged to hbm until their job consumed them; `make_room` is the one place that waits for jobs to
 free hbm: before a gradient job (within the planned reserve) and before a fetch (offload.step.prefetch).
@@ -19,6 +20,7 @@ import torch
 
 from offload.plan.modes import StepMode
 from offload.plan.units import Unit
+from offload.step import accumulator
 
 
 @dataclass(frozen=True)
@@ -89,13 +91,13 @@ class GradientPath:
             if bw.mode is StepMode.DELAYED:  # the previous update, before the accumulator takes this gradient
                 bw.pipe.step_unit(unit)
             t0 = time.perf_counter()
-            if self.rt.world > 1 and not self.rt.sharded:  # sharded: reduced window by window (offload.state.optim)
+            if self.rt.world > 1 and not self.rt.sharded:  # sharded: reduced by window (offload.step.accumulator)
                 average_over_ranks(grads, self.rt)
             if not bw.first:
                 self.touched.add(unit.index)  # holds earlier micro-steps' gradients: changed from here
             deferred = bw.mode is StepMode.SPLIT and unit.index in self.rt.placement.deferred
-            sq = self.states[unit.index].accumulate(grads, bw.first, bw.last, keep=bw.mode.overlapped and not deferred,
-                                                    deferred=deferred)
+            sq = accumulator.accumulate(self.states[unit.index], grads, bw.first, bw.last,
+                                        keep=bw.mode.overlapped and not deferred, deferred=deferred)
             self.rt.telemetry.link("hbm_to_dram", nbytes, time.perf_counter() - t0)
             if sq is not None:
                 self.grad_sq[unit.index] = sq

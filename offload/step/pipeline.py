@@ -42,7 +42,6 @@ first (DeferredSteps.finish); a failed deferred step fails the engine as a faile
 from __future__ import annotations
 
 import enum
-import logging
 import math
 import time
 
@@ -54,10 +53,9 @@ from offload.plan.modes import StepMode, step_mode
 from offload.state.optim import KINDS, STATES
 from offload.step.prefetch import Prefetcher
 from offload.plan.units import Unit
+from offload.step.scale import LossScale, lr_factor
 from offload.step.windows import WindowPipeline
 from offload.scheduler.telemetry import overlap_fraction
-
-log = logging.getLogger("offload")
 
 
 class Phase(enum.Enum):
@@ -189,7 +187,7 @@ class StepPipeline:
         gas = cfg.gradient_accumulation_steps
         mode = step_mode(cfg, self.rt.sharded, self.micro_step, self._pending is not None, self.rt.placement.deferred)
         args = {"lr": self.lr, "grad_scale": self.scale.value} if mode.overlapped else self._pending
-        pipe = self._windows(mode, args)
+        pipe = beside_backward(self.rt, self.units, self.states, self.weights, mode, args)
         self.grads.begin(Backward(mode, self.micro_step % gas == 0, self.micro_step % gas == gas - 1, pipe))
         scale = self.scale.value / gas
         t_start = time.perf_counter()
@@ -214,17 +212,6 @@ class StepPipeline:
             self._took_step(args)
         self.micro_step += 1
         self._to(P.IDLE)
-
-    def _windows(self, mode: StepMode, args: dict | None) -> WindowPipeline | None:
-        """The window pipeline beside this backward's gradient jobs: units stepped on the d2h thread as their
-        gradients become final, in reverse unit order, the first one's states read ahead (STATES when the
-        gradient comes from this backward, KINDS for the delayed update of the previous one)."""
-        if not (mode.overlapped or mode is StepMode.DELAYED):
-            return None
-        skip = self.rt.placement.deferred if mode is StepMode.SPLIT else ()
-        order = [u.index for u in reversed(self.units) if u.trainable_numel and u.index not in skip]
-        return WindowPipeline(self.states, self.weights, self.rt, order, args, STATES if mode.overlapped else KINDS,
-                              read_ahead=self.rt.placement.read_ahead)
 
     def _took_step(self, args: dict) -> None:
         """An overlapped backward stepped its units: counted as the step (step() then only ends the window)."""
@@ -438,31 +425,6 @@ class DeferredSteps:
             self.weights[u.index].update = None
 
 
-class LossScale:
-    """fp16's dynamic loss scale (1 otherwise): halved when a step's gradients overflow (the step is skipped),
-    doubled after loss_scale.growth_interval good steps."""
-
-    def __init__(self, cfg):
-        self.value = cfg.loss_scale.initial if cfg.precision == "fp16" else 1.0
-        self.good_steps = self.skipped_steps = 0
-
-    def overflow(self, cfg, step_count: int) -> None:
-        if cfg.precision != "fp16":
-            raise FloatingPointError(f"gradients are not finite at step {step_count + 1} ({cfg.precision}); "
-                                     "lower the learning rate or enable gradient_clipping")
-        self.value = max(self.value / 2, cfg.loss_scale.min_scale)
-        self.skipped_steps += 1
-        self.good_steps = 0
-        log.info("offload: fp16 overflow, step skipped; loss scale now %g", self.value)
-
-    def good_step(self, cfg) -> None:
-        if cfg.precision != "fp16":
-            return
-        self.good_steps += 1
-        if self.good_steps % cfg.loss_scale.growth_interval == 0:
-            self.value *= 2
-
-
 class StepStats:
     """Per-step telemetry: what moved and how long compute stalled since the previous step (`last`)."""
 
@@ -472,6 +434,19 @@ class StepStats:
     def mark(self) -> None:
         now = self.telemetry.snapshot()
         self.last, self._mark = _delta(now, self._mark), now
+
+
+def beside_backward(rt, units: list[Unit], states: list, weights: list, mode: StepMode,
+                    args: dict | None) -> WindowPipeline | None:
+    """The window pipeline beside a backward's gradient jobs: units stepped on the d2h thread as their
+    gradients become final, in reverse unit order, the first one's states read ahead (STATES when the
+    gradient comes from this backward, KINDS for the delayed update of the previous one)."""
+    if not (mode.overlapped or mode is StepMode.DELAYED):
+        return None
+    skip = rt.placement.deferred if mode is StepMode.SPLIT else ()
+    order = [u.index for u in reversed(units) if u.trainable_numel and u.index not in skip]
+    return WindowPipeline(states, weights, rt, order, args, STATES if mode.overlapped else KINDS,
+                          read_ahead=rt.placement.read_ahead)
 
 
 def sum_over_ranks(x: float, rt) -> float:
@@ -490,7 +465,7 @@ def share_new_weights(rt, unit: Unit, st, w) -> None:
     import torch.distributed as dist
 
     w.writer.wait_for_write()  # the owner's windows, written behind by its step, are read back from their home
-    for i, (b, e) in enumerate(st.windows):
+    for i, (b, e) in enumerate(st.chunks):
         t0 = time.perf_counter()
         if st.owner[i] == rt.rank:
             src, release = w.writer.home_weights(i, b, e)
@@ -521,14 +496,3 @@ def _delta(now: dict, before: dict) -> dict:
     coll = {k: {f: v[f] - before["collectives"].get(k, {}).get(f, zero.get(f, 0.0)) for f in v}
             for k, v in now["collectives"].items()}
     return {"links": links, "collectives": coll, "stall_seconds": stall, "overlap_fraction": overlap_fraction(links, stall)}
-
-
-def lr_factor(sched, step: int) -> float:
-    """The schedule's multiplier of the base lr for optimizer step `step` (0-based)."""
-    if sched.warmup_steps and step < sched.warmup_steps:
-        return (step + 1) / sched.warmup_steps
-    if sched.type == "constant":
-        return 1.0
-    progress = min(1.0, (step - sched.warmup_steps) / max(1, sched.total_steps - sched.warmup_steps))
-    shape = 1 - progress if sched.type == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
-    return sched.min_ratio + (1 - sched.min_ratio) * shape

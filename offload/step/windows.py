@@ -6,12 +6,15 @@ and one written behind (landed before another read starts): the pool's optimizer
 windows' chunks at any model size (offload.plan.memory). Two windows ahead keep a read queued while the previous
 window's writes land, so the drive does not idle between them; one window's writes are landed before the
 next read starts, which bounds the pool (the measurements behind both choices: bench/RESULTS.md, "writes in
-flight"). CPU Adam writes each window's new weights straight into the weight tier's buffer.
+flight"). A window's step reads load -> adam -> commit -> store: its states in dram, CPU Adam writing the
+new weights straight into the weight tier's buffer, that buffer committed, the states written back. With swap
+checksums, the one integrity step around Adam is a WindowCheck.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import time
 
 import torch
@@ -19,8 +22,9 @@ from torch.profiler import record_function
 
 from offload.kernels.cpu_adam import StepDigests, adam_step
 from offload.plan.memory import OPTIMIZER_READ_AHEAD as READ_AHEAD
-from offload.state.optim import KINDS, OptimState
+from offload.state.optim import KINDS, STATES, OptimState
 from offload.plan.units import Unit
+from offload.swap.integrity import digest_bounds, tensor_digests
 
 
 class WindowPipeline:
@@ -43,7 +47,7 @@ class WindowPipeline:
         self.last: tuple[int, int] | None = None    # the window written behind
         first = next((u for u in order if states[u].mine), None)
         if self.depth and first is not None:
-            self._load((first, states[first].mine[0]))
+            self._read_ahead((first, states[first].mine[0]))
 
     def step_unit(self, unit: Unit) -> None:
         if self.failed:
@@ -65,29 +69,34 @@ class WindowPipeline:
         except Exception:  # the first error is the one reported (an interrupt is not held back)
             pass
         for st in self.states:
-            for i in range(len(st.windows) if st is not None else 0):
+            for i in range(len(st.chunks) if st is not None else 0):
                 st.discard(i)
 
     def _step_unit(self, unit: Unit) -> None:
         st = self.states[unit.index]
         for i in st.mine:  # every window, or over ranks the ones this rank owns ([Note: windows over ranks])
-            item = (unit.index, i)
-            if item in self.ahead:  # the first, unless units come out of order
-                self.ahead.remove(item)
-            if not st.loaded(i):
-                self._land_last()       # its chunks return before this window takes new ones
-                st.load(i, self.kinds)
-            st.wait_loaded(i)
-            self._land_last()
-            self._fill(item)
+            self._load((unit.index, i))
             self.started = True
-            step_window(self.rt, self.states[unit.index], self.weights[unit.index], unit, i, **self.args)
-            self.last = item
+            step_window(self.rt, st, self.weights[unit.index], unit, i, **self.args)  # adam -> commit -> store
+            self.last = (unit.index, i)
         st.count_steps()
         self.done.add(unit.index)
 
     def finish(self) -> None:
         self._land_last()
+
+    def _load(self, item: tuple[int, int]) -> None:
+        """Window `item` (unit index, window) in dram, read now unless it was read ahead; the window written
+        behind has landed and the next ones are read ahead."""
+        st, i = self.states[item[0]], item[1]
+        if item in self.ahead:  # the first, unless units come out of order
+            self.ahead.remove(item)
+        if not st.loaded(i):
+            self._land_last()       # its chunks return before this window takes new ones
+            st.load(i, self.kinds)
+        st.wait_loaded(i)
+        self._land_last()
+        self._fill(item)
 
     def _fill(self, current: tuple[int, int]) -> None:
         """Reads ahead the windows after `current` (or after the last one read ahead) up to the depth."""
@@ -95,7 +104,7 @@ class WindowPipeline:
             nxt = self._next(*(self.ahead[-1] if self.ahead else current), current[0])
             if nxt is None:
                 return
-            self._load(nxt)
+            self._read_ahead(nxt)
 
     def _next(self, index: int, i: int, stepping: int) -> tuple[int, int] | None:
         mine = self.states[index].mine
@@ -106,7 +115,7 @@ class WindowPipeline:
         nxt = next((u for u in after if u not in self.done and u != stepping and u != index and self.states[u].mine), None)
         return None if nxt is None else (nxt, self.states[nxt].mine[0])
 
-    def _load(self, item: tuple[int, int]) -> None:
+    def _read_ahead(self, item: tuple[int, int]) -> None:
         self.ahead.append(item)
         self.states[item[0]].load(item[1], self.kinds)
 
@@ -119,40 +128,43 @@ class WindowPipeline:
 
 
 def step_window(rt, st: OptimState, w, unit: Unit, i: int, lr: float, grad_scale: float) -> None:
-    """CPU Adam over window i of one unit's states `st`; the new weights go straight into its weight tier
-    (handle `w`)."""
-    b, e = st.windows[i]
-    hashed = st.digest_bounds(i) is not None  # nvme states with swap checksums, read unverified
-    # Until the states are checked the new weights stay out of the live copy (a dram or CPU hbm home).
+    """Window i of one unit's states `st`, loaded: adam -> commit -> store. CPU Adam writes the new weights
+    into the weight tier's buffer (handle `w`), which is committed; the states are written back (behind)."""
+    b, e = st.chunks[i]
     home = w.writer.new_weights(i, b, e)
-    live = w.home == "dram" or (w.home == "hbm" and w.hbm.device.type == "cpu")
-    out = rt.staging.acquire(e - b, home.dtype, f"{unit.name} new weights") if hashed and live else home[:e - b]
+    live = w.home == "dram" or (w.home == "hbm" and w.hbm.device.type == "cpu")  # written in place
+    check = WindowCheck(st, i)
     try:
-        t0 = time.perf_counter()
-        with record_function("offload::cpu_adam"):
-            digests = _adam_runs(rt, st, i, out, lr, grad_scale)
-        rt.telemetry.span("cpu_adam", f"adam {unit.name}#{i}", t0, time.perf_counter())
-        if hashed:  # raises before anything computed from corrupted states is kept
-            st.check_digests(i, digests)
-        if rt.dtype == torch.float32:
-            out.copy_(st.view(i)["master"])
-        if hashed and live:
-            home[:e - b].copy_(out)
+        _adam(rt, st, unit, i, check.output(home[:e - b], live), check, lr, grad_scale)
     except BaseException:
         w.writer.discard(home)
         raise
     finally:
-        if hashed and live:
-            rt.staging.release(out)
+        check.close()
     w.writer.commit(i, b, e, home)
     st.store(i)
 
 
-def _adam_runs(rt, st: OptimState, i: int, out: torch.Tensor, lr: float, grad_scale: float) -> StepDigests | None:
+def _adam(rt, st: OptimState, unit: Unit, i: int, out: torch.Tensor, check: WindowCheck, lr: float,
+          grad_scale: float) -> None:
+    """CPU Adam over window i, the new weights into `out`, checked (a corrupted read raises before anything
+    computed from it is kept), then kept in the weight tier's buffer."""
+    t0 = time.perf_counter()
+    with record_function("offload::cpu_adam"):
+        digests = _adam_runs(rt, st, i, out, check, lr, grad_scale)
+    rt.telemetry.span("cpu_adam", f"adam {unit.name}#{i}", t0, time.perf_counter())
+    check.verify(digests)
+    if rt.dtype == torch.float32:
+        out.copy_(st.view(i)["master"])
+    check.keep()
+
+
+def _adam_runs(rt, st: OptimState, i: int, out: torch.Tensor, check: WindowCheck, lr: float,
+               grad_scale: float) -> StepDigests | None:
     """The update of window i's slots that had a gradient ([Note: parameters without a gradient]),
     bf16/fp16 weights into `out`; with swap checksums, the states' digests before and after: hashed by
     the step itself in the common case of one run over the window, beside it otherwise."""
-    o, t, bounds = rt.cfg.optimizer, st.view(i), st.digest_bounds(i)
+    o, t, bounds = rt.cfg.optimizer, st.view(i), check.bounds
     lowp = rt.dtype != torch.float32
     step_fn = adam_step if t["master"].device.type == "cpu" else _device_adam_step
     grad = st.grad(i)
@@ -165,12 +177,68 @@ def _adam_runs(rt, st: OptimState, i: int, out: torch.Tensor, lr: float, grad_sc
     runs, n = st.runs(i), t["master"].numel()
     if len(runs) == 1 and runs[0][:2] == (0, n):
         return adam(*runs[0], **({} if bounds is None else {"digest_bounds": bounds}))
-    before = None if bounds is None else st.hash_states(i)
+    before = None if bounds is None else check.hash()
     if lowp:
         out.copy_(t["master"])  # skipped slots keep their weights
     for run in runs:
         adam(*run)
-    return None if before is None else StepDigests(before, st.hash_states(i))
+    return None if before is None else StepDigests(before, check.hash())
+
+
+class WindowCheck:
+    """The swap-integrity step around CPU Adam for window i of `st` ([Note: swap digests in the step] in
+    offload/kernels/csrc/cpu_adam.cpp), and nothing where the states are not hashed (OptimState.hashed: nvme
+    states with swap checksums, read unverified). It plans the spans the step hashes (`bounds`), hashes the
+    states where the step cannot (`hash`), checks what was read against what was written and hands the
+    updated states' digests to their write-back (`verify`). Until then the new weights stay out of a live
+    copy (a dram or CPU hbm home): `output` lends a pool chunk in its place, `keep` copies it home."""
+
+    def __init__(self, st: OptimState, i: int):
+        b, e = st.chunks[i]
+        self.st, self.i = st, i
+        self.bounds = _digest_bounds(e - b, st.rt.store.block_bytes) if st.hashed else None
+        self._home = self._scratch = None
+
+    def output(self, home: torch.Tensor, live: bool) -> torch.Tensor:
+        """Where Adam writes the window's new weights: `home` (the weight tier's buffer), or while the
+        states are unchecked and `home` is live, a pool chunk (close() returns it)."""
+        if self.bounds is None or not live:
+            return home
+        self._home = home
+        self._scratch = self.st.rt.staging.acquire(home.numel(), home.dtype, f"{self.st.unit.name} new weights")
+        return self._scratch
+
+    def hash(self) -> tuple[tuple[int, ...], ...]:
+        """Swap digests of the window's staged master/exp_avg/exp_avg_sq (when the step cannot hash them)."""
+        t = self.st.view(self.i)
+        return tuple(tensor_digests(t[k], self.bounds) for k in STATES)
+
+    def verify(self, digests: StepDigests | None) -> None:
+        """Raises SwapCorruptionError if what was read differs from what was written; keeps the new states'
+        digests for their write-back (OptimState.store)."""
+        if self.bounds is None:
+            return
+        st, staged = self.st, self.st.staged(self.i)
+        for kind, before in zip(STATES, digests.before):
+            if kind in staged.unverified:
+                st.rt.store.check_digests(st.key(kind, self.i), before)
+        staged.checked(dict(zip(STATES, digests.after)))
+
+    def keep(self) -> None:
+        """The checked new weights into the live home."""
+        if self._scratch is not None:
+            self._home.copy_(self._scratch)
+
+    def close(self) -> None:
+        if self._scratch is not None:
+            self.st.rt.staging.release(self._scratch)
+            self._scratch = None
+
+
+@functools.lru_cache(maxsize=64)
+def _digest_bounds(numel: int, block_bytes: int) -> tuple[int, ...]:
+    """Element bounds of a window's swap digests (fp32 states in a store of `block_bytes` blocks)."""
+    return tuple(digest_bounds(numel, 4, block_bytes))
 
 
 def _device_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, adamw,
