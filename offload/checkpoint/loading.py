@@ -16,6 +16,7 @@ from offload.checkpoint import format as fmt
 from offload.checkpoint.format import CheckpointError
 from offload.checkpoint.saving import CONFIG_KEYS, STATES, run_id
 from offload.checkpoint.state_dict import param_names, state_entries
+from offload.plan.config import Config
 from offload.plan.units import Unit
 from offload.state.homes import write_slots
 from offload.state.optim import OptimState
@@ -33,7 +34,7 @@ def load(engine, path: str) -> dict:
     ckpt = fmt.resolve(path)
     manifest = fmt.read_manifest(ckpt)
     engine.pipeline.checkpoint_state()  # between steps, engine usable
-    _check_config(engine.rt.cfg, manifest, ckpt)
+    _check_config(engine.cfg, manifest, ckpt)
     plan = _match_parameters(engine.module, engine.units, manifest, ckpt)
     buffers = _match_buffers(engine.module, manifest, ckpt)
     with fmt.Reader(ckpt, manifest) as files:
@@ -106,7 +107,7 @@ def _load_unit(rt: Runtime, w: WeightHandle, st: OptimState | None, entries: dic
                 lambda dst, s, lo, hi: (trainable if s.trainable else frozen)(dst, s, lo, hi), keep=False)
 
 
-def _check_config(cfg, manifest: dict, ckpt: str) -> None:
+def _check_config(cfg: Config, manifest: dict, ckpt: str) -> None:
     ours = json.loads(json.dumps(cfg.to_dict()))
     theirs = manifest["config"]
     if manifest["precision"] != cfg.precision:

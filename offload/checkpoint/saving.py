@@ -19,6 +19,7 @@ from torch import nn
 from offload.checkpoint import format as fmt
 from offload.checkpoint.format import CheckpointError
 from offload.checkpoint.state_dict import param_names, state_entries
+from offload.plan.config import Config
 from offload.state.homes import unit_buffers
 from offload.state.runtime import Runtime
 
@@ -61,7 +62,7 @@ def save(engine, directory: str, name: str | None = None, keep: int | None = Non
         name = f"step{counters['step_count']:08d}" + (f"-micro{counters['micro_step']}" if counters["micro_step"] else "")
     if keep is not None and keep < 1:
         raise ValueError(f"keep={keep}: must be >= 1 (or None: keep every checkpoint)")
-    manifest = {**_manifest_head(engine.rt, engine.module, counters, accumulator, extra), "run_id": run_id(engine)}
+    manifest = {**_manifest_head(engine.cfg, engine.rt.world, engine.module, counters, accumulator, extra), "run_id": run_id(engine)}
     if engine.rt.world > 1:
         return _save_ranks(engine, directory, name, keep, manifest, accumulator)
     with fmt.writing(directory, name) as tmp:
@@ -159,10 +160,10 @@ def _save_ranks(engine, directory: str, name: str, keep: int | None, manifest: d
     raise CheckpointError(outcome[0])
 
 
-def _manifest_head(rt: Runtime, model: nn.Module, counters: dict, accumulator: bool, extra: dict | None) -> dict:
+def _manifest_head(cfg: Config, world: int, model: nn.Module, counters: dict, accumulator: bool,
+                   extra: dict | None) -> dict:
     """The manifest but its tensors, buffers, files, rng and run_id: the format, the run's config essentials,
     the step pipeline's `counters` and `extra` (a transformers model's config added as hf_config)."""
-    cfg = rt.cfg
     extra = dict(extra or {})
     pretrained = getattr(sys.modules.get("transformers"), "PreTrainedModel", None)
     if pretrained is not None and isinstance(model, pretrained) and "hf_config" not in extra:
@@ -172,7 +173,7 @@ def _manifest_head(rt: Runtime, model: nn.Module, counters: dict, accumulator: b
     except (TypeError, ValueError) as e:
         raise ValueError(f"extra: not JSON-serializable ({e}); pass plain dicts, lists, numbers and strings") from e
     essentials = json.loads(json.dumps(cfg.to_dict()))
-    return {"format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "world_size": rt.world,
+    return {"format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "world_size": world,
             "zero_stage": cfg.zero_stage, "precision": cfg.precision, **counters, "accumulator": accumulator,
             "saved_at": time.time(), "config": {k: essentials[k] for k in CONFIG_KEYS}, "extra": extra}
 

@@ -42,6 +42,7 @@ import time
 import weakref
 
 import torch
+from offload.state.runtime import Runtime
 
 MOVE_MIN_BYTES = 4096  # an input smaller than a page stays where it was made (module note)
 TIERS = {"cpu": "dram", "nvme": "nvme"}  # offload_activations.device -> the tier the inputs wait in
@@ -81,7 +82,7 @@ class InputTier:
     """The checkpointed units' kept inputs in `device`'s tier ("cpu": dram, "nvme"), on runtime `rt` (tiers,
     copy streams, swap store, telemetry); `ahead`: units whose inputs are fetched ahead of the backward."""
 
-    def __init__(self, rt, device: str, ahead: int):
+    def __init__(self, rt: Runtime, device: str, ahead: int):
         self.rt, self.where, self.ahead = rt, TIERS[device], max(1, ahead)
         self.live: dict[int, KeptInput] = {}  # seq -> record, in the order of packing
         self._dead: list[KeptInput] = []      # let go by autograd, to free at the next safe point

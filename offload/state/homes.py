@@ -12,9 +12,10 @@ import torch
 from offload.plan.chunks import chunk_key
 from offload.state.optim import OptimState
 from offload.state.residency import WeightHandle
+from offload.state.runtime import Runtime
 
 
-def unit_buffers(rt, w: WeightHandle, st: OptimState | None, kind: str, write: bool = False, keep: bool = True,
+def unit_buffers(rt: Runtime, w: WeightHandle, st: OptimState | None, kind: str, write: bool = False, keep: bool = True,
                  only=None):
     """(begin, end, host tensor) over one of the unit's flat buffers (master, exp_avg, exp_avg_sq, grad, or
     weight in the compute dtype), one chunk at a time, from its home: nvme chunks through a pool chunk (a
@@ -57,7 +58,7 @@ def unit_buffers(rt, w: WeightHandle, st: OptimState | None, kind: str, write: b
             rt.staging.release(buf)
 
 
-def write_slots(rt, w: WeightHandle, st: OptimState | None, kind: str, slots, fill, keep: bool) -> None:
+def write_slots(rt: Runtime, w: WeightHandle, st: OptimState | None, kind: str, slots, fill, keep: bool) -> None:
     """fill(dst, slot, lo, hi) writes elements [lo, hi) of `slot` into dst, for each slot in `slots`,
     into the unit's `kind` buffer at its home. keep=True: only the chunks the slots touch are read and
     written back; keep=False: every chunk is written (zero where no slot is)."""

@@ -26,6 +26,7 @@ from offload.state.residency import WeightHandle
 from offload.state.tiers import ChunkPool
 from offload.plan.units import Unit
 from offload.swap import SwapStore
+from offload.state.runtime import Runtime
 
 # [Note: buffers with a weights source]
 # With `weights=`, parameters come from the source and no init runs for them. Buffers: a persistent one
@@ -55,7 +56,7 @@ def materialize(engine) -> None:
             module._buffers[name] = b.to(rt.device)
 
 
-def _from_meta(rt, model: nn.Module, units: list[Unit], source, weights: list, states: list) -> None:
+def _from_meta(rt: Runtime, model: nn.Module, units: list[Unit], source, weights: list, states: list) -> None:
     """Allocates modules one by one and places each unit as soon as all its parameters exist, into
     weights[i] and states[i]. Without a weights `source`, modules are allocated and initialized by the CPU
     build's init calls in its order ([Note: the CPU build's init order] in offload.state.init_order); with
@@ -72,7 +73,7 @@ def _from_meta(rt, model: nn.Module, units: list[Unit], source, weights: list, s
             for p in g._parameters.values() if p is not None}
     tracker = _UnitTracker(rt, model, units, source, weights, states, late)
     replay: dict = {}  # module -> RNG state before its default init, drawn into scratch earlier
-    torch.manual_seed(rt.cfg.seed)
+    torch.manual_seed(rt.settings.seed)
     with torch.no_grad():
         for i, (kind, module, owner) in enumerate(events):
             if kind == "peft":
@@ -166,7 +167,7 @@ class _UnitTracker:
     initialized, their values are written into the unit's homes (only the chunks they touch are read and
     written back)."""
 
-    def __init__(self, rt, model: nn.Module, units: list[Unit], source, weights: list, states: list,
+    def __init__(self, rt: Runtime, model: nn.Module, units: list[Unit], source, weights: list, states: list,
                  late: set = frozenset()):
         self.rt, self.source, self.weights, self.states = rt, source, weights, states  # placed units go there
         self.slot_of = {s.param: (u, s) for u in units for s in u.slots}
@@ -226,7 +227,7 @@ class _UnitTracker:
                 self.progress.update(u.numel * self.rt.dtype.itemsize + u.trainable_numel * 4)
 
 
-def _fill_late(rt, unit: Unit, w: WeightHandle, st: OptimState | None, slots) -> None:
+def _fill_late(rt: Runtime, unit: Unit, w: WeightHandle, st: OptimState | None, slots) -> None:
     """[Note: adapters initialized late] The slots' values into the placed unit's weight and master homes;
     the parameters then follow the weight handle (attached where the weights live in hbm, else empty)."""
     values = {s.param: s.param.detach().reshape(-1) for s in slots}
@@ -267,12 +268,12 @@ class _Progress:
 
 
 @torch.no_grad()
-def place(rt, unit: Unit, source, weights: list, states: list, late=()) -> None:
+def place(rt: Runtime, unit: Unit, source, weights: list, states: list, late=()) -> None:
     """Copies the unit's initial values (from the weights `source`, or its parameters' own when None) into
     its weight and optimizer-state homes, whose handles go to weights[unit.index] and states[unit.index].
     Resident homes are filled in place; nvme homes chunk by chunk through the pool. `late`: slots left
     zero, whose values come later ([Note: adapters initialized late])."""
-    p = rt.placement
+    p = rt.settings
     given = [s for s in unit.slots if not any(s is x for x in late)]
     values = {s.name: _initial_value(s, source, rt.dtype) for s in given}  # keeps the values past _detach()
     w = WeightHandle(unit, p.weight_home[unit.index], rt.dtype, rt)

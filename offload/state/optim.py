@@ -18,6 +18,7 @@ import torch
 from offload.plan.chunks import chunk_key, chunk_spans, copy_spans, packed
 from offload.state.residency import R, _Handle
 from offload.plan.units import Unit
+from offload.state.runtime import Runtime
 
 KINDS = ("master", "exp_avg", "exp_avg_sq", "grad")
 STATES = KINDS[:3]  # what a read-ahead loads: the gradient may not be final yet
@@ -73,7 +74,7 @@ class StagedWindow(_Handle):
 class OptimState(_Handle):
     """One unit's fp32 states. Resident (hbm/dram) states are allocated once; nvme ones are staged by window."""
 
-    def __init__(self, unit: Unit, home: str, rt):
+    def __init__(self, unit: Unit, home: str, rt: Runtime):
         super().__init__(f"{unit.name}/optim", home)
         self.unit, self.rt = unit, rt
         self.numel = unit.trainable_numel
@@ -82,7 +83,7 @@ class OptimState(_Handle):
         # windows it owns (offload.plan.chunks.window_owners); every rank passes every window's gradient to its
         # owner (offload.step.accumulator) and receives every other window's new weights from it
         # (offload.step.pipeline.share_new_weights). Resident states hold the owned windows back to back.
-        self.owner = rt.placement.owners.get(unit.index) or [rt.rank] * len(self.chunks)
+        self.owner = rt.settings.owners.get(unit.index) or [rt.rank] * len(self.chunks)
         self.mine = [i for i, r in enumerate(self.owner) if r == rt.rank]
         self._local, self.local_numel = packed(self.chunks, self.mine)  # window -> first element in the flats
         self.t: dict[str, torch.Tensor] = {}    # resident homes: the four flats of the owned windows

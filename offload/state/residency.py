@@ -20,6 +20,7 @@ from offload.plan.units import Unit
 from offload.state.gather import ShardGather
 from offload.state.tiers import Tiers
 from offload.state.weight_writer import WeightWriter, settle
+from offload.state.runtime import Runtime
 
 
 class Residency(enum.Enum):
@@ -80,8 +81,8 @@ class WeightHandle(_Handle):
     (offload.state.weight_writer).
     """
 
-    def __init__(self, unit: Unit, home: str, dtype: torch.dtype, rt):
-        owner = rt.placement.weight_owners.get(unit.index)
+    def __init__(self, unit: Unit, home: str, dtype: torch.dtype, rt: Runtime):
+        owner = rt.settings.weight_owners.get(unit.index)
         # zero_stage 3 with weights in hbm: the rank's shard lives in the hbm tier and moves as a dram home's
         # weights do (fetched into the whole unit's hbm copy, released after use)
         self.shard_tier = "hbm" if home == "hbm" else "dram"

@@ -1,8 +1,9 @@
 """The runtime: what the residency handles and the optimizer pipeline work with, and nothing else.
 
-Handles (offload.state.residency, offload.state.optim) and the step pipeline (offload.step.pipeline) receive this object,
-never the Engine: the tiers and their accountants, the chunk pool, the swap store, the copy streams and
-the reader thread, and the telemetry. The Engine builds it once and closes it last.
+Handles (offload.state.residency, offload.state.optim) and the step's parts (offload.step) receive a Runtime,
+never the Engine: the resources (the tiers and their accountants, the chunk pool, the swap store, the copy
+streams and the reader thread, the ranks' groups, the telemetry), which the Engine opens once and closes
+last, and `settings`, the frozen values the step reads of the config and the placement.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 
 from offload.kernels import cpu_adam
-from offload.plan.config import Config
+from offload.plan.config import Config, LossScaleConfig, LRScheduleConfig, OptimizerConfig
 from offload.plan.placement import Placement, check_nvme_path
 from offload.state.ranks import Ranks
 from offload.state.tiers import ChunkPool, Tiers
@@ -25,14 +28,44 @@ from offload.swap import SwapStore
 log = logging.getLogger("offload")
 
 
+@dataclass(frozen=True)
+class StepSettings:
+    """What the step reads of the config and the placement, fixed for the run. The config's names, so
+    offload.plan.modes and the loss scale read it as they read a Config."""
+    precision: str                          # the one that runs ("auto" resolved for the device)
+    optimizer: OptimizerConfig
+    lr_schedule: LRScheduleConfig
+    loss_scale: LossScaleConfig
+    gradient_accumulation_steps: int
+    gradient_clipping: float
+    overlap_step: bool
+    delayed_update: bool
+    seed: int                               # the initial values' RNG seed (materialize)
+    weight_home: Mapping[int, str]          # unit -> its weights' tier
+    state_home: Mapping[int, str]           # unit -> its optimizer states' tier (trainable units)
+    owners: Mapping[int, list[int]]         # zero_stage 1-3 over ranks: unit -> each state window's rank
+    weight_owners: Mapping[int, list[int]]  # zero_stage 3: partitioned unit -> each weight chunk's rank
+    deferred: tuple[int, ...]               # units whose step waits for their next fetch ([Note: split step])
+    read_ahead: bool                        # the optimizer pipeline reads the next window during a step
+    grad_reserve: int                       # hbm bytes the gradients on their way to dram may hold
+
+    @classmethod
+    def of(cls, cfg: Config, placement: Placement) -> "StepSettings":
+        frozen = lambda d: MappingProxyType(dict(d))  # noqa: E731  (read-only views of the plan's maps)
+        return cls(cfg.precision, cfg.optimizer, cfg.lr_schedule, cfg.loss_scale, cfg.gradient_accumulation_steps,
+                   cfg.gradient_clipping, cfg.overlap_step, cfg.delayed_update, cfg.seed,
+                   frozen(placement.weight_home), frozen(placement.state_home), frozen(placement.owners),
+                   frozen(placement.weight_owners), tuple(placement.deferred), placement.read_ahead,
+                   placement.grad_reserve)
+
+
 @dataclass
 class Runtime:
-    cfg: Config
+    settings: StepSettings
     device: torch.device
     dtype: torch.dtype          # the compute dtype of weights and gradients
     rank: int
     world: int                  # ranks of the default process group (data parallel)
-    placement: Placement
     tiers: Tiers
     telemetry: Telemetry
     chunk_numel: int            # elements per chunk of every buffer (offload.plan.chunks)
@@ -52,8 +85,8 @@ class Runtime:
     @property
     def sharded(self) -> bool:
         """zero_stage 1-3 over several ranks: each rank holds and steps the state windows it owns
-        (placement.owners); otherwise every rank holds all of them and gradients are averaged (stage 0)."""
-        return bool(self.placement.owners)
+        (settings.owners); otherwise every rank holds all of them and gradients are averaged (stage 0)."""
+        return bool(self.settings.owners)
 
     @classmethod
     def open(cls, cfg: Config, device: torch.device, placement: Placement, rank: int = 0, world: int = 1) -> "Runtime":
@@ -78,7 +111,7 @@ class Runtime:
                 store.close()
             raise
         ahead = placement.weight_owners and cfg.zero_gather_ahead
-        return cls(cfg, device, cfg.compute_dtype, rank, world, placement, tiers, Telemetry(),
+        return cls(StepSettings.of(cfg, placement), device, cfg.compute_dtype, rank, world, tiers, Telemetry(),
                    placement.chunk_bytes // 4, staging, store, CopyStream("h2d", device, delay),
                    CopyStream("d2h", device, delay), Worker("nvme-read", delay), ranks,
                    CopyStream("gather", device, delay) if ahead else None)

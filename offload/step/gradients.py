@@ -21,6 +21,7 @@ import torch
 from offload.plan.modes import StepMode
 from offload.plan.units import Unit
 from offload.step import accumulator
+from offload.state.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,10 @@ class Backward:
 
 
 class GradientPath:
-    def __init__(self, rt, units: list[Unit], states: list):
+    def __init__(self, rt: Runtime, units: list[Unit], states: list):
         self.rt, self.units, self.states = rt, units, states
         self.hbm = rt.tiers.acct["hbm"]
-        self.reserve = rt.placement.grad_reserve
+        self.reserve = rt.settings.grad_reserve
         self.backward: Backward | None = None       # the backward running, set by begin()
         self.grad_sq: dict[int, float] = {}         # unit index -> its gradient's squared norm (the step's norm)
         self.touched: set[int] = set()              # units whose accumulator this micro-step changed
@@ -95,7 +96,7 @@ class GradientPath:
                 average_over_ranks(grads, self.rt)
             if not bw.first:
                 self.touched.add(unit.index)  # holds earlier micro-steps' gradients: changed from here
-            deferred = bw.mode is StepMode.SPLIT and unit.index in self.rt.placement.deferred
+            deferred = bw.mode is StepMode.SPLIT and unit.index in self.rt.settings.deferred
             sq = accumulator.accumulate(self.states[unit.index], grads, bw.first, bw.last,
                                         keep=bw.mode.overlapped and not deferred, deferred=deferred)
             self.rt.telemetry.link("hbm_to_dram", nbytes, time.perf_counter() - t0)
@@ -103,7 +104,7 @@ class GradientPath:
                 self.grad_sq[unit.index] = sq
             if bw.mode.overlapped:
                 if not math.isfinite(sq):
-                    raise FloatingPointError(f"{unit.name}: gradients are not finite ({self.rt.cfg.precision}); "
+                    raise FloatingPointError(f"{unit.name}: gradients are not finite ({self.rt.settings.precision}); "
                                              "lower the learning rate or enable gradient_clipping")
                 if not deferred:
                     bw.pipe.step_unit(unit)  # nvme states read the gradient from `grads` window by window
@@ -156,7 +157,7 @@ def settle(done) -> None:
         pass
 
 
-def average_over_ranks(grads: list, rt) -> None:
+def average_over_ranks(grads: list, rt: Runtime) -> None:
     """zero_stage 0 over several ranks (data parallel): each gradient becomes the mean over the ranks, in
     place, before it enters the accumulator, so every rank holds the same accumulators, takes the same
     global decisions (norm, clipping, fp16 overflow) and applies the same update, as DDP does. Summed in

@@ -32,6 +32,7 @@ import time
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from offload.state.runtime import Runtime
 
 
 class _PostBackward(torch.autograd.Function):
@@ -52,7 +53,7 @@ def _tensors_requiring_grad(tree):
     return flat, spec, idx
 
 
-def register(prefetcher, weights, rt, unit, module: torch.nn.Module) -> list:
+def register(prefetcher, weights, rt: Runtime, unit, module: torch.nn.Module) -> list:
     """Hooks `module` (the unit's root or a module using its tied parameters) to fetch/release `unit` through
     `prefetcher` (offload.step.prefetch); `weights`: the unit's handle; `rt`: the runtime (telemetry, ranks)."""
     starts: list[tuple[float, int | None]] = []  # forward start times and storage refs (a stack: a module may call itself)

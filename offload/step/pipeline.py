@@ -56,6 +56,7 @@ from offload.plan.units import Unit
 from offload.step.scale import LossScale, lr_factor
 from offload.step.windows import WindowPipeline
 from offload.scheduler.telemetry import overlap_fraction
+from offload.state.runtime import Runtime
 
 
 class Phase(enum.Enum):
@@ -98,13 +99,13 @@ class StepPipeline:
     jobs waited for; step() at the accumulation boundary, unless the backward took it, runs every unit's
     windows (run_step)."""
 
-    def __init__(self, rt, units: list[Unit], weights, states, trace, policy, room: int | None = None):
+    def __init__(self, rt: Runtime, units: list[Unit], weights, states, trace, policy, room: int | None = None):
         self.rt, self.units, self.weights, self.states, self.trace = rt, units, weights, states, trace
         self.grads = GradientPath(rt, units, states)
         self.deferred = DeferredSteps(rt, units, weights, states, self._deferred_failed)
         self.prefetch = Prefetcher(weights, policy, rt.tiers.acct["hbm"], self.grads.make_room, self.deferred.start,
                                    lambda: self.in_backward, room)
-        self.scale = LossScale(rt.cfg)
+        self.scale = LossScale(rt.settings)
         self.stats = StepStats(rt.telemetry)
         self.phase = P.IDLE
         self.failure: str | None = None
@@ -181,11 +182,11 @@ class StepPipeline:
     def backward(self, loss: torch.Tensor) -> None:
         self.check_usable("backward")
         self.rt.ranks.step = self.step_count + 1
-        cfg = self.rt.cfg
+        settings = self.rt.settings
         self.deferred.finish()  # normally done already: each deferred unit's fetch waited for its step
         self._to(P.BACKWARD)
-        gas = cfg.gradient_accumulation_steps
-        mode = step_mode(cfg, self.rt.sharded, self.micro_step, self._pending is not None, self.rt.placement.deferred)
+        gas = settings.gradient_accumulation_steps
+        mode = step_mode(settings, self.rt.sharded, self.micro_step, self._pending is not None, self.rt.settings.deferred)
         args = {"lr": self.lr, "grad_scale": self.scale.value} if mode.overlapped else self._pending
         pipe = beside_backward(self.rt, self.units, self.states, self.weights, mode, args)
         self.grads.begin(Backward(mode, self.micro_step % gas == 0, self.micro_step % gas == gas - 1, pipe))
@@ -219,7 +220,7 @@ class StepPipeline:
         self.grads.grad_sq.clear()
         self.last_grad_norm = None
         self.step_count += 1
-        if self.rt.placement.deferred:
+        if self.rt.settings.deferred:
             self.deferred.defer(args)
 
     def _backward_failed(self, error: BaseException, pipe: WindowPipeline | None) -> None:
@@ -242,7 +243,7 @@ class StepPipeline:
         """The learning rate of the next optimizer step."""
         if self.lr_value is not None:
             return self.lr_value
-        return self.rt.cfg.optimizer.lr * lr_factor(self.rt.cfg.lr_schedule, self.step_count)
+        return self.rt.settings.optimizer.lr * lr_factor(self.rt.settings.lr_schedule, self.step_count)
 
     def step(self) -> bool:
         """The optimizer step at the accumulation boundary (a no-op between boundaries). Returns True when
@@ -250,8 +251,8 @@ class StepPipeline:
         self.check_usable("step")
         if self.micro_step == 0:
             raise RuntimeError("step() called before backward(): call engine.backward(loss) first")
-        cfg = self.rt.cfg
-        if self.micro_step % cfg.gradient_accumulation_steps != 0:
+        settings = self.rt.settings
+        if self.micro_step % settings.gradient_accumulation_steps != 0:
             return False
         if self._mode.overlapped:  # taken unit by unit during backward
             self._mode = StepMode.PLAIN
@@ -263,13 +264,13 @@ class StepPipeline:
         if not math.isfinite(sq):
             self.micro_step = 0
             self.grads.grad_sq.clear()
-            self.scale.overflow(cfg, self.step_count)
+            self.scale.overflow(settings, self.step_count)
             return False
         grad_norm = math.sqrt(sq) / self.scale.value
-        clip = cfg.gradient_clipping
+        clip = settings.gradient_clipping
         clip_coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
         update = {"lr": self.lr, "grad_scale": self.scale.value / clip_coef}
-        if cfg.delayed_update:  # applied unit by unit during the next backward (or by flush())
+        if settings.delayed_update:  # applied unit by unit during the next backward (or by flush())
             self._pending = update
         else:
             self._to(P.STEPPING)
@@ -287,7 +288,7 @@ class StepPipeline:
         self.last_grad_norm = grad_norm
         self.step_count += 1
         self.stats.mark()
-        self.scale.good_step(cfg)
+        self.scale.good_step(settings)
         return True
 
     def run_step(self, update: dict, where: str) -> None:
@@ -297,7 +298,7 @@ class StepPipeline:
         self.prefetch.release_all()  # no fetched copy may outlive the update of its home ([Note: updates beside residency])
         trainable = [u for u in self.units if u.trainable_numel]
         pipe = WindowPipeline(self.states, self.weights, self.rt, [u.index for u in trainable], update,
-                              read_ahead=self.rt.placement.read_ahead)
+                              read_ahead=self.rt.settings.read_ahead)
         sharing = False
         try:
             with record_function("offload::step"):
@@ -340,7 +341,7 @@ class StepPipeline:
         taken and not counted). Deferred steps ([Note: split step]) are applied first."""
         self.check_usable("checkpoint")
         self.deferred.finish()
-        gas = self.rt.cfg.gradient_accumulation_steps
+        gas = self.rt.settings.gradient_accumulation_steps
         if self.phase not in (P.IDLE, P.FORWARD) or (self.micro_step and self.micro_step % gas == 0):
             raise RuntimeError(f"offload: checkpoint while {self.phase.value}, {self.micro_step} backward(s) since "
                                "the last step: save or load between steps (after engine.step())")
@@ -369,7 +370,7 @@ class DeferredSteps:
     order before the next forward's first fetch; each unit's fetch waits for its own (WeightHandle.update).
     on_failure(error): a deferred step failed (the engine fails: states are partly updated)."""
 
-    def __init__(self, rt, units: list[Unit], weights, states, on_failure):
+    def __init__(self, rt: Runtime, units: list[Unit], weights, states, on_failure):
         self.rt, self.units, self.weights, self.states, self.on_failure = rt, units, weights, states, on_failure
         self._args: dict | None = None     # the step's lr and grad_scale, while its deferred units wait
         self._queued: tuple | None = None  # (window pipeline, completions) once started
@@ -381,9 +382,9 @@ class DeferredSteps:
         """Queues the deferred units' steps (idempotent; a no-op when none wait)."""
         if self._args is None or self._queued is not None:
             return
-        order = self.rt.placement.deferred  # in forward order
+        order = self.rt.settings.deferred  # in forward order
         pipe = WindowPipeline(self.states, self.weights, self.rt, list(order), self._args, KINDS,
-                              read_ahead=self.rt.placement.read_ahead)
+                              read_ahead=self.rt.settings.read_ahead)
         jobs: list = []
         self._queued = (pipe, jobs)
         for u in (self.units[i] for i in order):
@@ -436,20 +437,20 @@ class StepStats:
         self.last, self._mark = _delta(now, self._mark), now
 
 
-def beside_backward(rt, units: list[Unit], states: list, weights: list, mode: StepMode,
+def beside_backward(rt: Runtime, units: list[Unit], states: list, weights: list, mode: StepMode,
                     args: dict | None) -> WindowPipeline | None:
     """The window pipeline beside a backward's gradient jobs: units stepped on the d2h thread as their
     gradients become final, in reverse unit order, the first one's states read ahead (STATES when the
     gradient comes from this backward, KINDS for the delayed update of the previous one)."""
     if not (mode.overlapped or mode is StepMode.DELAYED):
         return None
-    skip = rt.placement.deferred if mode is StepMode.SPLIT else ()
+    skip = rt.settings.deferred if mode is StepMode.SPLIT else ()
     order = [u.index for u in reversed(units) if u.trainable_numel and u.index not in skip]
     return WindowPipeline(states, weights, rt, order, args, STATES if mode.overlapped else KINDS,
-                          read_ahead=rt.placement.read_ahead)
+                          read_ahead=rt.settings.read_ahead)
 
 
-def sum_over_ranks(x: float, rt) -> float:
+def sum_over_ranks(x: float, rt: Runtime) -> float:
     """x summed over the ranks (a non-finite x on any rank makes the sum non-finite on every rank)."""
     t0 = time.perf_counter()
     total = rt.ranks.agree([x], "sum", "all_reduce of the gradient norm")[0]
@@ -457,7 +458,7 @@ def sum_over_ranks(x: float, rt) -> float:
     return total
 
 
-def share_new_weights(rt, unit: Unit, st, w) -> None:
+def share_new_weights(rt: Runtime, unit: Unit, st, w) -> None:
     """[Note: windows over ranks] After the step, each window's new weights go from its owner to every other
     rank (one broadcast per window: over the model, the volume of an all-gather), into the weight tier
     through the same new_weights/commit path the optimizer writes by. Sent as bytes (gloo has no bf16

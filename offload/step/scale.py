@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 import math
 
+from offload.plan.config import LRScheduleConfig
+from offload.state.runtime import StepSettings
+
 log = logging.getLogger("offload")
 
 
@@ -12,28 +15,28 @@ class LossScale:
     """fp16's dynamic loss scale (1 otherwise): halved when a step's gradients overflow (the step is skipped),
     doubled after loss_scale.growth_interval good steps."""
 
-    def __init__(self, cfg):
-        self.value = cfg.loss_scale.initial if cfg.precision == "fp16" else 1.0
+    def __init__(self, settings: StepSettings):
+        self.value = settings.loss_scale.initial if settings.precision == "fp16" else 1.0
         self.good_steps = self.skipped_steps = 0
 
-    def overflow(self, cfg, step_count: int) -> None:
-        if cfg.precision != "fp16":
-            raise FloatingPointError(f"gradients are not finite at step {step_count + 1} ({cfg.precision}); "
+    def overflow(self, settings: StepSettings, step_count: int) -> None:
+        if settings.precision != "fp16":
+            raise FloatingPointError(f"gradients are not finite at step {step_count + 1} ({settings.precision}); "
                                      "lower the learning rate or enable gradient_clipping")
-        self.value = max(self.value / 2, cfg.loss_scale.min_scale)
+        self.value = max(self.value / 2, settings.loss_scale.min_scale)
         self.skipped_steps += 1
         self.good_steps = 0
         log.info("offload: fp16 overflow, step skipped; loss scale now %g", self.value)
 
-    def good_step(self, cfg) -> None:
-        if cfg.precision != "fp16":
+    def good_step(self, settings: StepSettings) -> None:
+        if settings.precision != "fp16":
             return
         self.good_steps += 1
-        if self.good_steps % cfg.loss_scale.growth_interval == 0:
+        if self.good_steps % settings.loss_scale.growth_interval == 0:
             self.value *= 2
 
 
-def lr_factor(sched, step: int) -> float:
+def lr_factor(sched: LRScheduleConfig, step: int) -> float:
     """The schedule's multiplier of the base lr for optimizer step `step` (0-based)."""
     if sched.warmup_steps and step < sched.warmup_steps:
         return (step + 1) / sched.warmup_steps

@@ -25,6 +25,7 @@ from offload.plan.memory import OPTIMIZER_READ_AHEAD as READ_AHEAD
 from offload.state.optim import KINDS, STATES, OptimState
 from offload.plan.units import Unit
 from offload.swap.integrity import digest_bounds, tensor_digests
+from offload.state.runtime import Runtime
 
 
 class WindowPipeline:
@@ -35,7 +36,7 @@ class WindowPipeline:
     kinds: what a window's read loads (STATES when the gradient comes from the backward itself).
     states, weights: the units' optimizer states and weight handles (by unit index); rt: the runtime."""
 
-    def __init__(self, states: list, weights: list, rt, order: list[int], args: dict, kinds=KINDS,
+    def __init__(self, states: list, weights: list, rt: Runtime, order: list[int], args: dict, kinds=KINDS,
                  read_ahead: bool = True):
         self.states, self.weights, self.rt = states, weights, rt
         self.order, self.args, self.kinds = order, args, kinds
@@ -127,7 +128,7 @@ class WindowPipeline:
             self.weights[index].writer.wait_for_write()
 
 
-def step_window(rt, st: OptimState, w, unit: Unit, i: int, lr: float, grad_scale: float) -> None:
+def step_window(rt: Runtime, st: OptimState, w, unit: Unit, i: int, lr: float, grad_scale: float) -> None:
     """Window i of one unit's states `st`, loaded: adam -> commit -> store. CPU Adam writes the new weights
     into the weight tier's buffer (handle `w`), which is committed; the states are written back (behind)."""
     b, e = st.chunks[i]
@@ -145,7 +146,7 @@ def step_window(rt, st: OptimState, w, unit: Unit, i: int, lr: float, grad_scale
     st.store(i)
 
 
-def _adam(rt, st: OptimState, unit: Unit, i: int, out: torch.Tensor, check: WindowCheck, lr: float,
+def _adam(rt: Runtime, st: OptimState, unit: Unit, i: int, out: torch.Tensor, check: WindowCheck, lr: float,
           grad_scale: float) -> None:
     """CPU Adam over window i, the new weights into `out`, checked (a corrupted read raises before anything
     computed from it is kept), then kept in the weight tier's buffer."""
@@ -159,12 +160,12 @@ def _adam(rt, st: OptimState, unit: Unit, i: int, out: torch.Tensor, check: Wind
     check.keep()
 
 
-def _adam_runs(rt, st: OptimState, i: int, out: torch.Tensor, check: WindowCheck, lr: float,
+def _adam_runs(rt: Runtime, st: OptimState, i: int, out: torch.Tensor, check: WindowCheck, lr: float,
                grad_scale: float) -> StepDigests | None:
     """The update of window i's slots that had a gradient ([Note: parameters without a gradient]),
     bf16/fp16 weights into `out`; with swap checksums, the states' digests before and after: hashed by
     the step itself in the common case of one run over the window, beside it otherwise."""
-    o, t, bounds = rt.cfg.optimizer, st.view(i), check.bounds
+    o, t, bounds = rt.settings.optimizer, st.view(i), check.bounds
     lowp = rt.dtype != torch.float32
     step_fn = adam_step if t["master"].device.type == "cpu" else _device_adam_step
     grad = st.grad(i)
