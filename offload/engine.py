@@ -85,7 +85,7 @@ class Engine(nn.Module):
         self.placement: Placement = plan_placement(self.units, cfg, self.device, order=forward_order(model, self.units),
                                                    world=self.world, rank=self.rank, precision=self.precision,
                                                    activations=activation_model(model, cfg, self.device))
-        self._activations_checked = self.placement.activation_shape  # the largest batch shape known to fit
+        self._batches = BatchCheck(self.placement, self.device)  # what a batch must be to run
         self.rt = rt = Runtime.open(cfg, self.device, self.placement, self.rank, self.world)
         agree = (lambda values, op: rt.ranks.agree(values, op, "all_reduce: the trace to replay")
                  ) if self.placement.weight_owners else None  # [Note: collective order] in offload.state.ranks
@@ -125,50 +125,21 @@ class Engine(nn.Module):
         log.info("%s", self.placement.describe())
         # On stderr, where a user sees it: a training script's logging may show no INFO. Over ranks rank 0
         # prints it alone (the others' differ only in their own budgets; their logs have it at INFO).
-        lines = [self.placement.summary(), *(f"  {line}" for line in self._activation_lines(model))]
+        lines = [self.placement.summary(), *(f"  {line}" for line in activation_lines(self._checkpointing, self.unit_inputs, model,
+                                                                              self.device, self.dtype))]
         if self.store is not None:
             lines.append(f"  {self.store.describe()}")
         if self.rank == 0:
             print("offload: memory plan (per tier: need of budget; the runtime's parts)\n" + "\n".join(lines),
                   file=sys.stderr, flush=True)
 
-    def _activation_lines(self, model: nn.Module) -> list[str]:
-        """The plan's lines on what the forward keeps: the checkpointed units, the attention that runs."""
-        lines = []
-        if self._checkpointing is not None:
-            tier = self.unit_inputs.tier
-            where = (f"; the inputs wait in {tier.where}, back ahead of their backward" if tier is not None else "")
-            lines.append(f"activations: {len(self._checkpointing.units)} units checkpointed (each keeps its inputs, "
-                         f"its forward runs again in its backward){where}")
-        attention = attention_line(model, self.device, self.dtype)
-        return lines + ([attention] if attention else [])
-
-    def _check_activations(self, args, kwargs) -> None:
-        """Refuses, before it runs, a batch whose activations by formula (offload.plan.activation_memory) do not fit
-        beside the rest of the plan; a shape no larger than one already checked or planned is not checked again,
-        nor a forward without grad (it keeps nothing for a backward)."""
-        p, shape = self.placement, batch_shape(args, kwargs)
-        if shape is None or p.activations is None or p.activations.dims is None or not torch.is_grad_enabled():
-            return
-        checked = self._activations_checked
-        if checked is not None and shape[0] <= checked[0] and shape[1] <= checked[1]:
-            return
-        if not fits_with_activations(p, p.base_need, p.activations, *shape):
-            plan = ("set activations: {\"batch\", \"seq\"} in the config to plan them (the plan gives up optional "
-                    "parts to make room), " if p.activation_shape is None else "")
-            raise PlacementError(f"batch {shape[0]} x seq {shape[1]}: does not fit the memory plan; "
-                                 f"{activations_advice(p, *shape, p.base_need)}; {plan}use shorter or fewer "
-                                 f"sequences, or raise the budgets")
-        self._activations_checked = shape if checked is None else (max(shape[0], checked[0]), max(shape[1], checked[1]))
-
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        self._check_devices(args, kwargs)
-        self._check_activations(args, kwargs)
+        self._batches.check(args, kwargs)
         before = self.pipeline.begin_forward()
         if before is not Phase.BACKWARD:
             self.trace.begin_step()
-        args, kwargs = self._cast_inputs(args, kwargs)
+        args, kwargs = cast_inputs(args, kwargs, self.dtype)
         if self._checkpointing is not None and torch.is_grad_enabled():
             kwargs = no_cache(self.module, kwargs)  # [Note: activation checkpointing] in offload.step.activations
         mark = self.unit_inputs.mark()
@@ -181,18 +152,6 @@ class Engine(nn.Module):
         if not self.placement.trainable_numel:  # a frozen model: no backward follows ([Note: phases])
             self.pipeline.end_forward()
         return out
-
-    def _cast_inputs(self, args, kwargs):
-        """Floating-point inputs take the compute dtype (as FSDP's MixedPrecision cast_forward_inputs)."""
-        flat, spec = tree_flatten((args, kwargs))
-        flat = [t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in flat]
-        return tree_unflatten(flat, spec)
-
-    def _check_devices(self, args, kwargs) -> None:
-        for t in [*args, *kwargs.values()]:
-            if isinstance(t, torch.Tensor) and t.device.type != self.device.type:
-                raise ValueError(f"batch tensor on {t.device}: the model runs on {self.device}; "
-                                 f"move the batch with .to(engine.device)")
 
     # -- backward and step: the step pipeline (offload.step.pipeline) -----------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -361,6 +320,59 @@ class Engine(nn.Module):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def activation_lines(checkpointing: Checkpointing | None, unit_inputs: UnitInputs, model: nn.Module,
+                     device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The plan's lines on what the forward keeps: the checkpointed units, the attention that runs."""
+    lines = []
+    if checkpointing is not None:
+        tier = unit_inputs.tier
+        where = (f"; the inputs wait in {tier.where}, back ahead of their backward" if tier is not None else "")
+        lines.append(f"activations: {len(checkpointing.units)} units checkpointed (each keeps its inputs, "
+                     f"its forward runs again in its backward){where}")
+    attention = attention_line(model, device, dtype)
+    return lines + ([attention] if attention else [])
+
+
+def cast_inputs(args, kwargs, dtype: torch.dtype):
+    """Floating-point inputs take the compute dtype (as FSDP's MixedPrecision cast_forward_inputs)."""
+    flat, spec = tree_flatten((args, kwargs))
+    flat = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in flat]
+    return tree_unflatten(flat, spec)
+
+
+class BatchCheck:
+    """What a batch must be to run: on the model's device, and with activations that fit the plan."""
+
+    def __init__(self, placement: Placement, device: torch.device):
+        self.placement, self.device = placement, device
+        self.checked = placement.activation_shape  # the largest batch shape known to fit
+
+    def check(self, args, kwargs) -> None:
+        for t in [*args, *kwargs.values()]:
+            if isinstance(t, torch.Tensor) and t.device.type != self.device.type:
+                raise ValueError(f"batch tensor on {t.device}: the model runs on {self.device}; "
+                                 f"move the batch with .to(engine.device)")
+        self.check_activations(args, kwargs)
+
+    def check_activations(self, args, kwargs) -> None:
+        """Refuses, before it runs, a batch whose activations by formula (offload.plan.activation_memory) do not fit
+        beside the rest of the plan; a shape no larger than one already checked or planned is not checked again,
+        nor a forward without grad (it keeps nothing for a backward)."""
+        p, shape = self.placement, batch_shape(args, kwargs)
+        if shape is None or p.activations is None or p.activations.dims is None or not torch.is_grad_enabled():
+            return
+        checked = self.checked
+        if checked is not None and shape[0] <= checked[0] and shape[1] <= checked[1]:
+            return
+        if not fits_with_activations(p, p.base_need, p.activations, *shape):
+            plan = ("set activations: {\"batch\", \"seq\"} in the config to plan them (the plan gives up optional "
+                    "parts to make room), " if p.activation_shape is None else "")
+            raise PlacementError(f"batch {shape[0]} x seq {shape[1]}: does not fit the memory plan; "
+                                 f"{activations_advice(p, *shape, p.base_need)}; {plan}use shorter or fewer "
+                                 f"sequences, or raise the budgets")
+        self.checked = shape if checked is None else (max(shape[0], checked[0]), max(shape[1], checked[1]))
 
 
 def _serve_save_pretrained(engine: "Engine", model: nn.Module) -> None:
