@@ -1,22 +1,5 @@
 """Training data without downloads: a byte-level tokenizer, the bundled corpus, local data files, and
 deterministic seeded batch samplers.
-
-[Note: what --data reads]
-By extension (a trailing .gz allowed): .txt is plain text; .jsonl holds one JSON record a line; .json
-one array of records. One file holds one record shape:
-- {"text"}: a document; documents are joined, each followed by EOS, into one token stream, and batches
-  are random windows of it (packing), trained on every token.
-- {"prompt", "completion"}: loss on the completion and the EOS after it (labels -100 on the prompt), as
-  TRL's SFT does; each piece is tokenized on its own.
-- {"messages": [{"role", "content"}, ...]}: rendered with the tokenizer's chat template when it has one,
-  else the plain template (PLAIN_CHAT_HEADER); loss on the assistant turns only.
-- Alpaca {"instruction", "input" (optional), "output"}: rendered with the Alpaca prompt (ALPACA_PROMPT),
-  loss on the output.
-Instruction records are batched one example per row, right-padded (ExampleSampler), never packed.
-Any other extension or shape is refused with one line saying what is read (DATA_SHAPES).
-
-The bundled corpus is 38 public-domain Shakespeare plays (offload/corpus/shakespeare.txt.gz, 5.0 MB of
-text; offload/corpus/SOURCE.md says where it comes from).
 """
 
 from __future__ import annotations
@@ -33,6 +16,23 @@ import numpy as np
 import torch
 
 from offload.plan.settings import with_article
+
+# [Note: what --data reads]
+# By extension (a trailing .gz allowed): .txt is plain text; .jsonl holds one JSON record a line; .json
+# one array of records. One file holds one record shape:
+# - {"text"}: a document; documents are joined, each followed by EOS, into one token stream, and batches
+#   are random windows of it (packing), trained on every token.
+# - {"prompt", "completion"}: loss on the completion and the EOS after it (labels -100 on the prompt), as
+#   TRL's SFT does; each piece is tokenized on its own.
+# - {"messages": [{"role", "content"}, ...]}: rendered with the tokenizer's chat template when it has one,
+#   else the plain template (PLAIN_CHAT_HEADER); loss on the assistant turns only.
+# - Alpaca {"instruction", "input" (optional), "output"}: rendered with the Alpaca prompt (ALPACA_PROMPT),
+#   loss on the output.
+# Instruction records are batched one example per row, right-padded (ExampleSampler), never packed.
+# Any other extension or shape is refused with one line saying what is read (DATA_SHAPES).
+#
+# The bundled corpus is 38 public-domain Shakespeare plays (offload/corpus/shakespeare.txt.gz, 5.0 MB of
+# text; offload/corpus/SOURCE.md says where it comes from).
 
 BUNDLED_CORPUS = os.path.join(os.path.dirname(__file__), "corpus", "shakespeare.txt.gz")
 

@@ -1,33 +1,5 @@
 """Memory estimate per rank and tier: the ZeRO ledger plus the runtime's own buffers. Pure functions, but
 for what is estimated: a model is counted as built on the meta device (meta_model, shape_of_model).
-
-[Note: the ledger]
-Mixed precision with Adam, per parameter (Rajbhandari et al., ZeRO, 2020): 2 B bf16/fp16 weight,
-2 B gradient, K = 12 B optimizer state (fp32 master, m, v). With D data-parallel ranks, stage 1
-partitions the optimizer state (/D), stage 2 also the gradients, stage 3 also the weights. Offload
-moves a term to another tier whole: `offload_param` the weights (dram or nvme), `offload_optimizer`
-the optimizer state (dram or nvme) and, because the step then runs on the CPU, the gradients, which our
-runtime accumulates in fp32 in dram (4 B, not 2). With fp32 precision the weight is its own master:
-4 B weight, 4 B gradient, K = 8 (m, v).
-
-[Note: the runtime]
-Peak memory is never just the ledger. `runtime_bytes` adds what the runtime itself holds through
-offload.plan.memory.runtime_parts, the function the engine's placement checks (its formulas and note), with
-every unit as large as the largest (a unit is a module subtree such as one transformer block): the
-fetched units' weights in hbm, the gradients in flight before they leave hbm, and the dram pool of
-fixed-size chunks through which everything moves to and from NVMe. Activations depend on batch and
-sequence: counted by formula for a model at --batch x --seq (offload.plan.activation_memory, [Note: the activations
-formula]), or as given (--activation-bytes).
-
-[Note: a quantized base]
-With LoRA on a quantized base (`--quantize nf4|int8`, as bitsandbytes loads it through transformers) every
-nn.Linear but the output head (offload.plan.quantized.quantizable_linears) is stored as offload.plan.quantized's record,
-the packed weight and its quantization state (nf4: double quantization, blocksize 64, about 4.13 bits a
-parameter; int8: 1 byte a parameter and a fp32 scale per row), and that record is what every tier holds and
-every fetch moves (offload.plan.quantized.record_bytes gives its bytes). The embedding, the lm_head (transformers'
-bitsandbytes integration leaves the output head unquantized), the norms, the biases and the adapters stay at
-the compute dtype. The weights term and the fetched units' working set count those bytes; the frozen base has
-no gradient and no optimizer state either way.
 """
 
 from __future__ import annotations
@@ -37,6 +9,34 @@ import math
 import os
 
 from offload.plan.memory import OFFLOAD_TIER, TIERS, Knobs, runtime_parts
+
+# [Note: the ledger]
+# Mixed precision with Adam, per parameter (Rajbhandari et al., ZeRO, 2020): 2 B bf16/fp16 weight,
+# 2 B gradient, K = 12 B optimizer state (fp32 master, m, v). With D data-parallel ranks, stage 1
+# partitions the optimizer state (/D), stage 2 also the gradients, stage 3 also the weights. Offload
+# moves a term to another tier whole: `offload_param` the weights (dram or nvme), `offload_optimizer`
+# the optimizer state (dram or nvme) and, because the step then runs on the CPU, the gradients, which our
+# runtime accumulates in fp32 in dram (4 B, not 2). With fp32 precision the weight is its own master:
+# 4 B weight, 4 B gradient, K = 8 (m, v).
+#
+# [Note: the runtime]
+# Peak memory is never just the ledger. `runtime_bytes` adds what the runtime itself holds through
+# offload.plan.memory.runtime_parts, the function the engine's placement checks (its formulas and note), with
+# every unit as large as the largest (a unit is a module subtree such as one transformer block): the
+# fetched units' weights in hbm, the gradients in flight before they leave hbm, and the dram pool of
+# fixed-size chunks through which everything moves to and from NVMe. Activations depend on batch and
+# sequence: counted by formula for a model at --batch x --seq (offload.plan.activation_memory, [Note: the activations
+# formula]), or as given (--activation-bytes).
+#
+# [Note: a quantized base]
+# With LoRA on a quantized base (`--quantize nf4|int8`, as bitsandbytes loads it through transformers) every
+# nn.Linear but the output head (offload.plan.quantized.quantizable_linears) is stored as offload.plan.quantized's record,
+# the packed weight and its quantization state (nf4: double quantization, blocksize 64, about 4.13 bits a
+# parameter; int8: 1 byte a parameter and a fp32 scale per row), and that record is what every tier holds and
+# every fetch moves (offload.plan.quantized.record_bytes gives its bytes). The embedding, the lm_head (transformers'
+# bitsandbytes integration leaves the output head unquantized), the norms, the biases and the adapters stay at
+# the compute dtype. The weights term and the fetched units' working set count those bytes; the frozen base has
+# no gradient and no optimizer state either way.
 
 DEFAULT_UNITS_FOR_PARAMS = 32      # --params alone: assume the model is this many equal units
 

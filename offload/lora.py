@@ -4,34 +4,6 @@ The model (a preset or a HF directory, built on the meta device) is wrapped with
 on the meta device; the Engine then materializes it unit by unit as for any model: frozen base weights in
 the offload_param tier with no master, moments or gradients, the adapters' states in the offload_optimizer
 tier (hbm too: docs/training.md "LoRA").
-
-[Note: the adapters' initial values]
-A preset's base has no checkpoint: the Engine initializes the wrapped model as its CPU build (the base by the
-seeding contract, then peft's LoRA init: offload.state.materialize). A HF directory's base streams from its
-safetensors through `LoraWeights`, which maps peft's names back to the checkpoint's (`base_model.model.`
-prefix, `.base_layer.` infix) and gives the adapters the values `torch.manual_seed(seed); get_peft_model(base,
-config)` gives them on a base loaded with from_pretrained: per LoRA layer in module order, lora_A's and
-lora_B's nn.Linear init (the constructors' draws), then peft's reset_lora_parameters (lora_A drawn, lora_B
-zero, so training starts from the base model's logits).
-
-[Note: what a LoRA run saves]
-`--save DIR`: the adapter as peft writes it (adapter_config.json + adapter_model.safetensors) with the
-tokenizer files, read from the trainable masters alone. For a HF directory it is peft's own save_pretrained
-with the directory's absolute path as base_model_name_or_path, so `AutoPeftModelForCausalLM.from_pretrained(DIR)`
-loads it with no hub. A preset has no HF base to load it on: its adapter is written in transformers' Llama
-names and its frozen base exported beside it as a HF directory, DIR/base (what base_model_name_or_path names;
-a README.md says which preset it is), so the same call loads it.
-`--save-merged DIR`: a plain HF model, each targeted linear's weight W + (alpha / r) B @ A (peft's
-merge_and_unload), streamed unit by unit from the engine, names without peft's wrappers, with the config
-(use_cache as it was), generation config and tokenizer files: AutoModelForCausalLM and AutoTokenizer load it.
-A quantized base is dequantized by bitsandbytes unit by unit and merged the same way.
-
-[Note: the dtype a save writes]
-`--save-dtype` (save_dtype()): auto, the default, writes the source's dtype (a bf16 directory saves as bf16,
-half the bytes of the fp32 masters), an adapter fp32 (as peft keeps adapters on a bf16 base); config.json
-says what the tensors are. A merge in dtype d is the one peft makes on the base loaded in d: W rounded to d,
-plus the fp32 product B @ A, rounded once, so --save-merged of a QLoRA run equals merge_and_unload on
-from_pretrained's base dequantized in its own dtype, bit for bit.
 """
 
 from __future__ import annotations
@@ -43,6 +15,34 @@ import os
 import torch
 
 from offload.models import _HF_NAMES, hf_name
+
+# [Note: the adapters' initial values]
+# A preset's base has no checkpoint: the Engine initializes the wrapped model as its CPU build (the base by the
+# seeding contract, then peft's LoRA init: offload.state.materialize). A HF directory's base streams from its
+# safetensors through `LoraWeights`, which maps peft's names back to the checkpoint's (`base_model.model.`
+# prefix, `.base_layer.` infix) and gives the adapters the values `torch.manual_seed(seed); get_peft_model(base,
+# config)` gives them on a base loaded with from_pretrained: per LoRA layer in module order, lora_A's and
+# lora_B's nn.Linear init (the constructors' draws), then peft's reset_lora_parameters (lora_A drawn, lora_B
+# zero, so training starts from the base model's logits).
+#
+# [Note: what a LoRA run saves]
+# `--save DIR`: the adapter as peft writes it (adapter_config.json + adapter_model.safetensors) with the
+# tokenizer files, read from the trainable masters alone. For a HF directory it is peft's own save_pretrained
+# with the directory's absolute path as base_model_name_or_path, so `AutoPeftModelForCausalLM.from_pretrained(DIR)`
+# loads it with no hub. A preset has no HF base to load it on: its adapter is written in transformers' Llama
+# names and its frozen base exported beside it as a HF directory, DIR/base (what base_model_name_or_path names;
+# a README.md says which preset it is), so the same call loads it.
+# `--save-merged DIR`: a plain HF model, each targeted linear's weight W + (alpha / r) B @ A (peft's
+# merge_and_unload), streamed unit by unit from the engine, names without peft's wrappers, with the config
+# (use_cache as it was), generation config and tokenizer files: AutoModelForCausalLM and AutoTokenizer load it.
+# A quantized base is dequantized by bitsandbytes unit by unit and merged the same way.
+#
+# [Note: the dtype a save writes]
+# `--save-dtype` (save_dtype()): auto, the default, writes the source's dtype (a bf16 directory saves as bf16,
+# half the bytes of the fp32 masters), an adapter fp32 (as peft keeps adapters on a bf16 base); config.json
+# says what the tensors are. A merge in dtype d is the one peft makes on the base loaded in d: W rounded to d,
+# plus the fp32 product B @ A, rounded once, so --save-merged of a QLoRA run equals merge_and_unload on
+# from_pretrained's base dequantized in its own dtype, bit for bit.
 
 DEFAULT_TARGETS = ("q_proj", "v_proj")  # a preset's (peft's default for Llama)
 ALL_LINEAR = "all-linear"               # peft's shorthand: every linear but the output head

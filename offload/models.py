@@ -4,17 +4,6 @@ The model is the embedded default of `offload train` and the subject of the benc
 RMSNorm, rotary position embeddings, grouped-query attention through F.scaled_dot_product_attention,
 a SwiGLU MLP, optional tied embeddings. Its transformer blocks are `model.layers`, an nn.ModuleList:
 the Engine's units.
-
-[Note: seeding contract]
-Every module that owns parameters directly has `reset_parameters()`, and every random draw in it comes
-from the *CPU* default generator (then copied into the parameter, whatever its device or dtype). So:
-    torch.manual_seed(seed)
-    for m in model.modules():                      # module order, exactly this order
-        if owns_parameters(m): m.reset_parameters()
-gives the same weights on any device, and a model built on the meta device and materialized unit by
-unit (to_empty + reset_parameters, still in `model.modules()` order, under one manual_seed(seed)) equals
-the model built directly on the CPU with the same seed. `init_weights(model, seed)` is that loop; the
-normal constructor path (`build_model`) uses it too.
 """
 
 from __future__ import annotations
@@ -28,6 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+# [Note: seeding contract]
+# Every module that owns parameters directly has `reset_parameters()`, and every random draw in it comes
+# from the *CPU* default generator (then copied into the parameter, whatever its device or dtype). So:
+#     torch.manual_seed(seed)
+#     for m in model.modules():                      # module order, exactly this order
+#         if owns_parameters(m): m.reset_parameters()
+# gives the same weights on any device, and a model built on the meta device and materialized unit by
+# unit (to_empty + reset_parameters, still in `model.modules()` order, under one manual_seed(seed)) equals
+# the model built directly on the CPU with the same seed. `init_weights(model, seed)` is that loop; the
+# normal constructor path (`build_model`) uses it too.
 
 
 @dataclasses.dataclass(frozen=True)

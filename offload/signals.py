@@ -1,23 +1,4 @@
-"""Stopping on SIGTERM and SIGINT with the engine closed, for callers that ask (`offload train` does).
-
-[Note: signals]
-SLURM and Kubernetes stop a job with SIGTERM (and SIGKILL after a grace period); Ctrl-C sends SIGINT.
-Inside `stop_on_signals()` both raise `Stopped` in the main thread at its next Python instruction, so
-`with engine:` blocks and `finally` clauses run: engine.close() stops the engine's threads and removes
-its swap files, and the caller decides how to end (`offload train` prints its partial report and exits
-with 128 + the signal number). `Stopped` is a KeyboardInterrupt: code that treats Ctrl-C as "stop"
-treats SIGTERM the same way, and `except Exception` does not swallow it. An exception raised by a signal
-handler can still be lost (a bare `except BaseException: pass` that was running, a finalizer), so the
-signal is also recorded: the `check()` the block receives raises Stopped again (a loop calls it once a
-step), and so does the end of a block that finished normally after a signal. Inside a swap submission
-(between registering a transfer and queueing its blocks: [Note: held sections] in swap/pending.py) the
-handler defers its exception to the section's end, so no transfer is left that nobody will complete.
-Outside it the library handles no signal: SIGTERM keeps its default action and ends the process at once,
-even inside a long C call (a handler in Python would wait for that call to return), and the swap data
-file's bytes go with the process since it has no name ([Note: unlinked data file] in swap/rundir.py; the
-stale run directory left, owner.json only, goes with `offload clean`). Ctrl-C raises KeyboardInterrupt as
-usual, and the run directories go at interpreter exit.
-"""
+"""Stopping on SIGTERM and SIGINT with the engine closed, for callers that ask (`offload train` does)."""
 
 from __future__ import annotations
 
@@ -27,6 +8,24 @@ import threading
 from typing import Callable, Iterator
 
 from offload.swap.pending import defer
+
+# [Note: signals]
+# SLURM and Kubernetes stop a job with SIGTERM (and SIGKILL after a grace period); Ctrl-C sends SIGINT.
+# Inside `stop_on_signals()` both raise `Stopped` in the main thread at its next Python instruction, so
+# `with engine:` blocks and `finally` clauses run: engine.close() stops the engine's threads and removes
+# its swap files, and the caller decides how to end (`offload train` prints its partial report and exits
+# with 128 + the signal number). `Stopped` is a KeyboardInterrupt: code that treats Ctrl-C as "stop"
+# treats SIGTERM the same way, and `except Exception` does not swallow it. An exception raised by a signal
+# handler can still be lost (a bare `except BaseException: pass` that was running, a finalizer), so the
+# signal is also recorded: the `check()` the block receives raises Stopped again (a loop calls it once a
+# step), and so does the end of a block that finished normally after a signal. Inside a swap submission
+# (between registering a transfer and queueing its blocks: [Note: held sections] in swap/pending.py) the
+# handler defers its exception to the section's end, so no transfer is left that nobody will complete.
+# Outside it the library handles no signal: SIGTERM keeps its default action and ends the process at once,
+# even inside a long C call (a handler in Python would wait for that call to return), and the swap data
+# file's bytes go with the process since it has no name ([Note: unlinked data file] in swap/rundir.py; the
+# stale run directory left, owner.json only, goes with `offload clean`). Ctrl-C raises KeyboardInterrupt as
+# usual, and the run directories go at interpreter exit.
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _STOPPING = threading.Event()  # a Stopped was raised: the process is stopping on a signal's account

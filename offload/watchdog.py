@@ -1,34 +1,4 @@
-"""A stop signal the main thread cannot take: `offload train` ends the process itself.
-
-[Note: a signal the main thread cannot take]
-Python runs a signal handler in the main thread, between two bytecodes. A main thread blocked in one C
-call (a collective whose peer is gone, a long wait for I/O) never gets there: SIGTERM then does nothing
-until the call returns, and torchrun or a job scheduler escalates to SIGKILL after its grace period
-(torchrun: 30 s). The watchdog learns of the signal from the interpreter itself (signal.set_wakeup_fd:
-the C-level handler writes the signal number to a pipe at once) and watches the main thread's Python
-frame: if it moves within `grace_s`, the main thread is running Python and takes the signal as usual
-(`offload train` saves its checkpoint and exits 143), and the watchdog stands down; if it stays frozen
-for `grace_s`, the process ends at once with 128 + the signal number, saying where it was stuck. Swap
-data files have no name, so their bytes go with the process ([Note: unlinked data file] in swap/rundir.py),
-and the process removes its run directories before it ends (os._exit runs no atexit).
-
-[Note: a rank whose launcher is gone]
-torchrun starts each rank in a session of its own (its SubprocessHandler passes start_new_session=True), so
-a signal to torchrun's process group, `kill -9 -PGID` included, never reaches the ranks. When torchrun stops
-on SIGTERM or SIGINT it forwards SIGTERM to every rank (and SIGKILL 30 s later); killed with SIGKILL it
-forwards nothing, and its ranks would train on to the end with no one to stop them. So each rank watches
-its launcher: `LauncherWatch` records, at the start, the chain from this process up to it (the launcher is
-the parent of the rank's session leader: the rank itself, or a wrapper script that runs it) and checks
-every `poll_s` that each process in the chain still has the parent it had. A dead parent's children are
-given to init or a subreaper, so a broken link means the launcher (or a wrapper in between) is gone,
-whatever became of its pid. The rank then does what torchrun would have done: it sends itself SIGTERM
-(`offload train` stops, or saves a checkpoint first with --save-every, closing the engine and removing
-its swap), and ends itself `kill_after_s` later if that has not stopped it; where no Python handler takes
-SIGTERM it ends at once, as SIGTERM's default action would, its run directories removed first.
-PR_SET_PDEATHSIG would not do: it fires on the death of the parent *thread* that forked the rank, must be
-set by the launcher between fork and exec (set later by the rank, it misses a parent already gone), and
-sees only the direct parent, not a launcher behind a wrapper script.
-"""
+"""A stop signal the main thread cannot take: `offload train` ends the process itself."""
 
 from __future__ import annotations
 
@@ -42,6 +12,35 @@ import psutil
 
 from offload.signals import stopping
 from offload.swap import remove_run_dirs
+
+# [Note: a signal the main thread cannot take]
+# Python runs a signal handler in the main thread, between two bytecodes. A main thread blocked in one C
+# call (a collective whose peer is gone, a long wait for I/O) never gets there: SIGTERM then does nothing
+# until the call returns, and torchrun or a job scheduler escalates to SIGKILL after its grace period
+# (torchrun: 30 s). The watchdog learns of the signal from the interpreter itself (signal.set_wakeup_fd:
+# the C-level handler writes the signal number to a pipe at once) and watches the main thread's Python
+# frame: if it moves within `grace_s`, the main thread is running Python and takes the signal as usual
+# (`offload train` saves its checkpoint and exits 143), and the watchdog stands down; if it stays frozen
+# for `grace_s`, the process ends at once with 128 + the signal number, saying where it was stuck. Swap
+# data files have no name, so their bytes go with the process ([Note: unlinked data file] in swap/rundir.py),
+# and the process removes its run directories before it ends (os._exit runs no atexit).
+#
+# [Note: a rank whose launcher is gone]
+# torchrun starts each rank in a session of its own (its SubprocessHandler passes start_new_session=True), so
+# a signal to torchrun's process group, `kill -9 -PGID` included, never reaches the ranks. When torchrun stops
+# on SIGTERM or SIGINT it forwards SIGTERM to every rank (and SIGKILL 30 s later); killed with SIGKILL it
+# forwards nothing, and its ranks would train on to the end with no one to stop them. So each rank watches
+# its launcher: `LauncherWatch` records, at the start, the chain from this process up to it (the launcher is
+# the parent of the rank's session leader: the rank itself, or a wrapper script that runs it) and checks
+# every `poll_s` that each process in the chain still has the parent it had. A dead parent's children are
+# given to init or a subreaper, so a broken link means the launcher (or a wrapper in between) is gone,
+# whatever became of its pid. The rank then does what torchrun would have done: it sends itself SIGTERM
+# (`offload train` stops, or saves a checkpoint first with --save-every, closing the engine and removing
+# its swap), and ends itself `kill_after_s` later if that has not stopped it; where no Python handler takes
+# SIGTERM it ends at once, as SIGTERM's default action would, its run directories removed first.
+# PR_SET_PDEATHSIG would not do: it fires on the death of the parent *thread* that forked the rank, must be
+# set by the launcher between fork and exec (set later by the rank, it misses a parent already gone), and
+# sees only the direct parent, not a launcher behind a wrapper script.
 
 GRACE_S = 10.0  # longer than any one op of a training step: a frozen frame this long is stuck, not busy
 POLL_S = 0.5  # how often a rank checks that its launcher is still there

@@ -1,35 +1,4 @@
-"""Copy streams: where transfers run beside compute.
-
-[Note: one copy stream per direction]
-Each direction (h2d fetches, d2h gradients) is one worker thread, on every backend, running host jobs
-in order: the gradient accumulation and the CPU Adam step that follows it run there, never on the
-compute thread. On CUDA each also has a dedicated CUDA stream, created once, so a fetch for the next
-unit never queues behind this unit's gradients: `copy` enqueues on it and returns an event, which the
-compute stream waits on (`wait_on_compute`: no host synchronize on the compute path); `submit` records
-an event on the compute stream, and the job runs on the worker with this stream current, made to wait
-on that event, so its device reads (the gradient's copy to the host) follow the kernels that produced
-them and not the ones queued after. The backends differ only in that copy primitive; on a CPU-only
-machine the "accelerator" is host memory, so the same jobs and waits are exercised by CI. A test may
-inject a random delay before each job (`delay_s`): a missing wait then shows up as a wrong number.
-
-[Note: what a copy waits for]
-A host-to-device copy writes memory the compute stream allocated (a fetched unit's hbm buffer, reused
-from memory earlier kernels read) and reads a source something produced: it must follow those, and
-nothing else, or it cannot overlap compute. `copy` called on a thread outside any job (the compute
-thread, in a fetch) waits for that thread's current stream: everything it queued so far, the allocation
-included. `copy` called inside a job of a JobThread (the nvme reader copying a chunk up after its read,
-the d2h thread copying new weights up after a step) waits for an event its submitter recorded on its
-own current stream when it submitted the job: what was queued before the job was issued, which includes
-the allocation of the buffer the job writes. It does not wait for that thread's current stream: on the
-reader thread that is the default stream, i.e. every kernel the compute thread queued while the drive
-read, the very compute the fetch should overlap (tests/test_stream_ordering.py records the waits with a
-fake of the stream API). A source in accelerator memory is produced on the calling thread's current
-stream: then the copy waits for that too.
-
-Host jobs never hang their waiters ([Note: no wait without an end] in swap/pending.py): a job's error
-is raised by `wait()`, a job thread that dies fails every job it still owed, and a wait ends after the
-I/O timeout with an error naming the job. (A CUDA event's synchronize has no timeout.)
-"""
+"""Copy streams: where transfers run beside compute."""
 
 from __future__ import annotations
 
@@ -42,6 +11,36 @@ from typing import Callable
 import torch
 
 from offload.swap.pending import Pending, fail_all, io_timeout_s, start_thread
+
+# [Note: one copy stream per direction]
+# Each direction (h2d fetches, d2h gradients) is one worker thread, on every backend, running host jobs
+# in order: the gradient accumulation and the CPU Adam step that follows it run there, never on the
+# compute thread. On CUDA each also has a dedicated CUDA stream, created once, so a fetch for the next
+# unit never queues behind this unit's gradients: `copy` enqueues on it and returns an event, which the
+# compute stream waits on (`wait_on_compute`: no host synchronize on the compute path); `submit` records
+# an event on the compute stream, and the job runs on the worker with this stream current, made to wait
+# on that event, so its device reads (the gradient's copy to the host) follow the kernels that produced
+# them and not the ones queued after. The backends differ only in that copy primitive; on a CPU-only
+# machine the "accelerator" is host memory, so the same jobs and waits are exercised by CI. A test may
+# inject a random delay before each job (`delay_s`): a missing wait then shows up as a wrong number.
+#
+# [Note: what a copy waits for]
+# A host-to-device copy writes memory the compute stream allocated (a fetched unit's hbm buffer, reused
+# from memory earlier kernels read) and reads a source something produced: it must follow those, and
+# nothing else, or it cannot overlap compute. `copy` called on a thread outside any job (the compute
+# thread, in a fetch) waits for that thread's current stream: everything it queued so far, the allocation
+# included. `copy` called inside a job of a JobThread (the nvme reader copying a chunk up after its read,
+# the d2h thread copying new weights up after a step) waits for an event its submitter recorded on its
+# own current stream when it submitted the job: what was queued before the job was issued, which includes
+# the allocation of the buffer the job writes. It does not wait for that thread's current stream: on the
+# reader thread that is the default stream, i.e. every kernel the compute thread queued while the drive
+# read, the very compute the fetch should overlap (tests/test_stream_ordering.py records the waits with a
+# fake of the stream API). A source in accelerator memory is produced on the calling thread's current
+# stream: then the copy waits for that too.
+#
+# Host jobs never hang their waiters ([Note: no wait without an end] in swap/pending.py): a job's error
+# is raised by `wait()`, a job thread that dies fails every job it still owed, and a wait ends after the
+# I/O timeout with an error naming the job. (A CUDA event's synchronize has no timeout.)
 
 _this_job = threading.local()  # .issued: on a JobThread, while a job runs, the event its submitter recorded
 

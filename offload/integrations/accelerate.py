@@ -11,23 +11,6 @@
             optimizer.step()                # engine.step(), at the accumulation boundary
             scheduler.step()
             optimizer.zero_grad()           # nothing to do: the engine clears gradients at its step
-
-[Note: meeting Accelerate where it lets us]
-Accelerate has no plugin point for another training backend (its DistributedType is a closed enum), so
-the wrapper uses what it passes through: objects marked `_is_accelerate_prepared` come back from
-`accelerator.prepare` untouched (no autocast, no device move, no DDP, no AcceleratedOptimizer), and the
-returned optimizer is a torch Optimizer whose step is the engine's, so LR schedulers, AcceleratedScheduler
-and Trainer drive it as any other. What cannot be reached that way is `accelerator.backward`, which would
-call `loss.backward()` and bypass the engine's backward; `route` replaces it (and `clip_grad_norm_`,
-which would see no gradients: they live in the engine's accumulators) on that one accelerator object.
-`save_state` would gather the whole model into memory as a state dict (the engine's) and then ask the
-optimizer for a torch state dict, which lives in the engine's tiers: `route` replaces save_state and
-load_state too, with a refusal that points at engine.save_checkpoint / load_checkpoint (the weights,
-optimizer states, counters and RNG, streamed from their tiers; docs/checkpoints.md).
-
-Settings: the Accelerator owns gradient accumulation and precision (`mixed_precision`), the optimizer's
-param_groups own the learning rate (set it with any torch LR scheduler); the offload config says where
-states live, and its Adam hyperparameters apply (offload/integrations/common.py).
 """
 
 from __future__ import annotations
@@ -35,6 +18,23 @@ from __future__ import annotations
 import torch
 
 from offload.integrations import common
+
+# [Note: meeting Accelerate where it lets us]
+# Accelerate has no plugin point for another training backend (its DistributedType is a closed enum), so
+# the wrapper uses what it passes through: objects marked `_is_accelerate_prepared` come back from
+# `accelerator.prepare` untouched (no autocast, no device move, no DDP, no AcceleratedOptimizer), and the
+# returned optimizer is a torch Optimizer whose step is the engine's, so LR schedulers, AcceleratedScheduler
+# and Trainer drive it as any other. What cannot be reached that way is `accelerator.backward`, which would
+# call `loss.backward()` and bypass the engine's backward; `route` replaces it (and `clip_grad_norm_`,
+# which would see no gradients: they live in the engine's accumulators) on that one accelerator object.
+# `save_state` would gather the whole model into memory as a state dict (the engine's) and then ask the
+# optimizer for a torch state dict, which lives in the engine's tiers: `route` replaces save_state and
+# load_state too, with a refusal that points at engine.save_checkpoint / load_checkpoint (the weights,
+# optimizer states, counters and RNG, streamed from their tiers; docs/checkpoints.md).
+#
+# Settings: the Accelerator owns gradient accumulation and precision (`mixed_precision`), the optimizer's
+# param_groups own the learning rate (set it with any torch LR scheduler); the offload config says where
+# states live, and its Adam hyperparameters apply (offload/integrations/common.py).
 
 PRECISIONS = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}  # Accelerate's mixed_precision -> ours
 USE_ENGINE_CHECKPOINTS = ("the optimizer's states live in the offload engine's tiers: engine.save_checkpoint(dir) "

@@ -1,21 +1,4 @@
-"""DeepSpeed JSON configs read into our Config: `Config.from_deepspeed(path_or_dict)` and `--deepspeed PATH`.
-
-[Note: one table, one warning]
-Each DeepSpeed key we know is one row of KEYS: the Config key it sets (`To`, with a converter where the
-units differ), what we do instead (`Instead`: silent when the file asks for what we do anyway), or
-DERIVED: read by one of the three functions below the table, for the settings that need several keys at
-once (precision, the optimizer's kind, the lr schedule). Every key of the file that sets nothing here,
-known or not, is named in one warning, each with what we do instead: DeepSpeed ignores renamed keys
-silently (docs/design.md); we say so. A malformed file or a value of the wrong type is a ValueError naming the
-file and the key.
-
-[Note: "auto"]
-Hugging Face's Trainer writes "auto" where it fills a value from TrainingArguments. Here "auto" means
-not set: Config's default, or what the caller fills (`offload train`: its flags and recipe, and its step
-count for total_num_steps). An "auto" key is never named in the warning: nothing was asked of us.
-Sections DeepSpeed itself ignores are ignored too: fp16.* and bf16.* apply only when that precision is
-enabled (true or "auto").
-"""
+"""DeepSpeed JSON configs read into our Config: `Config.from_deepspeed(path_or_dict)` and `--deepspeed PATH`."""
 
 from __future__ import annotations
 
@@ -26,6 +9,22 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from offload.plan.settings import CHUNK_ALIGN_BYTES, build, coerce_value, read_settings_file, set_dotted
+
+# [Note: one table, one warning]
+# Each DeepSpeed key we know is one row of KEYS: the Config key it sets (`To`, with a converter where the
+# units differ), what we do instead (`Instead`: silent when the file asks for what we do anyway), or
+# DERIVED: read by one of the three functions below the table, for the settings that need several keys at
+# once (precision, the optimizer's kind, the lr schedule). Every key of the file that sets nothing here,
+# known or not, is named in one warning, each with what we do instead: DeepSpeed ignores renamed keys
+# silently (docs/design.md); we say so. A malformed file or a value of the wrong type is a ValueError naming the
+# file and the key.
+#
+# [Note: "auto"]
+# Hugging Face's Trainer writes "auto" where it fills a value from TrainingArguments. Here "auto" means
+# not set: Config's default, or what the caller fills (`offload train`: its flags and recipe, and its step
+# count for total_num_steps). An "auto" key is never named in the warning: nothing was asked of us.
+# Sections DeepSpeed itself ignores are ignored too: fp16.* and bf16.* apply only when that precision is
+# enabled (true or "auto").
 
 AUTO = "auto"
 SKIP = object()   # a converter's answer for "DeepSpeed's default, which is ours: nothing to set"

@@ -5,15 +5,6 @@ Reading never holds more than one tensor of one open shard (safetensors.safe_ope
 copies out only the tensor asked for; a converted parameter, the few it is made of), so a model larger than
 RAM can stream into its tiers. Writing holds at most one shard (max_shard_bytes) in memory. Needs the
 `safetensors` package (the `hf` extra); no network, ever.
-
-[Note: checkpoint names]
-A Hugging Face directory's safetensors keys are not always its model's parameter names: transformers 5 renames
-some when loading (GPT-NeoX's embed_out is lm_head) and converts others (an MoE layer's experts, stored one
-tensor per expert, are stacked into one 3-D parameter: Mixtral, Qwen2-MoE), by a conversion mapping per
-model type; save_pretrained applies its reverse. We use that mapping, the same for every architecture:
-reading, each model name is made of the checkpoint keys from_pretrained would make it of (load_conversions);
-writing, each tensor goes out under the keys save_pretrained would write (checkpoint_items). Before
-transformers 5 there is no mapping and names are taken as they are.
 """
 
 from __future__ import annotations
@@ -27,6 +18,15 @@ import re
 from typing import Iterable, Iterator
 
 import torch
+
+# [Note: checkpoint names]
+# A Hugging Face directory's safetensors keys are not always its model's parameter names: transformers 5 renames
+# some when loading (GPT-NeoX's embed_out is lm_head) and converts others (an MoE layer's experts, stored one
+# tensor per expert, are stacked into one 3-D parameter: Mixtral, Qwen2-MoE), by a conversion mapping per
+# model type; save_pretrained applies its reverse. We use that mapping, the same for every architecture:
+# reading, each model name is made of the checkpoint keys from_pretrained would make it of (load_conversions);
+# writing, each tensor goes out under the keys save_pretrained would write (checkpoint_items). Before
+# transformers 5 there is no mapping and names are taken as they are.
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

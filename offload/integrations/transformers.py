@@ -10,49 +10,6 @@ Everything else of Trainer stays as it is (data loading, the LR scheduler, loggi
 TrainingArguments own the learning rate and its schedule, Adam's betas/eps, weight decay, gradient
 accumulation, max_grad_norm and bf16/fp16; the offload config says where states live (and may be a
 DeepSpeed JSON config; offload/integrations/common.py says how the two meet).
-
-[Note: where Trainer meets the engine]
-Each hook is a method Trainer documents for subclassing or calls at one place:
-- __init__: the engine is built over the model; Trainer's move of the whole model to the device is
-  skipped (_move_model_to_device): the engine places each weight in its tier.
-- _wrap_model: the model Trainer calls in training, evaluation and prediction is the engine. Accelerate
-  never prepares it: Trainer prepares only a model that _wrap_model returned as is.
-- create_optimizer: an EngineOptimizer (offload/integrations/accelerate.py). Trainer's create_scheduler
-  builds its LR scheduler over it as over any optimizer; the lr reaches the engine at every backward.
-- accelerator.backward, which Trainer.training_step calls, goes to engine.backward (accelerate.route).
-  Trainer's loss is already divided for gradient accumulation (by the window's item count, or the step
-  count) and its Accelerator counts one step; the engine divides by gradient_accumulation_steps itself,
-  so the route multiplies by it: the gradients are Trainer's.
-- _clip_grad_norm, _get_grad_norm: the engine clips in its step (gradient_clipping = max_grad_norm); the
-  logged grad_norm is the engine's, known after that step (_maybe_log_save_evaluate).
-- create_accelerator_and_postprocess: a model other than the trained one that the trainer prepares for
-  evaluation (accelerator.prepare_model(m, evaluation_mode=True): TRL's DPO reference model) is frozen
-  and run on an engine of its own ([Note: frozen models beside the trained one]).
-- _save (save_model): HF weights from the engine's fp32 masters in the model's dtype, streamed; a PEFT
-  model's adapter alone (adapter_config.json + adapter_model.safetensors, as the stock Trainer writes it),
-  read from the trainable parameters' masters without touching the frozen base.
-- Checkpoints (save_steps): Trainer's _save_checkpoint writes checkpoint-N as always (trainer_state.json,
-  scheduler.pt, rng_state.pth, rotation by save_total_limit), but the weights and optimizer.pt are the
-  engine's checkpoint in that folder (engine.save_checkpoint: every state from its tier, the step count,
-  loss scale, a delayed update as it is), written by _save_optimizer_and_scheduler; save_model writes no
-  weights there. resume_from_checkpoint: _load_from_checkpoint loads the engine checkpoint,
-  _load_optimizer_and_scheduler the scheduler, and Trainer skips the batches already seen and restores
-  its RNG. save_only_model=True keeps Trainer's weights-only checkpoints (they do not resume).
-
-[Note: another Trainer's subclass]
-A Trainer subclass (TRL's SFTTrainer, DPOTrainer) goes under the engine as `class X(OffloadTrainer,
-SFTTrainer)`: OffloadTrainer first, so its hooks override that trainer's, and its __init__ takes
-offload_config before the other's __init__ sees the rest (offload/integrations/trl.py). The other order
-is refused when the class is defined (__init_subclass__), where it would fail later on offload_config.
-
-[Note: frozen models beside the trained one]
-Trainers that keep a frozen model beside the trained one (TRL's DPO reference model) place it with
-accelerator.prepare_model(model, evaluation_mode=True), which would move it whole to the device. Here that
-call returns an engine of its own over it (Trainer's accelerator is ours: its prepare_model is replaced on
-that object, as route() replaces backward): the model's parameters are frozen, its weights placed as the
-trained model's (the same offload config) and streamed unit by unit for each forward, with no optimizer
-state, gradient or step; each forward is that engine's whole step (offload.step.pipeline, [Note: phases]). The
-trainer calls it as it called the model; close() closes it.
 """
 
 from __future__ import annotations
@@ -68,6 +25,49 @@ from transformers.trainer import SCHEDULER_NAME
 from offload.checkpoint import format as checkpoint_format
 from offload.integrations import common
 from offload.integrations.accelerate import EngineOptimizer, route
+
+# [Note: where Trainer meets the engine]
+# Each hook is a method Trainer documents for subclassing or calls at one place:
+# - __init__: the engine is built over the model; Trainer's move of the whole model to the device is
+#   skipped (_move_model_to_device): the engine places each weight in its tier.
+# - _wrap_model: the model Trainer calls in training, evaluation and prediction is the engine. Accelerate
+#   never prepares it: Trainer prepares only a model that _wrap_model returned as is.
+# - create_optimizer: an EngineOptimizer (offload/integrations/accelerate.py). Trainer's create_scheduler
+#   builds its LR scheduler over it as over any optimizer; the lr reaches the engine at every backward.
+# - accelerator.backward, which Trainer.training_step calls, goes to engine.backward (accelerate.route).
+#   Trainer's loss is already divided for gradient accumulation (by the window's item count, or the step
+#   count) and its Accelerator counts one step; the engine divides by gradient_accumulation_steps itself,
+#   so the route multiplies by it: the gradients are Trainer's.
+# - _clip_grad_norm, _get_grad_norm: the engine clips in its step (gradient_clipping = max_grad_norm); the
+#   logged grad_norm is the engine's, known after that step (_maybe_log_save_evaluate).
+# - create_accelerator_and_postprocess: a model other than the trained one that the trainer prepares for
+#   evaluation (accelerator.prepare_model(m, evaluation_mode=True): TRL's DPO reference model) is frozen
+#   and run on an engine of its own ([Note: frozen models beside the trained one]).
+# - _save (save_model): HF weights from the engine's fp32 masters in the model's dtype, streamed; a PEFT
+#   model's adapter alone (adapter_config.json + adapter_model.safetensors, as the stock Trainer writes it),
+#   read from the trainable parameters' masters without touching the frozen base.
+# - Checkpoints (save_steps): Trainer's _save_checkpoint writes checkpoint-N as always (trainer_state.json,
+#   scheduler.pt, rng_state.pth, rotation by save_total_limit), but the weights and optimizer.pt are the
+#   engine's checkpoint in that folder (engine.save_checkpoint: every state from its tier, the step count,
+#   loss scale, a delayed update as it is), written by _save_optimizer_and_scheduler; save_model writes no
+#   weights there. resume_from_checkpoint: _load_from_checkpoint loads the engine checkpoint,
+#   _load_optimizer_and_scheduler the scheduler, and Trainer skips the batches already seen and restores
+#   its RNG. save_only_model=True keeps Trainer's weights-only checkpoints (they do not resume).
+#
+# [Note: another Trainer's subclass]
+# A Trainer subclass (TRL's SFTTrainer, DPOTrainer) goes under the engine as `class X(OffloadTrainer,
+# SFTTrainer)`: OffloadTrainer first, so its hooks override that trainer's, and its __init__ takes
+# offload_config before the other's __init__ sees the rest (offload/integrations/trl.py). The other order
+# is refused when the class is defined (__init_subclass__), where it would fail later on offload_config.
+#
+# [Note: frozen models beside the trained one]
+# Trainers that keep a frozen model beside the trained one (TRL's DPO reference model) place it with
+# accelerator.prepare_model(model, evaluation_mode=True), which would move it whole to the device. Here that
+# call returns an engine of its own over it (Trainer's accelerator is ours: its prepare_model is replaced on
+# that object, as route() replaces backward): the model's parameters are frozen, its weights placed as the
+# trained model's (the same offload config) and streamed unit by unit for each forward, with no optimizer
+# state, gradient or step; each forward is that engine's whole step (offload.step.pipeline, [Note: phases]). The
+# trainer calls it as it called the model; close() closes it.
 
 if int(transformers.__version__.split(".")[0]) < 5:  # the hooks below are Trainer 5's methods
     raise ImportError(f"offload.integrations.transformers needs transformers 5 or later (found "

@@ -10,18 +10,6 @@ Each is `class X(OffloadTrainer, TRLTrainer)` ([Note: another Trainer's subclass
 keeps its datasets, collators, losses, metrics and PEFT handling; OffloadTrainer's hooks run the model on
 the engine, as under Trainer. The same two-base class puts TRL's other trainers on the engine; these two
 are the tested ones (tests/test_trl.py).
-
-[Note: DPO's reference model]
-- A PEFT policy (peft_config=, or a PeftModel): TRL's reference is the policy with its adapters disabled,
-  run under no_grad through the policy's own engine, whose frozen base is already streamed: nothing extra.
-- Otherwise the reference is a second model (ref_model=, or the one TRL loads from the policy's
-  directory), which TRL places with accelerator.prepare_model(evaluation_mode=True). OffloadTrainer runs
-  it on an engine of its own, frozen ([Note: frozen models beside the trained one] in transformers.py):
-  its weights placed as the policy's and streamed unit by unit for its forward, with no optimizer state,
-  gradient or step, so the two models never need to fit in memory at once.
-Refused: sync_ref_model (TRL would write the policy's weights into the reference's parameters, whose
-values live in the engine's tiers) and precompute_ref_log_probs without a ref_model (TRL would run the
-policy for them before the engine wraps it).
 """
 
 from __future__ import annotations
@@ -30,6 +18,18 @@ import trl
 from trl import DPOTrainer, SFTTrainer
 
 from offload.integrations.transformers import OffloadTrainer
+
+# [Note: DPO's reference model]
+# - A PEFT policy (peft_config=, or a PeftModel): TRL's reference is the policy with its adapters disabled,
+#   run under no_grad through the policy's own engine, whose frozen base is already streamed: nothing extra.
+# - Otherwise the reference is a second model (ref_model=, or the one TRL loads from the policy's
+#   directory), which TRL places with accelerator.prepare_model(evaluation_mode=True). OffloadTrainer runs
+#   it on an engine of its own, frozen ([Note: frozen models beside the trained one] in transformers.py):
+#   its weights placed as the policy's and streamed unit by unit for its forward, with no optimizer state,
+#   gradient or step, so the two models never need to fit in memory at once.
+# Refused: sync_ref_model (TRL would write the policy's weights into the reference's parameters, whose
+# values live in the engine's tiers) and precompute_ref_log_probs without a ref_model (TRL would run the
+# policy for them before the engine wraps it).
 
 if tuple(int(x) for x in trl.__version__.split(".")[:2]) < (1, 16):  # the version tested (tests/test_trl.py)
     raise ImportError(f"offload.integrations.trl needs trl 1.16 or later (found {trl.__version__}); "

@@ -1,20 +1,16 @@
 """CPU Adam: the optimizer step over offloaded fp32 states, at memory-bandwidth speed.
 
-Two backends compute the same update:
+Two backends compute the same update ("auto": the compiled kernel when it builds and loads, else torch;
+$OFFLOAD_CPU_ADAM_BACKEND overrides):
 - "compiled": offload/kernels/csrc/cpu_adam.cpp (one library with host_alloc.cpp, the CPU backend's allocator:
-  open_host_cache), built on first use with torch.utils.cpp_extension into a cache
-  directory ($OFFLOAD_CACHE_DIR, else $XDG_CACHE_HOME/offload, else ~/.cache/offload) named by a hash of
-  what the binary depends on (_build_key), and loaded from there directly afterwards when it passes the
-  checks of [Note: trusting a cached kernel] (offload/kernels/kernel_cache.py: owners, permissions, a digest).
-  One pass per element reads the fp32 master/exp_avg/exp_avg_sq and the bf16/fp16/fp32 gradient and
-  writes the states back plus the new weight in bf16/fp16. AVX-512 (with AVX512_BF16 when present) or AVX2 is chosen at run time (cap
-  it with $OFFLOAD_CPU_ADAM_ISA or `set_isa`); multi-threaded over 64 Ki-element chunks.
-- "torch": torch._fused_adamw_ / _fused_adam_ over cache-sized tiles, the gradient cast and the weight
-  cast done per tile so they hit cache. Used automatically when the kernel cannot be built.
-"auto" means the compiled kernel when it builds and loads, else torch ($OFFLOAD_CPU_ADAM_BACKEND overrides).
-
-Threads: the compiled kernel uses `get_num_threads()` threads: torch.get_num_threads() unless lowered with
-`set_num_threads(n)` (for example to leave cores to I/O threads). The torch backend uses torch's pool.
+  open_host_cache), built on first use into a cache directory ($OFFLOAD_CACHE_DIR, else $XDG_CACHE_HOME/offload
+  or ~/.cache/offload) named by a hash of what the binary depends on (_build_key), loaded from there after the
+  checks of [Note: trusting a cached kernel] (offload/kernels/kernel_cache.py). One pass per element reads the
+  fp32 states and the gradient and writes the states and the new weight; AVX-512 (with AVX512_BF16) or AVX2,
+  chosen at run time ($OFFLOAD_CPU_ADAM_ISA or `set_isa` caps it), over 64 Ki-element chunks on
+  get_num_threads() threads (`set_num_threads(n)` leaves cores to I/O threads).
+- "torch": torch._fused_adamw_ / _fused_adam_ over cache-sized tiles, the gradient and weight casts done per
+  tile so they hit cache, on torch's thread pool.
 """
 
 from __future__ import annotations

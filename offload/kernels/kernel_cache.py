@@ -1,23 +1,4 @@
-"""Where a compiled kernel is cached, and when a cached one may be loaded (offload/kernels/cpu_adam.py builds it).
-
-[Note: trusting a cached kernel]
-Importing a shared library runs its code, and the CPU Adam kernel is imported from its cache directory by
-every process after the one that built it. So a cached library is loaded only when
-- every directory from the build directory up to / is owned by this user or root and is not writable by
-  others, nor by a group other than the user's private group (Debian's user private groups with umask
-  002 make ~/.cache 0775, writable by that group of one), unless it is sticky (/tmp: then only a file's
-  owner may rename or remove it); so nobody else can have replaced the build directory or its files;
-- the build directory and the library are owned by this user and not writable by group or others, and
-  the library is a regular file, not a link (the library is made so right after the build: a linker
-  under umask 002 leaves it group-writable);
-- the library's sha256 equals the digest recorded beside it (`<library>.sha256`) right after it was built:
-  a file changed since (a half-written or truncated library, one copied in from another build, an edit)
-  is not loaded.
-Otherwise the kernel is built again, and one line says why. A build directory that fails these checks is
-removed first: ninja would otherwise reuse object files found in it. Where a directory above the build
-directory fails them, the cache cannot be made safe from here: the kernel is built in a private temporary
-directory for this process instead, and the line says which directory to fix.
-"""
+"""Where a compiled kernel is cached, and when a cached one may be loaded (offload/kernels/cpu_adam.py builds it)."""
 
 from __future__ import annotations
 
@@ -33,6 +14,24 @@ import stat
 import tempfile
 from pathlib import Path
 from typing import Iterator
+
+# [Note: trusting a cached kernel]
+# Importing a shared library runs its code, and the CPU Adam kernel is imported from its cache directory by
+# every process after the one that built it. So a cached library is loaded only when
+# - every directory from the build directory up to / is owned by this user or root and is not writable by
+#   others, nor by a group other than the user's private group (Debian's user private groups with umask
+#   002 make ~/.cache 0775, writable by that group of one), unless it is sticky (/tmp: then only a file's
+#   owner may rename or remove it); so nobody else can have replaced the build directory or its files;
+# - the build directory and the library are owned by this user and not writable by group or others, and
+#   the library is a regular file, not a link (the library is made so right after the build: a linker
+#   under umask 002 leaves it group-writable);
+# - the library's sha256 equals the digest recorded beside it (`<library>.sha256`) right after it was built:
+#   a file changed since (a half-written or truncated library, one copied in from another build, an edit)
+#   is not loaded.
+# Otherwise the kernel is built again, and one line says why. A build directory that fails these checks is
+# removed first: ninja would otherwise reuse object files found in it. Where a directory above the build
+# directory fails them, the cache cannot be made safe from here: the kernel is built in a private temporary
+# directory for this process instead, and the line says which directory to fix.
 
 DIGEST_SUFFIX = ".sha256"
 _GROUP_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH

@@ -1,28 +1,5 @@
 """Activations in the memory plan: the bytes a forward and backward hold for a batch of B sequences of T
 tokens, by formula from the model's shape, in the tier where they live.
-
-[Note: the activations formula]
-N = B x T tokens, s = the compute dtype's itemsize, H hidden, I intermediate, A = heads x head_dim, Akv = the
-k and v heads attention keeps x head_dim, V vocab, L layers. What autograd keeps of a Llama-style block
-(pre-norm attention and SwiGLU MLP), per layer:
-    layer = N (2 (4 + 2 s) H  +  s (2 A + 2 Akv)  +  4 s I)  +  4 B heads T  [+ B heads T^2 (4 + s if s < 4)]
-        the two RMSNorms: each keeps its input in fp32, its normalized input before the weight and its output
-        (the next linears' input; 2 (4 + 2 s) H); attention: q, k, v and its output, which is o_proj's input
-        too (2 A + 2 Akv; a model that repeats k, v to every query head before attention keeps them at A); the
-        MLP: gate's output, its activation, up's output and their product (4 I); the fused attention kernels'
-        row statistic (4 B heads T); eager attention and SDPA's math path also keep the softmax's B x heads x
-        T x T weights, in fp32 and, below fp32, in the compute dtype too.
-    head = N ((4 + 2 s) H + (s + 16) V): the final norm, and at the loss's backward the logits in the compute
-        dtype, their fp32 copy for the loss, the log-probabilities, their gradient and the logits' gradient
-        (often the largest single term at long T).
-    backward = N 2 s I: a layer's backward holds two N x I gradients (the MLP's) beside what it keeps.
-The peak of one forward and backward:
-    without checkpointing: L x layer + max(head, backward)   (the loss's backward comes before any layer's)
-    with activation_checkpointing: L x s N H (each unit's kept input) + max(head, layer + backward)
-        (the largest unit's recompute: its forward's activations and its backward's working set)
-Kept inputs live in the tier offload_activations names (hbm for "none"); one unit's inputs, the working set
-and the head are in hbm in any case. Measured against the engine on the CPU backend within 15% over three
-sequence lengths, with and without checkpointing (tests/test_activation_memory.py).
 """
 
 from __future__ import annotations
@@ -31,6 +8,29 @@ import dataclasses
 
 import torch
 from torch.utils._pytree import tree_leaves
+
+# [Note: the activations formula]
+# N = B x T tokens, s = the compute dtype's itemsize, H hidden, I intermediate, A = heads x head_dim, Akv = the
+# k and v heads attention keeps x head_dim, V vocab, L layers. What autograd keeps of a Llama-style block
+# (pre-norm attention and SwiGLU MLP), per layer:
+#     layer = N (2 (4 + 2 s) H  +  s (2 A + 2 Akv)  +  4 s I)  +  4 B heads T  [+ B heads T^2 (4 + s if s < 4)]
+#         the two RMSNorms: each keeps its input in fp32, its normalized input before the weight and its output
+#         (the next linears' input; 2 (4 + 2 s) H); attention: q, k, v and its output, which is o_proj's input
+#         too (2 A + 2 Akv; a model that repeats k, v to every query head before attention keeps them at A); the
+#         MLP: gate's output, its activation, up's output and their product (4 I); the fused attention kernels'
+#         row statistic (4 B heads T); eager attention and SDPA's math path also keep the softmax's B x heads x
+#         T x T weights, in fp32 and, below fp32, in the compute dtype too.
+#     head = N ((4 + 2 s) H + (s + 16) V): the final norm, and at the loss's backward the logits in the compute
+#         dtype, their fp32 copy for the loss, the log-probabilities, their gradient and the logits' gradient
+#         (often the largest single term at long T).
+#     backward = N 2 s I: a layer's backward holds two N x I gradients (the MLP's) beside what it keeps.
+# The peak of one forward and backward:
+#     without checkpointing: L x layer + max(head, backward)   (the loss's backward comes before any layer's)
+#     with activation_checkpointing: L x s N H (each unit's kept input) + max(head, layer + backward)
+#         (the largest unit's recompute: its forward's activations and its backward's working set)
+# Kept inputs live in the tier offload_activations names (hbm for "none"); one unit's inputs, the working set
+# and the head are in hbm in any case. Measured against the engine on the CPU backend within 15% over three
+# sequence lengths, with and without checkpointing (tests/test_activation_memory.py).
 
 
 @dataclasses.dataclass(frozen=True)

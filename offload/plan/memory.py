@@ -2,23 +2,6 @@
 
 The placement's preflight, its printout and `offload estimate` all call `runtime_parts`, so the plan a
 user reads is the plan the engine checks; measured peaks stay at or below it (tests/test_memory_model.py).
-
-[Note: the working set]
-hbm (weights not resident): the fetched units (the one in use, `prefetch_units` ahead and up to
-`reuse_distance` kept for a use that comes next: the sum of the largest that many units), weights kept for their next use in the step (`reuse_bytes`,
-never more than all fetched weights), and the gradients on their way to dram (the largest
-`grad_units` trainable units in the compute dtype). dram: one pool of equal chunks (offload.plan.chunks):
-a fetch from nvme streams through READ_AHEAD chunks (on CUDA; on the CPU backend it reads straight into
-hbm, which is host memory); the optimizer pipeline holds 1 + OPTIMIZER_READ_AHEAD windows (one
-stepped, two read ahead, the one written behind landing before another read starts) of four fp32 chunks (master, exp_avg, exp_avg_sq, gradient)
-for nvme states plus one chunk of new weights where they cannot be written in place (nvme weights,
-hbm on a GPU, or a dram copy not to be touched before nvme states are checked). Activations are not included: they depend on batch and sequence length.
-
-[Note: shrinking to a budget]
-Prefetch depth, kept weights, the optimizer's read-ahead and the second gradient in flight only make
-training faster. Under a budget below the default working set they are given up in that order, and
-only a budget below the minimum (the largest unit's weights and gradient, one window of the pipeline,
-one chunk per fetch) is refused, with that minimum in bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +11,23 @@ import dataclasses
 
 from offload.scheduler.policy import ResidencyPolicy
 from offload.scheduler.trace import ExecutionTrace
+
+# [Note: the working set]
+# hbm (weights not resident): the fetched units (the one in use, `prefetch_units` ahead and up to
+# `reuse_distance` kept for a use that comes next: the sum of the largest that many units), weights kept for their next use in the step (`reuse_bytes`,
+# never more than all fetched weights), and the gradients on their way to dram (the largest
+# `grad_units` trainable units in the compute dtype). dram: one pool of equal chunks (offload.plan.chunks):
+# a fetch from nvme streams through READ_AHEAD chunks (on CUDA; on the CPU backend it reads straight into
+# hbm, which is host memory); the optimizer pipeline holds 1 + OPTIMIZER_READ_AHEAD windows (one
+# stepped, two read ahead, the one written behind landing before another read starts) of four fp32 chunks (master, exp_avg, exp_avg_sq, gradient)
+# for nvme states plus one chunk of new weights where they cannot be written in place (nvme weights,
+# hbm on a GPU, or a dram copy not to be touched before nvme states are checked). Activations are not included: they depend on batch and sequence length.
+#
+# [Note: shrinking to a budget]
+# Prefetch depth, kept weights, the optimizer's read-ahead and the second gradient in flight only make
+# training faster. Under a budget below the default working set they are given up in that order, and
+# only a budget below the minimum (the largest unit's weights and gradient, one window of the pipeline,
+# one chunk per fetch) is refused, with that minimum in bytes.
 
 TIERS = ("hbm", "dram", "nvme")
 OFFLOAD_TIER = {"none": "hbm", "cpu": "dram", "nvme": "nvme"}  # offload_param/offload_optimizer device -> tier

@@ -1,21 +1,4 @@
-"""Units: the module subtrees whose parameters move together, and their flat-buffer layout.
-
-[Note: the unit policy]
-Without `units.classes`, the elements of module containers (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-become units (transformer blocks, the layers of an MLP), and any other child subtree holding at least
-`units.min_numel` parameters and no container becomes one unit (embeddings, lm_head). Parameters left
-over (norms, biases of the root) form the resident "rest" unit, which stays in hbm. A parameter shared
-by several modules (tied embeddings) belongs to the first unit that holds it; the other modules that
-use it fetch that unit before they run ("users"). The module dicts of peft's tuner layers (one
-entry per adapter) are not containers: LoRA's lora_A and lora_B stay in their decoder layer's unit.
-
-[Note: the flat layout]
-Each unit has one flat buffer per dtype: trainable parameters first, then frozen ones, so that the
-optimizer states (fp32 master, exp_avg, exp_avg_sq, gradient) cover the contiguous prefix
-[0, trainable_numel). Every parameter starts at a multiple of ALIGN_NUMEL elements, and both the
-trainable prefix and the whole buffer are padded to ALIGN_NUMEL x world_size, so a later ZeRO stage can
-cut each buffer into `world_size` equal shards that each start 4 KiB-aligned in bf16 and fp32.
-"""
+"""Units: the module subtrees whose parameters move together, and their flat-buffer layout."""
 
 from __future__ import annotations
 
@@ -26,6 +9,22 @@ import torch
 from torch import nn
 
 from offload.plan import quantized
+
+# [Note: the unit policy]
+# Without `units.classes`, the elements of module containers (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+# become units (transformer blocks, the layers of an MLP), and any other child subtree holding at least
+# `units.min_numel` parameters and no container becomes one unit (embeddings, lm_head). Parameters left
+# over (norms, biases of the root) form the resident "rest" unit, which stays in hbm. A parameter shared
+# by several modules (tied embeddings) belongs to the first unit that holds it; the other modules that
+# use it fetch that unit before they run ("users"). The module dicts of peft's tuner layers (one
+# entry per adapter) are not containers: LoRA's lora_A and lora_B stay in their decoder layer's unit.
+#
+# [Note: the flat layout]
+# Each unit has one flat buffer per dtype: trainable parameters first, then frozen ones, so that the
+# optimizer states (fp32 master, exp_avg, exp_avg_sq, gradient) cover the contiguous prefix
+# [0, trainable_numel). Every parameter starts at a multiple of ALIGN_NUMEL elements, and both the
+# trainable prefix and the whole buffer are padded to ALIGN_NUMEL x world_size, so a later ZeRO stage can
+# cut each buffer into `world_size` equal shards that each start 4 KiB-aligned in bf16 and fp32.
 
 ALIGN_NUMEL = 2048  # 4 KiB of bf16, 8 KiB of fp32
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)

@@ -1,29 +1,5 @@
 """What the ranks of the default process group do together: the engine's own process groups, each
 collective under a timeout and named when it fails, and the scalars every rank must agree on.
-
-[Note: collective order]
-Over ranks every collective is a meeting: each rank must enter the same collectives, on the same group,
-in the same order, or the ranks wait for each other forever (gloo) or exchange the wrong tensors. So the
-order of collectives is decided only from facts every rank shares: the model's module order, the
-keep/release decisions of a policy fed the same events on every rank, and a recorded trace the ranks
-agreed on. Never from one rank's own view: its timing (which fetch finished first, how much hbm was free
-at a moment), a reference count another thread may be holding for a moment, or a trace only it
-re-recorded. Where such a local fact must steer a collective, the ranks agree on it first (`agree`):
-  - a unit used by an embedding lookup is fetched for its backward if any rank's forward saved its
-    weights (offload.step.hooks, [Note: backward without weights]);
-  - at the end of each backward the ranks agree on the trace to replay next: all keep the new recording
-    if every rank recorded the same one, else all record again (scheduler.trace).
-Fetches of partitioned weights (zero_stage 3) end in a gather, so their order is decided from shared
-facts too: the prefetcher asks the policy with a room every rank computes alike (the agreed hbm room
-less the bytes of the units the policy holds, offload.step.prefetch), never the bytes free at that moment,
-and the gathers run on the gather thread in the order the fetches were issued.
-Each thread that enters collectives has its own group (the compute thread: agreements, the new
-weights' broadcasts, and gathers when zero_gather_ahead is off; the gather thread: the gathers of
-fetched units; the d2h thread: gradient reduces), so no two threads interleave on one group. Both groups carry `collective_timeout_s`: a rank whose peer never comes raises CollectiveError
-naming the collective, the unit and the step, and a failed rank's exit breaks the connection its peers
-wait on, so they raise too instead of waiting out the timeout. After a failure no further collective is
-entered (the other thread's jobs fail at once); one already waiting ends at its own timeout, and the
-engine's threads are daemons, so none keeps the process alive once the main thread has ended.
 """
 
 from __future__ import annotations
@@ -33,6 +9,30 @@ import time
 from typing import Callable
 
 import torch
+
+# [Note: collective order]
+# Over ranks every collective is a meeting: each rank must enter the same collectives, on the same group,
+# in the same order, or the ranks wait for each other forever (gloo) or exchange the wrong tensors. So the
+# order of collectives is decided only from facts every rank shares: the model's module order, the
+# keep/release decisions of a policy fed the same events on every rank, and a recorded trace the ranks
+# agreed on. Never from one rank's own view: its timing (which fetch finished first, how much hbm was free
+# at a moment), a reference count another thread may be holding for a moment, or a trace only it
+# re-recorded. Where such a local fact must steer a collective, the ranks agree on it first (`agree`):
+#   - a unit used by an embedding lookup is fetched for its backward if any rank's forward saved its
+#     weights (offload.step.hooks, [Note: backward without weights]);
+#   - at the end of each backward the ranks agree on the trace to replay next: all keep the new recording
+#     if every rank recorded the same one, else all record again (scheduler.trace).
+# Fetches of partitioned weights (zero_stage 3) end in a gather, so their order is decided from shared
+# facts too: the prefetcher asks the policy with a room every rank computes alike (the agreed hbm room
+# less the bytes of the units the policy holds, offload.step.prefetch), never the bytes free at that moment,
+# and the gathers run on the gather thread in the order the fetches were issued.
+# Each thread that enters collectives has its own group (the compute thread: agreements, the new
+# weights' broadcasts, and gathers when zero_gather_ahead is off; the gather thread: the gathers of
+# fetched units; the d2h thread: gradient reduces), so no two threads interleave on one group. Both groups carry `collective_timeout_s`: a rank whose peer never comes raises CollectiveError
+# naming the collective, the unit and the step, and a failed rank's exit breaks the connection its peers
+# wait on, so they raise too instead of waiting out the timeout. After a failure no further collective is
+# entered (the other thread's jobs fail at once); one already waiting ends at its own timeout, and the
+# engine's threads are daemons, so none keeps the process alive once the main thread has ended.
 
 
 class CollectiveError(RuntimeError):

@@ -3,26 +3,6 @@
 An accountant knows a budget, the bytes in use and the peak, and refuses an allocation that would go
 over the budget with a message naming tier, requested, used and budget. The nvme tier is a directory;
 its accountant counts the bytes the swap files hold (budget: the free disk at start).
-
-[Note: reused host memory for hbm]
-On the CPU backend hbm is host memory, and a copy into memory never touched runs at the speed of page
-faults, several times slower than into memory already touched. So a fetched unit's hbm copy takes a
-pre-faulted, 4 KiB-aligned buffer from a pool (swap.BufferPool), put under the unit's own storage with
-UntypedStorage._swap_data_ptr_ (autograd's saved views keep pointing at that storage object) and given
-back on release; being aligned, it takes an nvme fetch's O_DIRECT reads directly (offload.state.residency).
-A cached buffer is held while the step's other memory peaks, so the pool keeps little: only sizes that
-several fetched units share (a model's repeated blocks; a size one unit has alone would sit cached
-between its uses), cached buffers up to the larger of two of the largest such size (a fetch mostly
-takes one just given back) and reuse_bytes (the room the plan leaves for weights kept beyond their
-use), kept across steps since the next forward takes them again. A fetch whose size has no cached
-buffer takes one of up to twice its size (a 7b model's embedding and head take a decoder layer's).
-Used and cached together stay under the planned peak of fetched weights (placement.fetched_peak), as
-CUDA's caching allocator keeps freed blocks. Any other request gets fresh memory, aligned too and
-marked for huge pages, faulted in on a thread of its own from the moment the fetch is issued
-(swap.buffers.populate, off the GIL), beside the reads queued before it; the fetch's reads wait for it
-(fault_in). On CUDA, and with a torch that lacks
-_swap_data_ptr_, storages are resized instead. Figures: bench/RESULTS.md ("reused host memory for hbm"),
-and docs/design.md "Chunks and budgets".
 """
 
 from __future__ import annotations
@@ -34,6 +14,26 @@ import torch
 from offload.scheduler.streams import JobThread
 from offload.swap import BufferPool, PoolExhaustedError, aligned_empty
 from offload.swap.buffers import populate
+
+# [Note: reused host memory for hbm]
+# On the CPU backend hbm is host memory, and a copy into memory never touched runs at the speed of page
+# faults, several times slower than into memory already touched. So a fetched unit's hbm copy takes a
+# pre-faulted, 4 KiB-aligned buffer from a pool (swap.BufferPool), put under the unit's own storage with
+# UntypedStorage._swap_data_ptr_ (autograd's saved views keep pointing at that storage object) and given
+# back on release; being aligned, it takes an nvme fetch's O_DIRECT reads directly (offload.state.residency).
+# A cached buffer is held while the step's other memory peaks, so the pool keeps little: only sizes that
+# several fetched units share (a model's repeated blocks; a size one unit has alone would sit cached
+# between its uses), cached buffers up to the larger of two of the largest such size (a fetch mostly
+# takes one just given back) and reuse_bytes (the room the plan leaves for weights kept beyond their
+# use), kept across steps since the next forward takes them again. A fetch whose size has no cached
+# buffer takes one of up to twice its size (a 7b model's embedding and head take a decoder layer's).
+# Used and cached together stay under the planned peak of fetched weights (placement.fetched_peak), as
+# CUDA's caching allocator keeps freed blocks. Any other request gets fresh memory, aligned too and
+# marked for huge pages, faulted in on a thread of its own from the moment the fetch is issued
+# (swap.buffers.populate, off the GIL), beside the reads queued before it; the fetch's reads wait for it
+# (fault_in). On CUDA, and with a torch that lacks
+# _swap_data_ptr_, storages are resized instead. Figures: bench/RESULTS.md ("reused host memory for hbm"),
+# and docs/design.md "Chunks and budgets".
 
 STORAGE_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")  # [Note: reused host memory for hbm]
 

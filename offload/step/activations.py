@@ -1,39 +1,5 @@
 """What a forward keeps for its backward: activation checkpointing by the engine (a unit's forward keeps its
 inputs alone and runs again in its backward), and which attention a model runs (the plan says).
-
-[Note: activation checkpointing]
-With `activation_checkpointing`, the forward of every unit made of layers (a root module with children: a
-transformer block; not a lone embedding or linear head, whose own forward keeps no more than its input) runs
-inside torch's non-reentrant checkpoint, `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, as the
-unit's `forward`, so inside the engine's module hooks (offload.step.hooks). The forward keeps the unit's tensor
-inputs and nothing it computes; when the unit's backward needs what it computed, torch runs the forward again
-with the RNG state of the first run (dropout draws the same masks), so the numbers are bit for bit those of the
-model calling torch's checkpoint on each unit itself. The recompute's weights are the backward's: the hook on
-the unit's outputs fetches the unit before any of its backward runs, so the recompute fetches through the same
-path, is not a use of its own, and the recorded trace (and over ranks, the gathers that follow it) is the trace
-of a run without checkpointing.
-
-torch saves a checkpoint's inputs under the saved-tensor hooks outside it: the engine's are UnitInputs', which
-holds each unit's inputs until autograd frees them after the unit's backward; the one place where the inputs of
-every checkpointed unit are (the place from which they can move to a tier and come back ahead of the backward).
-
-A Hugging Face model left with `config.use_cache` on would build a cache of past keys and values in a
-training forward, and each unit's recompute would append its keys and values to it again (twice the length,
-held through the backward, right only where attention aligns a causal mask to the first keys): the engine
-passes `use_cache=False` to a checkpointed training forward of a model whose config has it (`no_cache`), as
-Hugging Face's own gradient checkpointing does, with a warning where the caller asked for the cache.
-
-A model that checkpoints inside its units already recomputes each unit once, not twice:
-- a checkpoint around the unit's call (the presets' `checkpoint_activations`: checkpoint(block, ...)) holds the
-  engine's: that one saves the inputs (through UnitInputs) and everything else in its own frame, so the model's
-  checkpoint saves nothing and never recomputes;
-- a checkpoint inside the unit's forward (Hugging Face's `gradient_checkpointing_enable()` checkpoints a layer's
-  forward; a block calling checkpoint on its body): the engine's saves the inputs of the model's, and its
-  recompute stops as soon as it recomputed them (torch's early stop, set for the engine's checkpoint), before
-  the body, which the model's checkpoint then recomputes;
-- a reentrant checkpoint around the unit's call runs the forward under no_grad, then again in the backward: a
-  forward that runs in the backward is not checkpointed by the engine. A reentrant one inside the unit's forward
-  would run the body a third time; use use_reentrant=False there (Hugging Face's default).
 """
 
 from __future__ import annotations
@@ -49,6 +15,40 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from offload.state.activation_tier import InputTier, KeptInput
 from offload.plan.units import Unit
+
+# [Note: activation checkpointing]
+# With `activation_checkpointing`, the forward of every unit made of layers (a root module with children: a
+# transformer block; not a lone embedding or linear head, whose own forward keeps no more than its input) runs
+# inside torch's non-reentrant checkpoint, `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, as the
+# unit's `forward`, so inside the engine's module hooks (offload.step.hooks). The forward keeps the unit's tensor
+# inputs and nothing it computes; when the unit's backward needs what it computed, torch runs the forward again
+# with the RNG state of the first run (dropout draws the same masks), so the numbers are bit for bit those of the
+# model calling torch's checkpoint on each unit itself. The recompute's weights are the backward's: the hook on
+# the unit's outputs fetches the unit before any of its backward runs, so the recompute fetches through the same
+# path, is not a use of its own, and the recorded trace (and over ranks, the gathers that follow it) is the trace
+# of a run without checkpointing.
+#
+# torch saves a checkpoint's inputs under the saved-tensor hooks outside it: the engine's are UnitInputs', which
+# holds each unit's inputs until autograd frees them after the unit's backward; the one place where the inputs of
+# every checkpointed unit are (the place from which they can move to a tier and come back ahead of the backward).
+#
+# A Hugging Face model left with `config.use_cache` on would build a cache of past keys and values in a
+# training forward, and each unit's recompute would append its keys and values to it again (twice the length,
+# held through the backward, right only where attention aligns a causal mask to the first keys): the engine
+# passes `use_cache=False` to a checkpointed training forward of a model whose config has it (`no_cache`), as
+# Hugging Face's own gradient checkpointing does, with a warning where the caller asked for the cache.
+#
+# A model that checkpoints inside its units already recomputes each unit once, not twice:
+# - a checkpoint around the unit's call (the presets' `checkpoint_activations`: checkpoint(block, ...)) holds the
+#   engine's: that one saves the inputs (through UnitInputs) and everything else in its own frame, so the model's
+#   checkpoint saves nothing and never recomputes;
+# - a checkpoint inside the unit's forward (Hugging Face's `gradient_checkpointing_enable()` checkpoints a layer's
+#   forward; a block calling checkpoint on its body): the engine's saves the inputs of the model's, and its
+#   recompute stops as soon as it recomputed them (torch's early stop, set for the engine's checkpoint), before
+#   the body, which the model's checkpoint then recomputes;
+# - a reentrant checkpoint around the unit's call runs the forward under no_grad, then again in the backward: a
+#   forward that runs in the backward is not checkpointed by the engine. A reentrant one inside the unit's forward
+#   would run the body a third time; use use_reentrant=False there (Hugging Face's default).
 
 log = logging.getLogger("offload")
 

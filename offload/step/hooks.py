@@ -1,30 +1,4 @@
-"""Module hooks: fetch a unit before its forward and backward, release it after each.
-
-[Note: finding the backward of a module]
-Pre-backward: a hook on every output tensor that requires grad fires when the gradient for that output
-arrives, just before the module's own backward runs. Post-backward: the module's tensor inputs that
-require grad pass through `_PostBackward`, an identity whose backward runs once the gradients of all
-those inputs exist, i.e. after every autograd node between the inputs and the outputs ran. A unit
-whose inputs need no gradient (the embedding) is released when backward() ends. A model that checkpoints
-around a unit's call (torch.utils.checkpoint.checkpoint(block, ...)) fires the forward hooks again when it
-recomputes the unit in backward: that fetch is part of the unit's backward use (recorded as the backward's,
-after the output hook's fetch: one event in the trace, as without checkpointing), and the recomputed forward
-does not release, since its own backward follows at once. The engine's own checkpointing runs inside the hooks
-and fires none of them again ([Note: activation checkpointing] in offload.step.activations).
-
-[Note: backward without weights]
-An embedding lookup's backward reads the indices, not the table: a use of a unit by a module whose
-forward is nn.Embedding's needs no fetch for its backward, and none is hooked (a tied embedding table is
-not read again, nor held, at the end of the backward). Its released parameters take their
-shapes instead (WeightHandle.shape_only: the gradient accumulator checks the gradient against them). This
-is not inferred for other modules: activation checkpointing hides what a forward saves and recomputes it
-outside the module's hooks. As a guard, the use must also leave the unit's parameters and hbm storage
-with no more references than before it (anything autograd saved of them holds one; fewer is no sign of
-saving: an I/O thread letting go of the buffer it read the weights into, just after the fetch completed);
-a torch that cannot count them fetches always. With partitioned weights (zero_stage 3) the fetch is a gather, so the ranks
-agree on the answer ([Note: collective order] in offload.state.ranks): a count one rank read while another
-thread held a reference for a moment must not make it gather alone.
-"""
+"""Module hooks: fetch a unit before its forward and backward, release it after each."""
 
 from __future__ import annotations
 
@@ -33,6 +7,31 @@ import time
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from offload.state.runtime import Runtime
+
+# [Note: finding the backward of a module]
+# Pre-backward: a hook on every output tensor that requires grad fires when the gradient for that output
+# arrives, just before the module's own backward runs. Post-backward: the module's tensor inputs that
+# require grad pass through `_PostBackward`, an identity whose backward runs once the gradients of all
+# those inputs exist, i.e. after every autograd node between the inputs and the outputs ran. A unit
+# whose inputs need no gradient (the embedding) is released when backward() ends. A model that checkpoints
+# around a unit's call (torch.utils.checkpoint.checkpoint(block, ...)) fires the forward hooks again when it
+# recomputes the unit in backward: that fetch is part of the unit's backward use (recorded as the backward's,
+# after the output hook's fetch: one event in the trace, as without checkpointing), and the recomputed forward
+# does not release, since its own backward follows at once. The engine's own checkpointing runs inside the hooks
+# and fires none of them again ([Note: activation checkpointing] in offload.step.activations).
+#
+# [Note: backward without weights]
+# An embedding lookup's backward reads the indices, not the table: a use of a unit by a module whose
+# forward is nn.Embedding's needs no fetch for its backward, and none is hooked (a tied embedding table is
+# not read again, nor held, at the end of the backward). Its released parameters take their
+# shapes instead (WeightHandle.shape_only: the gradient accumulator checks the gradient against them). This
+# is not inferred for other modules: activation checkpointing hides what a forward saves and recomputes it
+# outside the module's hooks. As a guard, the use must also leave the unit's parameters and hbm storage
+# with no more references than before it (anything autograd saved of them holds one; fewer is no sign of
+# saving: an I/O thread letting go of the buffer it read the weights into, just after the fetch completed);
+# a torch that cannot count them fetches always. With partitioned weights (zero_stage 3) the fetch is a gather, so the ranks
+# agree on the answer ([Note: collective order] in offload.state.ranks): a count one rank read while another
+# thread held a reference for a moment must not make it gather alone.
 
 
 class _PostBackward(torch.autograd.Function):

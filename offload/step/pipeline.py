@@ -1,43 +1,4 @@
-"""The step pipeline: a training step's control flow as one phase machine.
-
-[Note: phases]
-    idle -> forward -> backward -> idle          one micro-step (gradients leave hbm as they become final)
-    idle -> stepping -> idle                     step() at the accumulation boundary
-    forward -> forward                           several forwards before a backward (evaluation, or losses
-                                                 summed over two forwards)
-    idle -> forward -> idle                      a model with nothing trainable (a frozen reference model):
-                                                 no backward follows, the forward is the whole step (end_forward)
-    any -> failed                                an error after the optimizer began changing states
-    any -> closed
-The pipeline owns what one step holds in flight: the gradient jobs on the d2h thread, each unit's
-gradients waiting for the rest of the unit, the optimizer's window pipeline (read-ahead, write-behind)
-and the delayed update, so that a failure is handled in one place.
-
-[Note: failure semantics]
-An error before any state changed (in forward; in backward before a unit was stepped, and, with
-gradient accumulation, in the first micro-step of a window) rolls the micro-step back: its partial
-gradients are dropped, every gradient job is settled (each refunds its hbm charge), the optimizer's
-read-ahead returns its chunks, fetched weights are released, and the engine is as before that micro-step,
-so training can go on (it equals a run that never saw that batch). An error after the optimizer began
-updating states (a step in step() or during backward, the delayed update, or an accumulator that held
-earlier micro-steps' gradients) leaves weights and states partly updated: the pipeline enters `failed`,
-and every further forward, backward, step or state read raises StepFailed naming the step and the cause;
-close() still works and removes the swap files.
-
-[Note: split step]
-With the overlapped step and optimizer states on nvme, all of a step's state I/O (read 12 B, write 14 B
-per parameter) would fall in the backward, beside its compute, while the forward reads only the weights:
-where both phases are busy the step takes the forward's compute plus the backward's I/O. With split_step
-(a fraction, default 0.25) the placement defers that share of the fetched units, spread evenly over the
-forward order (placement.deferred): in backward such a unit's gradient goes to its nvme accumulator in the
-compute dtype (2 B write) and its step waits (StepMode.SPLIT, offload.plan.modes); at the next forward's first
-fetch (Prefetcher.before_fetch), every deferred unit's step is queued on the d2h thread in forward order
-(a window pipeline of its own), and each unit's fetch waits for its own step (WeightHandle.update) on the
-reader thread, so the steps run ahead of the forward's compute. It is the same update (the same gradient, lr and scale) applied before the unit's next use, so
-the numbers are those of the step in backward (the parity tests compare them bit for bit). Whatever
-reads or saves states (full_state_dict, state_dict, checkpoints, flush, close) applies the waiting steps
-first (DeferredSteps.finish); a failed deferred step fails the engine as a failed step does.
-"""
+"""The step pipeline: a training step's control flow as one phase machine."""
 
 from __future__ import annotations
 
@@ -57,6 +18,44 @@ from offload.step.scale import LossScale, lr_factor
 from offload.step.windows import WindowPipeline
 from offload.scheduler.telemetry import overlap_fraction
 from offload.state.runtime import Runtime
+
+# [Note: phases]
+#     idle -> forward -> backward -> idle          one micro-step (gradients leave hbm as they become final)
+#     idle -> stepping -> idle                     step() at the accumulation boundary
+#     forward -> forward                           several forwards before a backward (evaluation, or losses
+#                                                  summed over two forwards)
+#     idle -> forward -> idle                      a model with nothing trainable (a frozen reference model):
+#                                                  no backward follows, the forward is the whole step (end_forward)
+#     any -> failed                                an error after the optimizer began changing states
+#     any -> closed
+# The pipeline owns what one step holds in flight: the gradient jobs on the d2h thread, each unit's
+# gradients waiting for the rest of the unit, the optimizer's window pipeline (read-ahead, write-behind)
+# and the delayed update, so that a failure is handled in one place.
+#
+# [Note: failure semantics]
+# An error before any state changed (in forward; in backward before a unit was stepped, and, with
+# gradient accumulation, in the first micro-step of a window) rolls the micro-step back: its partial
+# gradients are dropped, every gradient job is settled (each refunds its hbm charge), the optimizer's
+# read-ahead returns its chunks, fetched weights are released, and the engine is as before that micro-step,
+# so training can go on (it equals a run that never saw that batch). An error after the optimizer began
+# updating states (a step in step() or during backward, the delayed update, or an accumulator that held
+# earlier micro-steps' gradients) leaves weights and states partly updated: the pipeline enters `failed`,
+# and every further forward, backward, step or state read raises StepFailed naming the step and the cause;
+# close() still works and removes the swap files.
+#
+# [Note: split step]
+# With the overlapped step and optimizer states on nvme, all of a step's state I/O (read 12 B, write 14 B
+# per parameter) would fall in the backward, beside its compute, while the forward reads only the weights:
+# where both phases are busy the step takes the forward's compute plus the backward's I/O. With split_step
+# (a fraction, default 0.25) the placement defers that share of the fetched units, spread evenly over the
+# forward order (placement.deferred): in backward such a unit's gradient goes to its nvme accumulator in the
+# compute dtype (2 B write) and its step waits (StepMode.SPLIT, offload.plan.modes); at the next forward's first
+# fetch (Prefetcher.before_fetch), every deferred unit's step is queued on the d2h thread in forward order
+# (a window pipeline of its own), and each unit's fetch waits for its own step (WeightHandle.update) on the
+# reader thread, so the steps run ahead of the forward's compute. It is the same update (the same gradient, lr and scale) applied before the unit's next use, so
+# the numbers are those of the step in backward (the parity tests compare them bit for bit). Whatever
+# reads or saves states (full_state_dict, state_dict, checkpoints, flush, close) applies the waiting steps
+# first (DeferredSteps.finish); a failed deferred step fails the engine as a failed step does.
 
 
 class Phase(enum.Enum):
