@@ -231,7 +231,7 @@ def test_over_ranks_the_kept_inputs_in_a_tier_train_bit_for_bit_as_in_hbm(tmp_pa
     """2 ranks, dropout, stage 0 with weights and inputs in dram, stage 3 with weights and inputs on nvme: each
     rank's losses and the final weights equal those with the inputs in hbm; each rank's [4, 256] fp32 block
     inputs (4 KiB) left hbm and came back."""
-    from tests.test_zero import run_ranks
+    from tests.ranks_util import run_ranks
 
     cfg = {**config(tmp_path, "none", param=place), "zero_stage": stage, "chunk_bytes": 8192,
            "_model": {"d": 256, "dropout": 0.2}}
