@@ -189,7 +189,7 @@ def test_dram_buffers_are_reused_from_the_second_step_and_returned_on_close(tmp_
         act = eng.stats()["activations"]
         assert 0 < act["dram_spare_bytes"] <= act["dram_peak_bytes"] and act["dram_bytes"] == 0
         tier = eng.unit_inputs.tier
-    assert tier.spare_bytes == 0 and eng.tiers.acct["dram"].used_bytes == 0
+    assert tier.spares.total_bytes == 0 and eng.tiers.acct["dram"].used_bytes == 0
 
 
 def test_a_dram_budget_too_small_for_the_inputs_waits_for_the_writes_to_nvme(tmp_path, monkeypatch):
