@@ -18,7 +18,7 @@ in fp32 for --ranks-steps steps on their slices of each global batch, against on
 trained on the same slices in rank order (bench/zero_ranks_check.py). Recorded per case under "ranks": the
 largest relative loss difference and weight difference, each rank's step seconds, the collectives' bytes
 and all_gather's exposed_s; the run fails where a case exceeds its tolerance (losses rel 1e-5, weights
-rtol/atol 1e-5: tests/test_zero.py's fp32 bound) or could not run (an engine that refuses stages 1-3 on
+rtol/atol 1e-5: tests/ranks_util.py's fp32 bound) or could not run (an engine that refuses stages 1-3 on
 CUDA: the refusal is that case's error). Ran on one H200 (bench/RESULTS.md).
 
 QLoRA: a tiny Llama quantized by bitsandbytes (nf4, double quantization) with LoRA adapters, the engine with

@@ -5,9 +5,9 @@ the CPU with CUDA hidden), each with init_process_group("gloo") (on CUDA: gloo o
 tests.engine_util.MLP in fp32 for `steps` optimizer steps of GAS micro-steps, each rank on its slice of
 every global batch of tests.engine_util.mlp_batches; then a third process, alone on the same device, trains
 the same model at zero_stage 0 on the same slices in rank order (GAS x world micro-steps per step: what
-tests/test_zero.py's single_in_rank_order does), so the two differ only in the fp32 summation order of the
+tests/ranks_util.py's single_in_rank_order does), so the two differ only in the fp32 summation order of the
 gradients' reduction. The ranks' mean losses and rank 0's full_state_dict() are compared with its losses
-and weights within the fp32 tolerance of tests/test_zero.py's _assert_trains_like_one_process (LOSS_RTOL,
+and weights within the fp32 tolerance of tests/ranks_util.py's assert_trains_like_one_process (LOSS_RTOL,
 WEIGHT_RTOL, WEIGHT_ATOL). Every process runs under DEADLINE_S and is killed after it; a rank that fails
 (the engine refusing the stage on CUDA, say) is recorded as the case's error, and the rest still run.
 
@@ -39,8 +39,8 @@ CASES = {  # name -> (zero_stage, offload_param, offload_optimizer)
 }
 WORLD = 2
 GAS = 2  # micro-steps per optimizer step on each rank
-# fp32: only the summation order of the reduction over ranks differs (tests/test_zero.py's
-# _assert_trains_like_one_process: losses rel 1e-5, weights assert_close rtol 1e-5 atol 1e-5)
+# fp32: only the summation order of the reduction over ranks differs (tests/ranks_util.py's
+# assert_trains_like_one_process: losses rel 1e-5, weights assert_close rtol 1e-5 atol 1e-5)
 LOSS_RTOL, WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-5, 1e-5
 DEADLINE_S = 300  # per process; gloo's own timeout (60 s) ends a rank whose peer died sooner
 CHUNK_BYTES = 8192  # 2048 elements a window: the MLP's units have 1 to 17 windows each, spread over the ranks

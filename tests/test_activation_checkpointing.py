@@ -10,7 +10,7 @@ import torch
 import offload
 from offload.step import activations
 from tests.engine_util import MLP, LlamaLoss, Reference, llama, llama_batches, max_state_err, mlp_batches
-from tests.test_zero import run_ranks
+from tests.ranks_util import run_ranks
 
 STEPS = 4
 

@@ -189,7 +189,7 @@ def test_dram_buffers_are_reused_from_the_second_step_and_returned_on_close(tmp_
         act = eng.stats()["activations"]
         assert 0 < act["dram_spare_bytes"] <= act["dram_peak_bytes"] and act["dram_bytes"] == 0
         tier = eng.unit_inputs.tier
-    assert tier.spare_bytes == 0 and eng.tiers.acct["dram"].used_bytes == 0
+    assert tier.spares.total_bytes == 0 and eng.tiers.acct["dram"].used_bytes == 0
 
 
 def test_a_dram_budget_too_small_for_the_inputs_waits_for_the_writes_to_nvme(tmp_path, monkeypatch):
@@ -231,7 +231,7 @@ def test_over_ranks_the_kept_inputs_in_a_tier_train_bit_for_bit_as_in_hbm(tmp_pa
     """2 ranks, dropout, stage 0 with weights and inputs in dram, stage 3 with weights and inputs on nvme: each
     rank's losses and the final weights equal those with the inputs in hbm; each rank's [4, 256] fp32 block
     inputs (4 KiB) left hbm and came back."""
-    from tests.test_zero import run_ranks
+    from tests.ranks_util import run_ranks
 
     cfg = {**config(tmp_path, "none", param=place), "zero_stage": stage, "chunk_bytes": 8192,
            "_model": {"d": 256, "dropout": 0.2}}

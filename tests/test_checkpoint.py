@@ -20,6 +20,7 @@ import offload
 from offload.checkpoint import format as fmt
 from offload.checkpoint.format import CheckpointError
 from offload.cli import main
+from tests.checkpoint_util import config, train
 from tests.engine_util import MLP, llama, llama_batches, mlp_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,27 +33,6 @@ PATHS = {
     "delayed+clipping": {"delayed_update": True, "gradient_clipping": 0.05},
 }
 COUNTERS = ("step_count", "micro_step", "loss_scale", "good_steps", "skipped_steps", "pending_update", "accumulator")
-
-
-def config(tmp_path, mode: str, **extra) -> dict:
-    return {"precision": "bf16", "offload_param": {"device": mode}, "offload_optimizer": {"device": mode},
-            "nvme_path": str(tmp_path / "swap"), "units": {"min_numel": 512}, "reuse_bytes": 0,
-            "optimizer": {"lr": 1e-2, "weight_decay": 0.01}, **extra}
-
-
-def train(model, cfg, batches, save_to, load=None):
-    """A new engine on a copy of `model` (loading `load` first) trains on the micro-batches, then saves.
-    Returns (losses, checkpoint path)."""
-    with offload.initialize(copy.deepcopy(model), cfg) as eng:
-        if load is not None:
-            eng.load_checkpoint(load)
-        losses = []
-        for x, y in batches:
-            loss = eng(x, y)
-            eng.backward(loss)
-            eng.step()  # a no-op between accumulation boundaries
-            losses.append(loss.item())
-        return losses, eng.save_checkpoint(str(save_to))
 
 
 def state(path) -> dict:
@@ -118,7 +98,7 @@ def test_exact_resume_in_a_new_process_restores_the_rng(tmp_path):
     torch.save({"model": model, "batches": batches[3:], "cfg": cfg}, tmp_path / "job.pt")
     script = textwrap.dedent(f"""
         import json, torch
-        from tests.test_checkpoint import train
+        from tests.checkpoint_util import train
         job = torch.load({str(tmp_path / 'job.pt')!r}, weights_only=False)
         import offload, copy
         with offload.initialize(copy.deepcopy(job["model"]), job["cfg"]) as eng:
@@ -428,7 +408,7 @@ KILL_SCRIPT = """
 import os, sys, time, torch, offload
 from offload.checkpoint import format as checkpoint_format
 from tests.engine_util import MLP, mlp_batches
-from tests.test_checkpoint import config
+from tests.checkpoint_util import config
 torch.manual_seed(0)
 cfg = config(__import__("pathlib").Path(sys.argv[1]), "nvme")
 with offload.initialize(MLP(), cfg) as eng:

@@ -474,7 +474,7 @@ def test_fresh_hbm_memory_faults_in_while_the_reader_is_busy(tmp_path):
     reads still wait for it, and land the unit's weights."""
     import threading
 
-    from tests.test_swap_buffers import _resident_pages
+    from tests.memory_util import resident_pages
 
     with offload.initialize(MLP(), cfg(tmp_path, "nvme", prefetch_units=0)) as eng:
         if not eng.rt.tiers.reusable:
@@ -490,7 +490,7 @@ def test_fresh_hbm_memory_faults_in_while_the_reader_is_busy(tmp_path):
             assert faulted is not None  # fresh memory, not a pool buffer
             faulted.wait(10)  # faulted in while the reader is still held
             assert not busy.done() and alone.state is R.NVME_TO_HBM
-            resident, pages = _resident_pages(alone.hbm)
+            resident, pages = resident_pages(alone.hbm)
             assert resident == pages
         finally:
             gate.set()

@@ -14,17 +14,11 @@ import torch
 
 import offload
 from tests.engine_util import MLP, Block, LlamaLoss, Reference, llama, llama_batches, max_state_err, mlp_batches
+from tests.parity_util import check, config
 
 MODES = [("none", "none"), ("none", "cpu"), ("none", "nvme"), ("cpu", "cpu"), ("cpu", "nvme"),
          ("nvme", "cpu"), ("nvme", "nvme")]
 TORCH_TOL = 1e-5
-
-
-def config(tmp_path, param, optim, precision, **extra):
-    """reuse_bytes 0 unless given: backward fetches every unit again (the path with the most transfers)."""
-    return {"precision": precision, "offload_param": {"device": param}, "offload_optimizer": {"device": optim},
-            "nvme_path": str(tmp_path / "swap"), "units": {"min_numel": 512}, "reuse_bytes": 0,
-            "optimizer": {"lr": 1e-2, **extra.pop("optimizer", {})}, **extra}
 
 
 def train_both(model, cfg, batches, steps: int, gas: int = 1, clip: float = 0.0, kernel: bool = True, **ref_kw):
@@ -41,13 +35,6 @@ def train_both(model, cfg, batches, steps: int, gas: int = 1, clip: float = 0.0,
                 ref_losses.append(ref.micro_step(*batch))
             ref.step()
         return losses, ref_losses, eng.full_state_dict(), ref.state(), eng.stats()
-
-
-def check(losses, ref_losses, sd, ref_sd, precision=None, tol: float = 0.0):
-    """Exact by default (same kernel); `tol` relative against the torch-optimizer reference."""
-    for a, b in zip(losses, ref_losses):
-        assert abs(a - b) <= tol * abs(b), (losses, ref_losses)
-    assert max_state_err(sd, ref_sd) <= tol
 
 
 @pytest.mark.parametrize("param,optim", MODES)

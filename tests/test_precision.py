@@ -16,7 +16,7 @@ import offload
 from offload.plan import precision as prec
 from offload.plan.config import Config, load_config
 from tests.engine_util import MLP, Reference, mlp_batches
-from tests.test_engine_parity import check, config
+from tests.parity_util import check, config
 
 
 @pytest.fixture

@@ -193,14 +193,14 @@ def test_merged_of_a_bf16_base_is_bf16_and_equals_peft_merge_on_its_dequantized_
     adapter; AutoModelForCausalLM and AutoTokenizer load the directory alone."""
     from offload import train as training
     from offload.integrations.hf_io import iter_safetensors
-    from tests.test_train_hf import _save_tokenizer
+    from tests.hf_util import save_tokenizer
 
     base_dir = tmp_path / "bf16"
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(base_dir)
-    tok = _save_tokenizer(base_dir, "To be, or not to be, that is the question. " * 20)
+    tok = save_tokenizer(base_dir, "To be, or not to be, that is the question. " * 20)
     adapter, merged = tmp_path / "adapter", tmp_path / "merged"
     training.train(_train_args(str(base_dir), tmp_path, "--quantize", "nf4", "--save", str(adapter), "--save-merged",
                              str(merged), "--lr", "1e-2"))

@@ -11,17 +11,16 @@ import torch
 from offload import recipe
 from offload.cli import main
 from offload.integrations.hf_io import iter_safetensors, source_dtype, with_dtype
+from tests.hf_util import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
-
-from tests.test_train_hf import _tiny_llama  # noqa: E402 (after the skips: it needs transformers)
 
 
 @pytest.fixture(scope="module")
 def bf16_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("bf16") / "llama"
-    _tiny_llama(tied=False).to(torch.bfloat16).save_pretrained(path, max_shard_size="60KB")
+    tiny_llama(tied=False).to(torch.bfloat16).save_pretrained(path, max_shard_size="60KB")
     assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
     return path
 

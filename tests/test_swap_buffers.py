@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload.swap import ALIGN_BYTES, BufferPool, PoolExhaustedError, aligned_empty
+from tests.memory_util import resident_pages
 
 
 @pytest.mark.parametrize("numel", [0, 1, 1000, 4096, (1 << 20) + 3, 3 << 20])
@@ -219,18 +220,6 @@ def test_pool_caches_at_most_max_cached_bytes():
     assert pool.acquire(8192).data_ptr() == pa  # the cached one is reused
 
 
-def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
-    """(resident, total) pages under t, from mincore(2)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    begin, nbytes = t.data_ptr(), t.numel() * t.element_size()
-    pages = (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES
-    vec = (ctypes.c_ubyte * pages)()
-    assert libc.mincore(ctypes.c_void_p(begin), ctypes.c_size_t(nbytes), vec) == 0, ctypes.get_errno()
-    return sum(v & 1 for v in vec), pages
-
-
 def test_unpopulated_buffer_is_faulted_in_by_populate():
     """aligned_empty(populate=False) maps without touching (a fresh hbm copy on the CPU backend), and
     populate() faults it in (before nvme reads land in it: offload.state.tiers.Tiers.fault_in)."""
@@ -238,12 +227,12 @@ def test_unpopulated_buffer_is_faulted_in_by_populate():
 
     t = aligned_empty(16 << 20, populate=False)
     assert t.data_ptr() % ALIGN_BYTES == 0
-    resident, pages = _resident_pages(t)
+    resident, pages = resident_pages(t)
     assert resident < pages // 2
     if not populate(t):
         pytest.skip("the kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
-    assert _resident_pages(t) == (pages, pages)
-    assert _resident_pages(aligned_empty(16 << 20)) == (pages, pages)  # the default: populated at once
+    assert resident_pages(t) == (pages, pages)
+    assert resident_pages(aligned_empty(16 << 20)) == (pages, pages)  # the default: populated at once
 
 
 _HEAP_SCRIPT = """

@@ -20,7 +20,7 @@ from offload import swap
 from offload.cli import main
 from offload.swap import SwapStore, clean, list_runs
 from offload.swap.rundir import OWNER_FILE, RUN_PREFIX
-from tests.test_signals import RESET, finish, start, wait_for
+from tests.process_util import RESET, finish, start, wait_for
 
 
 def files_bytes(root) -> dict[str, int]:

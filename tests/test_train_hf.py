@@ -15,24 +15,17 @@ from offload import train as training
 from offload.cli import main
 from offload.integrations.hf_io import SafetensorsWeights, iter_safetensors
 from tests import hf_archs
+from tests.hf_util import probe, save_tokenizer, spy_on_saves, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 pytest.importorskip("safetensors")
 
 
-def _tiny_llama(tied: bool):
-    cfg = transformers.LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=tied, rope_theta=10000.0)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
-
-
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
 def hf_dir(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("hf") / "llama"
-    _tiny_llama(request.param).save_pretrained(path, max_shard_size="60KB", safe_serialization=True)
+    tiny_llama(request.param).save_pretrained(path, max_shard_size="60KB", safe_serialization=True)
     shards = [f for f in os.listdir(path) if f.endswith(".safetensors")]
     assert len(shards) >= 3 and os.path.isfile(path / "model.safetensors.index.json")
     return str(path)
@@ -98,24 +91,13 @@ def test_activation_checkpointing_flag_on_a_hf_directory(hf_dir, tmp_path, capsy
     assert losses[True] == losses[False]
 
 
-def _save_tokenizer(directory, text: str):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"]))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
-    fast.save_pretrained(directory)
-    return fast
-
-
 def test_a_directory_with_a_tokenizer_trains_on_its_ids(tmp_path, capsys):
     model_dir = tmp_path / "llama"
-    _tiny_llama(tied=False).save_pretrained(model_dir, max_shard_size="60KB")
+    tiny_llama(tied=False).save_pretrained(model_dir, max_shard_size="60KB")
     text = "To be, or not to be, that is the question. " * 40
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": text[i:i + 300]}) + "\n" for i in range(0, len(text), 300)))
-    tok = _save_tokenizer(model_dir, text)
+    tok = save_tokenizer(model_dir, text)
     ids = recipe.load_token_ids(str(data), recipe._hf_tokenizer(str(model_dir)))
     first = tok(text[:300], add_special_tokens=False)["input_ids"]
     assert ids.dtype == torch.int32 and ids[:len(first)].tolist() == first and ids[len(first)] == tok.eos_token_id
@@ -128,8 +110,8 @@ def test_a_directory_with_a_tokenizer_trains_on_its_ids(tmp_path, capsys):
 
 def test_save_and_export_write_what_from_pretrained_and_autotokenizer_load_as_it_was(tmp_path, capsys):
     model_dir, save, ckpts, export = tmp_path / "llama", tmp_path / "saved", tmp_path / "ckpts", tmp_path / "export"
-    _tiny_llama(tied=False).save_pretrained(model_dir, max_shard_size="60KB")
-    tok = _save_tokenizer(model_dir, "To be, or not to be, that is the question. " * 40)
+    tiny_llama(tied=False).save_pretrained(model_dir, max_shard_size="60KB")
+    tok = save_tokenizer(model_dir, "To be, or not to be, that is the question. " * 40)
     assert json.loads((model_dir / "config.json").read_text())["use_cache"] is True
     rc = main(["train", "--model", str(model_dir), "--steps", "2", "--batch-size", "2", "--seq-len", "16",
                "--nvme-path", str(tmp_path / "swap"), "--out", str(tmp_path / "run"), "--save", str(save),
@@ -160,31 +142,9 @@ def arch_dirs(tmp_path_factory):
     dirs = {}
     for arch in hf_archs.ARCHS:
         hf_archs.save_model(arch, root / arch)
-        _save_tokenizer(root / arch, TEXT)
+        save_tokenizer(root / arch, TEXT)
         dirs[arch] = root / arch
     return dirs
-
-
-def _probe():
-    return torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(7))
-
-
-def _spy_on_saves(monkeypatch) -> dict:
-    """Wraps training.save: before the first save, the engine's full state and its logits on the probe batch."""
-    seen, real = {}, training.save
-
-    def save(engine, info, directory, lora=None, merged=False, **kw):
-        if "state" not in seen:
-            seen["state"] = engine.full_state_dict()
-            seen["units"] = [[s.name for s in u.slots] for u in engine.units]
-            engine.eval()
-            with torch.no_grad():
-                out = engine(_probe())
-            seen["logits"] = out if isinstance(out, torch.Tensor) else out.logits
-        return real(engine, info, directory, lora, merged, **kw)
-
-    monkeypatch.setattr(training, "save", save)
-    return seen
 
 
 @pytest.mark.parametrize("arch", sorted(hf_archs.ARCHS))
@@ -198,10 +158,10 @@ def test_any_causal_lm_streams_into_the_engine_with_transformers_logits(arch_dir
     assert info["kind"] == "hf" and all(p.is_meta for p in model.parameters())
     ref = transformers.AutoModelForCausalLM.from_pretrained(arch_dirs[arch], dtype=torch.float32).eval()
     with torch.no_grad():
-        expected = ref(input_ids=_probe()).logits
+        expected = ref(input_ids=probe()).logits
     with offload.initialize(model, cfg, weights=weights) as eng, torch.no_grad():
         eng.eval()
-        got = eng(input_ids=_probe()).logits
+        got = eng(input_ids=probe()).logits
         for name, b in ref.named_buffers():
             assert torch.equal(model.get_buffer(name), b), name
     weights.close()
@@ -219,7 +179,7 @@ def test_lora_run_saves_a_merged_model_and_an_export_transformers_loads(arch_dir
                                                                          arch, targets):
     model_dir = arch_dirs[arch]
     merged, adapter, ckpts, export = tmp_path / "merged", tmp_path / "adapter", tmp_path / "ck", tmp_path / "export"
-    seen = _spy_on_saves(monkeypatch)
+    seen = spy_on_saves(monkeypatch)
     rc = main(["train", "--model", str(model_dir), "--data", str(model_dir.parent / "data.jsonl"), "--lora", "4",
                *(["--lora-targets", targets] if targets else []), "--steps", str(STEPS), "--batch-size", "2",
                "--seq-len", "16", "--lr", "1e-2", "--precision", "fp32", "--nvme-path", str(tmp_path / "swap"),
@@ -237,10 +197,10 @@ def test_lora_run_saves_a_merged_model_and_an_export_transformers_loads(arch_dir
             loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
             assert not any(info.values()), info
             assert loaded.config.use_cache is True and (out / "tokenizer.json").is_file()
-            torch.testing.assert_close(loaded.eval()(_probe()).logits, seen["logits"], rtol=1e-5, atol=1e-5)
-        assert not torch.allclose(base(_probe()).logits, seen["logits"])  # the adapters trained
+            torch.testing.assert_close(loaded.eval()(probe()).logits, seen["logits"], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(base(probe()).logits, seen["logits"])  # the adapters trained
         peft_model = peft.PeftModel.from_pretrained(base, str(adapter)).eval()  # into base, in place
-        torch.testing.assert_close(peft_model(_probe()).logits, seen["logits"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(peft_model(probe()).logits, seen["logits"], rtol=1e-5, atol=1e-5)
     if base.config.tie_word_embeddings:  # one tensor in the engine, once on disk, one parameter when loaded
         assert "lm_head.weight" not in source and not any("lm_head" in n for names in seen["units"] for n in names)
         assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight

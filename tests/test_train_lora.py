@@ -17,7 +17,7 @@ from offload.cli import main
 from offload.data import load_data, make_sampler
 from offload.lora import base_name
 from offload.step.scale import lr_factor
-from tests.test_train_hf import _probe, _save_tokenizer, _spy_on_saves, _tiny_llama
+from tests.hf_util import probe, save_tokenizer, spy_on_saves, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -30,8 +30,8 @@ TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mi
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("lora") / "llama"
-    _tiny_llama(tied=False).save_pretrained(path, max_shard_size="60KB")
-    _save_tokenizer(path, TEXT)
+    tiny_llama(tied=False).save_pretrained(path, max_shard_size="60KB")
+    save_tokenizer(path, TEXT)
     data = path.parent / "data.jsonl"
     data.write_text("".join(json.dumps({"text": TEXT[i:i + 200]}) + "\n" for i in range(0, len(TEXT), 200)))
     return path
@@ -41,7 +41,7 @@ def _auto_peft_logits(adapter, tmp_path) -> torch.Tensor:
     """The probe's logits of `AutoPeftModelForCausalLM.from_pretrained(adapter)` in a process with no hub
     (HF_HUB_OFFLINE=1): the adapter alone says where its base is."""
     ids, out = tmp_path / "probe.pt", tmp_path / "auto_peft_logits.pt"
-    torch.save(_probe(), ids)
+    torch.save(probe(), ids)
     code = ("import sys, torch, peft; m = peft.AutoPeftModelForCausalLM.from_pretrained(sys.argv[1]).eval(); "
             "torch.save(m(torch.load(sys.argv[2])).logits.detach(), sys.argv[3])")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -92,7 +92,7 @@ def test_lora_run_of_a_hf_directory_equals_torch_and_peft_and_saves_what_they_lo
     args = ["--model", str(model_dir), "--data", data, "--lora", "4", "--steps", str(STEPS), "--batch-size",
             str(BATCH), "--seq-len", str(SEQ), "--lr", str(LR), "--clip", "0", "--precision", "fp32",
             "--offload-param", "nvme", "--offload-optimizer", optimizer, "--nvme-path", str(tmp_path / "swap")]
-    seen = _spy_on_saves(monkeypatch)
+    seen = spy_on_saves(monkeypatch)
     rc = main(["train", *args, "--out", str(tmp_path / "run"), "--save", str(save), "--save-merged", str(merged),
                "--json", "--no-progress"])
     assert rc == 0
@@ -119,7 +119,7 @@ def test_lora_run_of_a_hf_directory_equals_torch_and_peft_and_saves_what_they_lo
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     loaded = peft.PeftModel.from_pretrained(base, str(save)).eval()
     with torch.no_grad():
-        torch.testing.assert_close(loaded(_probe()).logits, seen["logits"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loaded(probe()).logits, seen["logits"], rtol=1e-5, atol=1e-5)
     assert json.loads((save / "adapter_config.json").read_text())["base_model_name_or_path"] == str(model_dir)
     assert _card_base(save) == str(model_dir)
     torch.testing.assert_close(_auto_peft_logits(save, tmp_path), seen["logits"], rtol=1e-5, atol=1e-5)
@@ -132,13 +132,13 @@ def test_lora_run_of_a_hf_directory_equals_torch_and_peft_and_saves_what_they_lo
     assert model.config.use_cache is True and (merged / "generation_config.json").is_file()
     assert not any("lora" in n or "base_layer" in n for n, _ in model.named_parameters())
     with torch.no_grad():
-        torch.testing.assert_close(model(_probe()).logits, seen["logits"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(probe()).logits, seen["logits"], rtol=1e-5, atol=1e-5)
     assert report["saved"] == str(save) and report["saved_merged"] == str(merged)
 
 
 def test_lora_on_a_preset_saves_its_adapter_in_hf_names_beside_its_exported_base(tmp_path, monkeypatch, capsys):
     save, merged, ckpts, export = tmp_path / "adapter", tmp_path / "merged", tmp_path / "ckpts", tmp_path / "export"
-    seen = _spy_on_saves(monkeypatch)
+    seen = spy_on_saves(monkeypatch)
     rc = main(["train", "--model", "tiny", "--lora", "4", "--lora-targets", "q_proj,v_proj,down_proj",
                "--steps", "3", "--batch-size", "2", "--seq-len", "16", "--lr", "1e-2", "--precision", "fp32",
                "--nvme-path", str(tmp_path / "swap"), "--out", str(tmp_path / "run"), "--save", str(save),
@@ -155,12 +155,12 @@ def test_lora_on_a_preset_saves_its_adapter_in_hf_names_beside_its_exported_base
     assert "`tiny` preset" in (save / "README.md").read_text()
     torch.testing.assert_close(_auto_peft_logits(save, tmp_path), seen["logits"], rtol=1e-5, atol=1e-5)
     with torch.no_grad():
-        torch.testing.assert_close(loaded(_probe()).logits, seen["logits"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loaded(probe()).logits, seen["logits"], rtol=1e-5, atol=1e-5)
         for out in (merged, export):
             merged_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-            torch.testing.assert_close(merged_model(_probe()).logits, seen["logits"], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(merged_model(probe()).logits, seen["logits"], rtol=1e-5, atol=1e-5)
         plain = transformers.AutoModelForCausalLM.from_pretrained(save / "base").eval()
-        assert not torch.allclose(plain(_probe()).logits, seen["logits"])  # the adapters trained
+        assert not torch.allclose(plain(probe()).logits, seen["logits"])  # the adapters trained
 
 
 def test_a_lora_run_resumes_from_its_checkpoint_exactly(tmp_path, capsys):

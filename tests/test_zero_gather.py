@@ -8,8 +8,8 @@ import torch
 
 from offload.scheduler.streams import CopyStream
 from offload.state.gather import ShardGather
-from tests import test_stream_ordering
-from tests.test_zero import CHUNK_BYTES, _assert_trains_like_one_process, run_ranks, single_in_rank_order
+from tests.fake_cuda import FakeEvent, cuda  # noqa: F401 (cuda: the fixture)
+from tests.ranks_util import CHUNK_BYTES, assert_trains_like_one_process, run_ranks, single_in_rank_order
 
 
 BUDGET = 400_000  # rank 1's hbm bytes: its plan shrinks to them  # rank 1: about what its plan needs
@@ -59,7 +59,9 @@ def test_stage3_gathers_run_ahead_on_the_gather_thread_in_one_order_on_every_ran
         for i in stepped[1:]:
             since_use = max(j for j in range(i) if r["events"][j][0] == "use")
             assert ["issue", "inp"] in r["events"][since_use:i], r["events"][since_use:i + 2]
-        assert "exposed_s" in r["collectives"]["all_gather"]  # recorded; its size is timing (bench/zero.py)
+        # the compute thread's waits on gathers ahead were recorded (Telemetry.exposed makes the key); their
+        # size is timing (bench/zero.py)
+        assert "exposed_s" in r["collectives"]["all_gather"]
     assert _gathered(ahead[0]["events"]) == _gathered(ahead[1]["events"])
     for r in on_use:
         assert {e[2] for e in r["events"] if e[0] == "gather"} == {"MainThread"}
@@ -74,10 +76,7 @@ def test_stage3_gathers_run_ahead_on_the_gather_thread_in_one_order_on_every_ran
     cfg = {k: v for k, v in base.items() if not k.startswith("_") or k == "_model"}
     ref_losses, ref_sd = single_in_rank_order({**cfg, "zero_stage": 0, "nvme_path": str(tmp_path / "ref")}, steps,
                                               gas, 2)
-    _assert_trains_like_one_process(ahead, ref_losses, ref_sd, sd_ahead, "fp32", steps, in_rank_order=True)
-
-
-cuda = test_stream_ordering.cuda  # the fixture: the recording fake of torch.cuda's stream API
+    assert_trains_like_one_process(ahead, ref_losses, ref_sd, sd_ahead, "fp32", steps, in_rank_order=True)
 
 
 def test_a_gather_ahead_waits_for_its_shard_on_the_gather_stream_and_compute_waits_for_the_gather(cuda):
@@ -108,7 +107,7 @@ def test_a_gather_ahead_waits_for_its_shard_on_the_gather_stream_and_compute_wai
         assert g.after(h2d._stream) == len(h2d._stream.work)  # after the shard's copy
         assert g.after(cuda.default, g.work.index("broadcast")) == 1  # the allocation, not the forward
         assert cuda.default.after(g) >= g.work.index("broadcast") + 1, cuda.log  # compute after the broadcast
-        assert isinstance(done._ended[0], test_stream_ordering.FakeEvent)
+        assert isinstance(done._ended[0], FakeEvent)
     finally:
         gather.close()
         h2d.close()

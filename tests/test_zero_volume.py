@@ -34,7 +34,7 @@ def test_rounds_deal_every_window_once_with_distinct_owners():
 
 def run_ranks(world: int, cfg: dict, out: str, steps: int, gas: int, scatter: bool) -> list[dict]:
     """`world` ranks of this file's main(), each training its slice of the MLP's batches; their reports."""
-    from tests.test_zero import run_ranks as launch
+    from tests.ranks_util import run_ranks as launch
 
     return launch(world, cfg, out, steps, gas, script=os.path.abspath(__file__), extra=(str(int(scatter)),))
 

@@ -78,6 +78,59 @@ class KeptInput:
         return f"activations/{self.seq}"
 
 
+def _movable(t: torch.Tensor, hbm: torch.device) -> bool:
+    """Worth moving as a tensor: a page or more, contiguous, in hbm (module note)."""
+    return t.numel() * t.element_size() >= MOVE_MIN_BYTES and t.is_contiguous() and t.device.type == hbm.type
+
+
+class StorageHolders:
+    """The storages of the inputs asked to move: address -> (unit, a weak reference to the input holding it)."""
+
+    def __init__(self):
+        self.by_address: dict[int, tuple[int, weakref.ref]] = {}
+
+    def claim(self, unit: int, t: torch.Tensor) -> bool:
+        """Records `t` as its storage's holder; False, recording nothing, where an input of another unit holds
+        that storage alive (the rotary tables every layer takes): moving `t` would free nothing."""
+        addr = t.untyped_storage().data_ptr()
+        held = self.by_address.get(addr)
+        other = held[1]() if held is not None else None
+        if other is not None and held[0] != unit and other.untyped_storage().data_ptr() == addr:
+            return False
+        self.by_address = {a: h for a, h in self.by_address.items() if h[1]() is not None}
+        self.by_address[addr] = (unit, weakref.ref(t))
+        return True
+
+
+class SpareBuffers:
+    """Dram buffers the moved inputs no longer need, by size, kept (still charged to dram) for the next input of
+    their size (module note); `tiers` frees them."""
+
+    def __init__(self, tiers):
+        self.tiers = tiers
+        self.by_size: dict[int, list[torch.Tensor]] = {}  # nbytes -> dram buffers (uint8), the oldest first
+        self.total_bytes = 0
+
+    def has(self, nbytes: int) -> bool:
+        return bool(self.by_size.get(nbytes))
+
+    def take(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """The newest spare of `nbytes`, viewed as `dtype` (has(nbytes) first)."""
+        self.total_bytes -= nbytes
+        return self.by_size[nbytes].pop().view(dtype)
+
+    def put(self, buf: torch.Tensor, nbytes: int) -> None:
+        self.by_size.setdefault(nbytes, []).append(buf.view(torch.uint8))
+        self.total_bytes += nbytes
+
+    def release(self, keep_bytes: int) -> None:
+        """Frees spares, the oldest of a size first, until they hold at most `keep_bytes`."""
+        while self.total_bytes > max(keep_bytes, 0):
+            nbytes = next(n for n, bufs in self.by_size.items() if bufs)
+            self.tiers.free("dram", self.by_size[nbytes].pop(0))
+            self.total_bytes -= nbytes
+
+
 class InputTier:
     """The checkpointed units' kept inputs in `device`'s tier ("cpu": dram, "nvme"), on runtime `rt` (tiers,
     copy streams, swap store, telemetry); `ahead`: units whose inputs are fetched ahead of the backward."""
@@ -86,7 +139,7 @@ class InputTier:
         self.rt, self.where, self.ahead = rt, TIERS[device], max(1, ahead)
         self.live: dict[int, KeptInput] = {}  # seq -> record, in the order of packing
         self._dead: list[KeptInput] = []      # let go by autograd, to free at the next safe point
-        self._holders: dict[int, tuple[int, weakref.ref]] = {}  # storage address -> (unit, an input holding it)
+        self.holders = StorageHolders()       # which unit's input holds each storage asked to move
         self._seq = 0
         self._lock = threading.RLock()
         self.held = {"hbm": 0, "dram": 0, "nvme": 0}  # bytes of moved inputs in each tier now (hbm: source or back)
@@ -94,58 +147,51 @@ class InputTier:
         self.out_bytes = self.in_bytes = 0    # moved out of hbm, and back into it
         self.stayed_bytes = 0                 # kept in hbm, not worth moving (module note)
         self.wait_s = 0.0                     # unpack waiting for its input
-        self._spare: dict[int, list[torch.Tensor]] = {}  # nbytes -> dram buffers (uint8) kept for reuse
-        self.spare_bytes = 0
+        self.spares = SpareBuffers(rt.tiers)  # dram buffers kept for the next inputs of their size
 
     # -- the saved-tensor hooks' side --------------------------------------------------------------------
     def pack(self, unit: int, t: torch.Tensor) -> KeptInput | None:
         """Starts moving `t` out of hbm; None: it stays (module note)."""
         with self._lock:
-            return self._pack(unit, t)
-
-    def _pack(self, unit: int, t: torch.Tensor) -> KeptInput | None:
-        self._collect()
-        self._advance_all()
-        if not self._worth_moving(unit, t):
-            self.stayed_bytes += t.numel() * t.element_size()
-            return None
-        self._seq += 1
-        rec = KeptInput(self._seq, unit, t)
-        rec.dram = self._dram(rec, f"kept input of unit {unit}")
-        rec.src = t.detach()  # a copy job must not record autograd history
-        rec.done = self.rt.d2h.copy(rec.dram.view(rec.shape), rec.src)
-        self._hold("hbm", rec.nbytes)
-        self.live[rec.seq] = rec
-        return rec
+            self._collect()
+            self._advance_all()
+            if not (_movable(t, self.rt.tiers.hbm_device) and self.holders.claim(unit, t)):
+                self.stayed_bytes += t.numel() * t.element_size()
+                return None
+            self._seq += 1
+            rec = KeptInput(self._seq, unit, t)
+            rec.dram = self._dram(rec, f"kept input of unit {unit}")
+            rec.src = t.detach()  # a copy job must not record autograd history
+            rec.done = self.rt.d2h.copy(rec.dram.view(rec.shape), rec.src)
+            self._hold("hbm", rec.nbytes)
+            self.live[rec.seq] = rec
+            return rec
 
     def unpack(self, rec: KeptInput) -> torch.Tensor:
         """`rec`'s input back in hbm, fetching it and the next units' ahead (module note)."""
         with self._lock:
-            return self._unpack(rec)
-
-    def _unpack(self, rec: KeptInput) -> torch.Tensor:
-        if rec.error is not None:
-            raise RuntimeError(f"offload: a kept input of unit {rec.unit} could not be moved ({type(rec.error).__name__}: "
-                               f"{rec.error}); run the forward again") from rec.error
-        if rec.state is S.DROPPED:
-            raise RuntimeError(f"offload: a kept input of unit {rec.unit} was freed (its backward failed, or the "
-                               "engine was closed); run the forward again")
-        self._collect()
-        self._advance(rec)
-        if rec.state is not S.HBM:
-            t0 = time.perf_counter()
-            while rec.state is not S.IN:
-                if rec.state in (S.DRAM, S.NVME):
-                    self._fetch(rec, urgent=True)
-                else:
-                    self._advance(rec, wait=True)
-            rec.done.wait_on_compute()
-            waited = time.perf_counter() - t0
-            self.wait_s += waited
-            self.rt.telemetry.stall(waited, f"kept input of unit {rec.unit}")
-        self._fetch_ahead(rec)
-        self._advance_all()
-        return rec.hbm.view(rec.shape)
+            if rec.error is not None:
+                raise RuntimeError(f"offload: a kept input of unit {rec.unit} could not be moved "
+                                   f"({type(rec.error).__name__}: {rec.error}); run the forward again") from rec.error
+            if rec.state is S.DROPPED:
+                raise RuntimeError(f"offload: a kept input of unit {rec.unit} was freed (its backward failed, or the "
+                                   "engine was closed); run the forward again")
+            self._collect()
+            self._advance(rec)
+            if rec.state is not S.HBM:
+                t0 = time.perf_counter()
+                while rec.state is not S.IN:
+                    if rec.state in (S.DRAM, S.NVME):
+                        self._fetch(rec, urgent=True)
+                    else:
+                        self._advance(rec, wait=True)
+                rec.done.wait_on_compute()
+                waited = time.perf_counter() - t0
+                self.wait_s += waited
+                self.rt.telemetry.stall(waited, f"kept input of unit {rec.unit}")
+            self._fetch_ahead(rec)
+            self._advance_all()
+            return rec.hbm.view(rec.shape)
 
     def forget(self, rec: KeptInput) -> None:
         """A finalizer's: autograd let go of `rec` (freed at the next safe point, module note)."""
@@ -168,7 +214,7 @@ class InputTier:
                 if rec.seq > after:
                     self._drop(rec)
             if not after:
-                self._release_spares(0)
+                self.spares.release(0)
 
     def mark(self) -> int:
         """Where the records packed from now on begin (drop_all(after=) frees them: a failed forward)."""
@@ -181,7 +227,7 @@ class InputTier:
                     "nvme_bytes": self.held["nvme"], "nvme_peak_bytes": self.peak["nvme"],
                     "moved_out_bytes": self.out_bytes, "moved_in_bytes": self.in_bytes,
                     "stayed_bytes": self.stayed_bytes, "unpack_wait_s": self.wait_s,
-                    "dram_spare_bytes": self.spare_bytes}
+                    "dram_spare_bytes": self.spares.total_bytes}
 
     def _collect(self) -> None:
         """Frees the records autograd let go of."""
@@ -194,19 +240,6 @@ class InputTier:
             self._advance(rec)
 
     # -- the records' transitions ---------------------------------------------------------------------
-    def _worth_moving(self, unit: int, t: torch.Tensor) -> bool:
-        nbytes = t.numel() * t.element_size()
-        if nbytes < MOVE_MIN_BYTES or not t.is_contiguous() or t.device.type != self.rt.tiers.hbm_device.type:
-            return False
-        addr = t.untyped_storage().data_ptr()
-        held = self._holders.get(addr)
-        other = held[1]() if held is not None else None
-        if other is not None and held[0] != unit and other.untyped_storage().data_ptr() == addr:
-            return False  # an input of another unit holds the storage alive: moving frees nothing
-        self._holders = {a: h for a, h in self._holders.items() if h[1]() is not None}
-        self._holders[addr] = (unit, weakref.ref(t))
-        return True
-
     def _advance(self, rec: KeptInput, wait: bool = False) -> None:
         """Takes `rec` through its completed transfers (wait: waits for the one in flight first)."""
         while rec.done is not None and (wait or rec.done.done()):
@@ -282,17 +315,16 @@ class InputTier:
         one, the spares of other sizes are freed, then the oldest transfer of a record holding dram is waited for
         (a write to nvme, or a copy back to hbm, leaves its buffer spare when it completed)."""
         acct = self.rt.tiers.acct["dram"]
-        while not self._spare.get(rec.nbytes) and not acct.fits(rec.nbytes):
+        while not self.spares.has(rec.nbytes) and not acct.fits(rec.nbytes):
             moving = [r for r in self.live.values() if r.done is not None and r.dram is not None]
-            if self.spare_bytes:  # of other sizes
-                self._release_spares(0)
+            if self.spares.total_bytes:  # of other sizes
+                self.spares.release(0)
             elif moving:
                 self._advance(moving[0], wait=True)  # its buffer becomes a spare
             else:
                 break  # the tiers' error names the tier, the bytes and the budget
-        if self._spare.get(rec.nbytes):
-            self.spare_bytes -= rec.nbytes
-            t = self._spare[rec.nbytes].pop().view(rec.dtype)
+        if self.spares.has(rec.nbytes):
+            t = self.spares.take(rec.nbytes, rec.dtype)
         else:
             t = self.rt.tiers.empty("dram", rec.shape.numel(), rec.dtype, what)
         self._hold("dram", rec.nbytes)
@@ -301,17 +333,9 @@ class InputTier:
     def _free_dram(self, rec: KeptInput) -> None:
         """`rec`'s dram buffer, its transfers settled, kept as a spare (module note)."""
         self._hold("dram", -rec.nbytes)
-        self._release_spares(self.peak["dram"] - rec.nbytes)
-        self._spare.setdefault(rec.nbytes, []).append(rec.dram.view(torch.uint8))
-        self.spare_bytes += rec.nbytes
+        self.spares.release(self.peak["dram"] - rec.nbytes)
+        self.spares.put(rec.dram, rec.nbytes)
         rec.dram = None
-
-    def _release_spares(self, keep: int) -> None:
-        """Frees spare dram buffers, the oldest of a size first, until they hold at most `keep` bytes."""
-        while self.spare_bytes > max(keep, 0):
-            nbytes = next(n for n, bufs in self._spare.items() if bufs)
-            self.rt.tiers.free("dram", self._spare[nbytes].pop(0))
-            self.spare_bytes -= nbytes
 
     def _delete(self, rec: KeptInput) -> None:
         if rec.on_disk:
