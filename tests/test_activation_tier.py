@@ -252,13 +252,13 @@ def test_a_failed_write_to_nvme_fails_the_forward_and_leaves_nothing(tmp_path):
     raises that error, the micro-step rolled back (no unit stepped in the backward: overlap_step off; with it,
     as any I/O error after a unit was stepped, the engine would refuse to go on), every byte is returned, and
     once writes work again the engine trains on."""
-    from offload.swap import SwapStore
+    from offload.swap.transfer import failed_ticket
     from offload.swap.errors import SwapIOError
 
     with offload.initialize(_mlp(), config(tmp_path, "nvme", overlap_step=False)) as eng:
         before = eng.stats()["tiers"]
         write = eng.store.write
-        eng.store.write = lambda key, t, **kw: (SwapStore._failed(SwapIOError(errno.ENOSPC, "write", path="swap", offset=0,
+        eng.store.write = lambda key, t, **kw: (failed_ticket(SwapIOError(errno.ENOSPC, "write", path="swap", offset=0,
                                                                                 nbytes=t.numel() * t.element_size()))
                                                 if key.startswith("activations/") else write(key, t, **kw))
         x, y = batches(1)[0]

@@ -1,5 +1,5 @@
 """Swap I/O failures as a drive delivers them, under a real Engine: the swap store's I/O backend is
-tests/test_swap_failures.py's FaultyBackend around the real one, completing the chosen blocks with -EIO or
+tests/swap_util.py's FaultyBackend around the real one, completing the chosen blocks with -EIO or
 -ENOSPC on a backend thread, so the error reaches the engine through the ticket it waits on (not from a
 mock's write()). In a forward's weight fetch, in the backward's write-back of the gradient accumulator and
 in the optimizer's window writes: the error names the errno and the swap file; the micro-step rolls back
@@ -22,7 +22,7 @@ from offload import swap
 from offload.step.pipeline import Phase, StepFailed
 from offload.swap import SwapIOError, SwapStore
 from tests.engine_util import MLP, mlp_batches, train
-from tests.test_swap_failures import FaultyBackend
+from tests.swap_util import FaultyBackend
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
 

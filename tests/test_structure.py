@@ -8,9 +8,6 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# importer -> the test module it may still import, until that helper moves to a helper module
-# (tests/test_swap_failures.py's FaultyEngine: renamed and moved on its own branch)
-KNOWN = {"test_io_faults": {"test_swap_failures"}}
 IN_CODE = re.compile(r"(?:from|import)\s+tests\.(test_\w+)|from\s+tests\s+import\s+([\w, ]+)")
 
 
@@ -32,7 +29,7 @@ def imported_test_modules(path: pathlib.Path) -> set[str]:
 def test_no_test_module_imports_another():
     offenders = {}
     for f in sorted((ROOT / "tests").glob("test_*.py")):
-        other = imported_test_modules(f) - {f.stem} - KNOWN.get(f.stem, set())
+        other = imported_test_modules(f) - {f.stem}
         if other:
             offenders[f.name] = sorted(other)
     assert not offenders, f"move what they share into a helper module of tests/: {offenders}"

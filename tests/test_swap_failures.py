@@ -16,31 +16,10 @@ from offload import swap
 from offload import swap
 from offload.swap import SwapCorruptionError, SwapIOError, SwapStore, clean, list_runs, open_backend
 from offload.swap.rundir import RUN_PREFIX, create_file
+from tests.swap_util import FaultyBackend
 from tests.unprivileged import unwritable_dir
 
 BACKENDS = ["threads", pytest.param("libaio", marks=pytest.mark.libaio)]  # libaio: tests/conftest.py
-
-
-class FaultyBackend:
-    """Wraps a real backend; `fail(block)` returns None (do the I/O) or the result to report instead."""
-
-    name = "faulty"
-
-    def __init__(self, inner, fail):
-        self.inner, self.fail = inner, fail
-
-    def submit(self, blocks):
-        real = []
-        for b in blocks:
-            result = self.fail(b)
-            if result is None:
-                real.append(b)
-            else:  # complete from another thread, as a real backend would
-                threading.Thread(target=b.done, args=(b, result)).start()
-        self.inner.submit(real)
-
-    def close(self):
-        self.inner.close()
 
 
 @pytest.fixture(params=BACKENDS)

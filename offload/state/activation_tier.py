@@ -1,37 +1,5 @@
 """Where the inputs the engine's activation checkpoints keep wait for their backward: in hbm where the forward
 made them, or in dram, or on nvme (config offload_activations).
-
-[Note: kept inputs in a tier]
-UnitInputs (offload.step.activations) is the one saved-tensor hook through which every checkpointed unit's inputs
-are saved. With offload_activations "cpu" or "nvme" its pack hands each input worth moving to InputTier.pack,
-which leaves autograd a record (KeptInput) in the tensor's place:
-- out, as the forward makes it: a dram tensor from the tiers (pinned on CUDA, charged to dram) receives the
-  copy on the d2h copy stream; the record holds the source until that copy completed (on CUDA: its event
-  passed; nothing in the forward waits for it, the next pack finds it done), then the hbm tensor is the
-  forward's alone to free. "nvme": once in dram, the bytes go to the run's swap store, written straight from
-  that dram tensor (no chunk of the pool), which is released when the write completed. So dram holds the
-  inputs whose copy or write is in flight; where the dram budget has no room for one more, pack waits for the
-  oldest write first.
-- back, in the reverse order of their packing (the order of the backward that needs them): when
-  engine.backward begins (ahead_of_backward) and when a unit's inputs are unpacked (its recompute starts the
-  unit's backward), the inputs of the next `ahead` units in that order are fetched, as long as hbm has room:
-  nvme -> a fresh dram tensor -> hbm on the h2d copy stream, charged to hbm. unpack fetches its own if it was
-  not, and waits for it (a stall: the compute waits; on CUDA only the compute stream waits for the last copy).
-- freed when autograd lets go of the record (after the unit's backward, or with a graph dropped without a
-  backward): a finalizer queues it, and the next pack, unpack, backward or stats() settles its transfers and
-  returns its bytes (dram, the hbm charge, its swap extent). drop_all() frees every record at once (a failed
-  backward, close()); a dropped record's unpack raises.
-What stays in hbm, as without a tier: an input under MOVE_MIN_BYTES (one page, the swap store's grain), a
-non-contiguous one (a contiguous copy would change its strides, so the recompute's kernels), one not in hbm,
-and one whose storage an input of another unit still holds (the rotary tables every layer takes: moving it
-frees nothing). An input sharing its storage with a tensor alive elsewhere (the batch, the residual stream a
-layer norm outside the units saves too) is moved all the same: correct, only it frees no hbm.
-A dram buffer an input no longer needs (its write to nvme or its copy back to hbm completed) is kept, still
-charged to dram, for the next input of its size (`spare`): on CUDA a page-locked buffer costs a registration
-and on the CPU a fresh one its page faults, every input of every step. The spare buffers hold at most the most
-bytes the moved inputs held in dram at once (the oldest go first); drop_all() of everything returns them.
-One lock serializes the hooks (the compute thread; on CUDA autograd's device thread in the backward) and
-stats() (a sampler thread of `offload train`); finalizers, which run on whatever thread collects, only queue.
 """
 
 from __future__ import annotations
@@ -43,6 +11,38 @@ import weakref
 
 import torch
 from offload.state.runtime import Runtime
+
+# [Note: kept inputs in a tier]
+# UnitInputs (offload.step.activations) is the one saved-tensor hook through which every checkpointed unit's inputs
+# are saved. With offload_activations "cpu" or "nvme" its pack hands each input worth moving to InputTier.pack,
+# which leaves autograd a record (KeptInput) in the tensor's place:
+# - out, as the forward makes it: a dram tensor from the tiers (pinned on CUDA, charged to dram) receives the
+#   copy on the d2h copy stream; the record holds the source until that copy completed (on CUDA: its event
+#   passed; nothing in the forward waits for it, the next pack finds it done), then the hbm tensor is the
+#   forward's alone to free. "nvme": once in dram, the bytes go to the run's swap store, written straight from
+#   that dram tensor (no chunk of the pool), which is released when the write completed. So dram holds the
+#   inputs whose copy or write is in flight; where the dram budget has no room for one more, pack waits for the
+#   oldest write first.
+# - back, in the reverse order of their packing (the order of the backward that needs them): when
+#   engine.backward begins (ahead_of_backward) and when a unit's inputs are unpacked (its recompute starts the
+#   unit's backward), the inputs of the next `ahead` units in that order are fetched, as long as hbm has room:
+#   nvme -> a fresh dram tensor -> hbm on the h2d copy stream, charged to hbm. unpack fetches its own if it was
+#   not, and waits for it (a stall: the compute waits; on CUDA only the compute stream waits for the last copy).
+# - freed when autograd lets go of the record (after the unit's backward, or with a graph dropped without a
+#   backward): a finalizer queues it, and the next pack, unpack, backward or stats() settles its transfers and
+#   returns its bytes (dram, the hbm charge, its swap extent). drop_all() frees every record at once (a failed
+#   backward, close()); a dropped record's unpack raises.
+# What stays in hbm, as without a tier: an input under MOVE_MIN_BYTES (one page, the swap store's grain), a
+# non-contiguous one (a contiguous copy would change its strides, so the recompute's kernels), one not in hbm,
+# and one whose storage an input of another unit still holds (the rotary tables every layer takes: moving it
+# frees nothing). An input sharing its storage with a tensor alive elsewhere (the batch, the residual stream a
+# layer norm outside the units saves too) is moved all the same: correct, only it frees no hbm.
+# A dram buffer an input no longer needs (its write to nvme or its copy back to hbm completed) is kept, still
+# charged to dram, for the next input of its size (`spare`): on CUDA a page-locked buffer costs a registration
+# and on the CPU a fresh one its page faults, every input of every step. The spare buffers hold at most the most
+# bytes the moved inputs held in dram at once (the oldest go first); drop_all() of everything returns them.
+# One lock serializes the hooks (the compute thread; on CUDA autograd's device thread in the backward) and
+# stats() (a sampler thread of `offload train`); finalizers, which run on whatever thread collects, only queue.
 
 MOVE_MIN_BYTES = 4096  # an input smaller than a page stays where it was made (module note)
 TIERS = {"cpu": "dram", "nvme": "nvme"}  # offload_activations.device -> the tier the inputs wait in
