@@ -4,9 +4,9 @@ The public surface is small on purpose (see API.md): `initialize`, `Config`, `CP
 `add_arguments`, `config_from_args`, and `stop_on_signals` / `Stopped` (docs/failures.md).
 """
 
-from offload.plan.config import Config, load_config
-from offload.kernels.cpu_adam import CPUAdam
 from offload.flags import add_arguments, config_from_args
+from offload.kernels.cpu_adam import CPUAdam
+from offload.plan.config import Config, load_config
 from offload.signals import Stopped, stop_on_signals
 
 __version__ = "0.1.0"

@@ -18,30 +18,28 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from offload.checkpoint import loading, saving, state_dict as state_dicts
+from offload.checkpoint import loading, saving
+from offload.checkpoint import state_dict as state_dicts
 from offload.checkpoint.values import unit_values
-
 from offload.kernels import cpu_adam
-
-from offload.step import hooks
-
 from offload.plan import quantized
 from offload.plan.activation_memory import activation_model, batch_shape
-from offload.state.activation_tier import InputTier
 from offload.plan.attention import attention_line
-from offload.step.activations import Checkpointing, UnitInputs, no_cache
 from offload.plan.config import Config, LossScaleConfig, load_config
-from offload.state.materialize import materialize
-from offload.state.optim import OptimState
-from offload.step.pipeline import Phase, StepPipeline
 from offload.plan.placement import Placement, PlacementError, activations_advice, fits_with_activations, plan_placement
 from offload.plan.precision import resolve_precision
-from offload.step.prefetch import agreed_policy
-from offload.state.residency import WeightHandle
-from offload.state.runtime import Runtime
 from offload.plan.units import Unit, forward_order, partition
 from offload.scheduler.policy import ResidencyPolicy
 from offload.scheduler.trace import ExecutionTrace
+from offload.state.activation_tier import InputTier
+from offload.state.materialize import materialize
+from offload.state.optim import OptimState
+from offload.state.residency import WeightHandle
+from offload.state.runtime import Runtime
+from offload.step import hooks
+from offload.step.activations import Checkpointing, UnitInputs, no_cache
+from offload.step.pipeline import Phase, StepPipeline
+from offload.step.prefetch import agreed_policy
 from offload.swap.buffers import map_large_allocations
 
 log = logging.getLogger("offload")

@@ -182,7 +182,7 @@ def meta_model(model: str):
     """(--model built on the meta device, where it came from): a preset of offload.models, or the model
     AutoModelForCausalLM builds from a config.json or a directory holding one (any architecture it knows:
     the counts are the built model's, no formula per architecture)."""
-    from offload.models import PRESETS, build_model, hf_causal_lm   # local: the ledger itself needs no torch
+    from offload.models import PRESETS, build_model, hf_causal_lm  # local: the ledger itself needs no torch
 
     if os.path.isdir(model) or model.endswith(".json") or os.sep in model:
         path = os.path.join(model, "config.json") if os.path.isdir(model) else model
@@ -235,7 +235,7 @@ def quantized_weights(model, kind: str) -> dict:
     """{parameter: its record's bytes} of the weights bitsandbytes stores as `kind` when `--quantize kind` loads
     `model` (offload.plan.quantized.quantizable_linears: every linear but the output head)."""
     _check_choice("--quantize", kind, tuple(QUANTIZE_KINDS))
-    from offload.plan.quantized import quantizable_linears, record_bytes   # local import: it needs torch
+    from offload.plan.quantized import quantizable_linears, record_bytes  # local import: it needs torch
 
     linears = quantizable_linears(model, f"--quantize={kind}")
     return {m.weight: record_bytes(kind, tuple(m.weight.shape)) for _, m in linears}

@@ -7,9 +7,9 @@ import argparse
 import copy
 import pathlib
 
+from offload.integrations import deepspeed
 from offload.plan.config import DEVICES, PRECISION_CHOICES, Config, load_config
 from offload.plan.settings import read_settings_file, set_dotted
-from offload.integrations import deepspeed
 from offload.swap.measure import parse_size
 
 FLAG_KEYS = ("nvme_path", "zero_stage", "precision", "delayed_update",  # top-level keys set by add_arguments' flags

@@ -26,13 +26,13 @@ import os
 import torch
 
 import offload
-from offload.plan.config import Config, load_config
-from offload.plan.settings import set_dotted
 from offload.data import BatchSampler, ByteTokenizer, load_data, load_tokens, make_sampler
 from offload.flags import file_settings, put_flags
 from offload.integrations.hf_io import DTYPES as SAVE_DTYPES
 from offload.lora import LoraWeights, apply_lora, lora_settings, lora_targets
 from offload.models import PRESETS, build_model, hf_llama_config
+from offload.plan.config import Config, load_config
+from offload.plan.settings import set_dotted
 
 DEFAULT_SWAP_DIR = "./.offload-swap"
 DEFAULT_CHECKPOINT_DIR = "./checkpoints"

@@ -19,15 +19,22 @@ import time
 import torch
 
 import offload
-from offload.plan.config import Config
-from offload.kernels.cpu_adam import kernel_backend
 from offload.data import BatchSampler
+from offload.kernels.cpu_adam import kernel_backend
 from offload.lora import base_name, check_mergeable, save_dtype, transposed_layers
 from offload.models import hf_name, loss_of
-from offload.recipe import (DEFAULT_CHECKPOINT_DIR, DEFAULT_KEEP_CHECKPOINTS, RankSlice, as_namespace, build,
-                            data_sampler, resolve)
-from offload.state.ranks import reduced
+from offload.plan.config import Config
+from offload.recipe import (
+    DEFAULT_CHECKPOINT_DIR,
+    DEFAULT_KEEP_CHECKPOINTS,
+    RankSlice,
+    as_namespace,
+    build,
+    data_sampler,
+    resolve,
+)
 from offload.signals import SIGNALS, Stopped, stop_on_signals
+from offload.state.ranks import reduced
 from offload.watchdog import LauncherWatch, SignalWatchdog
 
 PER_STEP = ("losses", "step_seconds", "lrs", "grad_norms", "stall_seconds")  # history: one entry per step
@@ -204,7 +211,8 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, 
     signal's Stopped that something swallowed (offload/signals.py). With checkpoints, a SIGTERM is held
     until the step ends, the checkpoint is saved, and then the run stops as for any signal. The evaluator's
     loss (when due) is taken after the step's timing, so step times and stalls are training's alone."""
-    from offload.report import Progress, Sampler, tokens_per_step as run_tokens
+    from offload.report import Progress, Sampler
+    from offload.report import tokens_per_step as run_tokens
 
     gas = cfg.gradient_accumulation_steps
     tokens_per_step = run_tokens(run, cfg)

@@ -19,8 +19,8 @@ from torch.profiler import profile
 
 import offload
 from offload.kernels import cpu_adam
-from offload.plan.activation_memory import ModelDims, activation_model, activation_parts, longest_seq, model_dims
 from offload.models import LlamaLM, ModelConfig, init_weights
+from offload.plan.activation_memory import ModelDims, activation_model, activation_parts, longest_seq, model_dims
 from offload.plan.placement import PlacementError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -252,8 +252,8 @@ def test_a_failed_write_to_nvme_fails_the_forward_and_leaves_nothing(tmp_path):
     raises that error, the micro-step rolled back (no unit stepped in the backward: overlap_step off; with it,
     as any I/O error after a unit was stepped, the engine would refuse to go on), every byte is returned, and
     once writes work again the engine trains on."""
-    from offload.swap.transfer import failed_ticket
     from offload.swap.errors import SwapIOError
+    from offload.swap.transfer import failed_ticket
 
     with offload.initialize(_mlp(), config(tmp_path, "nvme", overlap_step=False)) as eng:
         before = eng.stats()["tiers"]

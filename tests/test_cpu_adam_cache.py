@@ -11,15 +11,13 @@ import hashlib
 import os
 import pwd
 import stat
-
 from pathlib import Path
 
 import pytest
 from torch.utils import cpp_extension
 
-from offload.kernels import cpu_adam
+from offload.kernels import cpu_adam, kernel_cache
 
-from offload.kernels import kernel_cache
 
 class FakeToolchain:
     """Stand-ins for torch.utils.cpp_extension.load and cpu_adam._import: `built` lists the build

@@ -13,9 +13,9 @@ import pytest
 import offload
 from offload import recipe
 from offload.cli import _user_warning, main
+from offload.integrations import deepspeed as ds
 from offload.plan.config import Config
 from offload.plan.settings import CHUNK_ALIGN_BYTES
-from offload.integrations import deepspeed as ds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -116,8 +116,8 @@ def test_fp16_trains_like_reference(tmp_path):
 
 
 def test_lr_schedule_warmup_then_cosine(tmp_path):
-    from offload.step.scale import lr_factor
     from offload.plan.config import LRScheduleConfig
+    from offload.step.scale import lr_factor
 
     s = LRScheduleConfig(type="cosine", warmup_steps=2, total_steps=6, min_ratio=0.1)
     f = [lr_factor(s, i) for i in range(7)]
@@ -351,8 +351,8 @@ def test_corrupted_optimizer_state_raises_and_keeps_what_was_written(tmp_path, p
     """Optimizer states on nvme are verified by the step that hashes them ([Note: swap digests in the
     step]): a flipped byte raises SwapCorruptionError, and that unit's weights and swap entries stay as
     they were (nothing computed from the bad bytes is kept)."""
-    from offload.swap import SwapCorruptionError
     from offload.step.windows import WindowCheck
+    from offload.swap import SwapCorruptionError
 
     model = MLP()
     eng = offload.initialize(model, cfg(tmp_path, param, "nvme", precision="bf16", gradient_clipping=clip,

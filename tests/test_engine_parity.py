@@ -181,8 +181,8 @@ class DelayedBackend:
 
 @pytest.mark.parametrize("param,optim,precision", [("cpu", "cpu", "fp32"), ("nvme", "nvme", "bf16")])
 def test_parity_with_injected_delays(tmp_path, monkeypatch, param, optim, precision):
-    from offload.swap import SwapStore, ThreadsBackend
     from offload.state.runtime import Runtime
+    from offload.swap import SwapStore, ThreadsBackend
 
     monkeypatch.setenv("OFFLOAD_TEST_COPY_DELAY_S", "0.003")  # before each copy-stream job
     monkeypatch.setattr(Runtime, "open_store", staticmethod(lambda cfg, rank=0: SwapStore(
@@ -322,9 +322,9 @@ def test_weights_kept_by_an_eval_forward_see_a_later_update(tmp_path, extra):
 def test_reuse_bytes_beyond_the_hbm_budget_fails_before_training(tmp_path):
     """An explicit reuse_bytes is honoured, not shrunk: when even the minimum working set plus the kept
     weights exceed the hbm budget, initialize refuses and names reuse_bytes."""
+    from offload.plan.config import load_config
     from offload.plan.placement import PlacementError, plan_placement
     from offload.plan.units import forward_order, partition
-    from offload.plan.config import load_config
 
     cfg = config(tmp_path, "cpu", "cpu", "fp32", budgets={"hbm_bytes": 1})
     c, model = load_config(cfg), MLP()

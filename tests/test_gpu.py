@@ -55,9 +55,10 @@ def test_cuda_parity_with_reference(tmp_path, param, optim):
 def test_cuda_offload_modes_train_like_hbm_resident_weights(tmp_path, precision, ckpt, extra):
     """The tiny preset (tied embedding) on CUDA: weights in dram or on nvme train to the numbers of
     weights kept in hbm, with the same CPU Adam (cuBLAS backward may add in another order: 1e-3)."""
+    import dataclasses
+
     from offload.data import BatchSampler, load_tokens
     from offload.models import PRESETS, build_model, loss_of
-    import dataclasses
 
     mc = dataclasses.replace(PRESETS["tiny"], checkpoint_activations=ckpt)
     assert mc.tie_embeddings

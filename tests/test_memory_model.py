@@ -15,8 +15,8 @@ import torch
 
 import offload
 from offload.models import build_model
-from offload.step.pipeline import Phase
 from offload.plan.placement import engine_plan
+from offload.step.pipeline import Phase
 
 
 def _slow_d2h(monkeypatch) -> None:

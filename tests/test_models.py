@@ -4,8 +4,7 @@ import json
 import pytest
 import torch
 
-from offload.models import (PRESETS, ModelConfig, LlamaLM, build_model, hf_llama_config, hf_name,
-                            init_weights, loss_of)
+from offload.models import PRESETS, LlamaLM, ModelConfig, build_model, hf_llama_config, hf_name, init_weights, loss_of
 
 CFG = dataclasses.replace(PRESETS["tiny"], n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from offload import data
-from offload.data import IGNORE, ByteTokenizer, ExampleSampler, Examples, load_data, load_tokens
+from offload.data import IGNORE, ByteTokenizer, Examples, ExampleSampler, load_data, load_tokens
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples", "data")
 EOS = ByteTokenizer.eos_id

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from offload import swap
-from offload import swap
 from offload.swap import SwapCorruptionError, SwapIOError, SwapStore, clean, list_runs, open_backend
 from offload.swap.rundir import RUN_PREFIX, create_file
 from tests.swap_util import FaultyBackend

@@ -19,8 +19,17 @@ import torch
 import offload
 from offload.estimate import ledger_terms, model_state_bytes
 from tests.engine_util import MLP
-from tests.ranks_util import (CHUNK_BYTES, DEADLINE_S, REPO, assert_trains_like_one_process, free_port,
-                              low_precision_mismatch, run_ranks, single, single_in_rank_order)
+from tests.ranks_util import (
+    CHUNK_BYTES,
+    DEADLINE_S,
+    REPO,
+    assert_trains_like_one_process,
+    free_port,
+    low_precision_mismatch,
+    run_ranks,
+    single,
+    single_in_rank_order,
+)
 
 
 @pytest.mark.parametrize("world,place,precision,extra", [

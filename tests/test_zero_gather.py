@@ -11,7 +11,6 @@ from offload.state.gather import ShardGather
 from tests.fake_cuda import FakeEvent, cuda  # noqa: F401 (cuda: the fixture)
 from tests.ranks_util import CHUNK_BYTES, assert_trains_like_one_process, run_ranks, single_in_rank_order
 
-
 BUDGET = 400_000  # rank 1's hbm bytes: its plan shrinks to them  # rank 1: about what its plan needs
 
 

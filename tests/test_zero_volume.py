@@ -110,8 +110,8 @@ def main() -> None:
 
     import offload
     import offload.step.accumulator
-    from tests.zero_worker import settled_stats
     from tests.engine_util import MLP, mlp_batches
+    from tests.zero_worker import settled_stats
 
     cfg, out, steps, gas = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     offload.step.accumulator.USE_REDUCE_SCATTER = sys.argv[5] == "1"

@@ -102,9 +102,9 @@ def trace_gathers(events: list) -> None:
     the training loop adds ["stepped"] after each engine.step()."""
     import threading
 
-    from offload.step.prefetch import Prefetcher
     from offload.state.gather import ShardGather
     from offload.state.residency import R, WeightHandle
+    from offload.step.prefetch import Prefetcher
 
     use, fetch, gather = Prefetcher.fetch_for_use, WeightHandle.fetch, ShardGather.run
 

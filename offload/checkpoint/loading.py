@@ -21,8 +21,8 @@ from offload.plan.units import Unit
 from offload.state.homes import write_slots
 from offload.state.optim import OptimState
 from offload.state.residency import WeightHandle
-from offload.step.pipeline import StepPipeline
 from offload.state.runtime import Runtime
+from offload.step.pipeline import StepPipeline
 
 log = logging.getLogger("offload")
 

@@ -9,9 +9,9 @@ import math
 import torch
 
 from offload import estimate as est
+from offload.lora import target_names
 from offload.plan.chunks import planned_chunk_bytes
 from offload.plan.config import Config
-from offload.lora import target_names
 from offload.plan.precision import resolve_precision
 
 # `offload train`'s placement when no flag or config file names one (offload/recipe.py, resolve)

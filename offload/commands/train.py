@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import offload
 from offload import recipe
-from offload.train import train
 from offload.signals import Stopped
-
+from offload.train import train
 
 # What `offload train --help` says about being stopped: the library itself handles no signal
 # ([Note: signals] in offload/signals.py); this command does.

@@ -16,9 +16,9 @@ $OFFLOAD_CPU_ADAM_BACKEND overrides):
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import math
-import importlib.util
 import os
 import shutil
 import subprocess

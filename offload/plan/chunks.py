@@ -18,7 +18,6 @@ import torch
 from offload.plan.settings import CHUNK_ALIGN_BYTES
 
 
-
 def planned_chunk_bytes(chunk_bytes: int, largest_numel: int) -> int:
     """The chunk the placement uses: chunk_bytes, or less when the largest unit's fp32 buffer is smaller (a
     larger chunk would only hold empty pool bytes), a multiple of CHUNK_ALIGN_BYTES."""

@@ -20,8 +20,19 @@ import torch
 from offload.plan.activation_memory import ActivationModel, activation_model, longest_seq
 from offload.plan.chunks import chunk_spans, planned_chunk_bytes, weight_chunks, window_owners
 from offload.plan.config import load_config
-from offload.plan.memory import (MINIMUM, OFFLOAD_TIER, STATE_KINDS, TIERS, Knobs, free_holds, grad_reserve,
-                            pool_chunks, runtime_parts, totals, working_set_peak)
+from offload.plan.memory import (
+    MINIMUM,
+    OFFLOAD_TIER,
+    STATE_KINDS,
+    TIERS,
+    Knobs,
+    free_holds,
+    grad_reserve,
+    pool_chunks,
+    runtime_parts,
+    totals,
+    working_set_peak,
+)
 from offload.plan.modes import every_step_overlapped
 from offload.plan.precision import PrecisionChoice, resolve_precision
 from offload.plan.units import Unit, forward_order, partition

@@ -10,6 +10,7 @@ import time
 import weakref
 
 import torch
+
 from offload.state.runtime import Runtime
 
 # [Note: kept inputs in a tier]

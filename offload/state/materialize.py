@@ -18,15 +18,23 @@ import torch
 from torch import nn
 
 from offload.plan.chunks import chunk_key, copy_spans
+from offload.plan.units import Unit
 from offload.state.homes import write_slots
-from offload.state.init_order import (adapter_group, check_initializable, default_init, init_events, last_events,
-                                      owns_tensors, run_init, scratch)
+from offload.state.init_order import (
+    adapter_group,
+    check_initializable,
+    default_init,
+    init_events,
+    last_events,
+    owns_tensors,
+    run_init,
+    scratch,
+)
 from offload.state.optim import OptimState
 from offload.state.residency import WeightHandle
-from offload.state.tiers import ChunkPool
-from offload.plan.units import Unit
-from offload.swap import SwapStore
 from offload.state.runtime import Runtime
+from offload.state.tiers import ChunkPool
+from offload.swap import SwapStore
 
 # [Note: buffers with a weights source]
 # With `weights=`, parameters come from the source and no init runs for them. Buffers: a persistent one

@@ -16,8 +16,8 @@ import time
 import torch
 
 from offload.plan.chunks import chunk_key, chunk_spans, copy_spans, packed
-from offload.state.residency import R, _Handle
 from offload.plan.units import Unit
+from offload.state.residency import R, _Handle
 from offload.state.runtime import Runtime
 
 KINDS = ("master", "exp_avg", "exp_avg_sq", "grad")

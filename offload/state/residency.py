@@ -18,9 +18,9 @@ from offload.plan.chunks import chunk_key, packed, weight_chunks
 from offload.plan.memory import READ_AHEAD  # chunks of one fetch in flight: one read while the previous is copied up
 from offload.plan.units import Unit
 from offload.state.gather import ShardGather
+from offload.state.runtime import Runtime
 from offload.state.tiers import Tiers
 from offload.state.weight_writer import WeightWriter, settle
-from offload.state.runtime import Runtime
 
 
 class Residency(enum.Enum):

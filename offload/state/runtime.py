@@ -19,10 +19,10 @@ import torch
 from offload.kernels import cpu_adam
 from offload.plan.config import Config, LossScaleConfig, LRScheduleConfig, OptimizerConfig
 from offload.plan.placement import Placement, check_nvme_path
-from offload.state.ranks import Ranks
-from offload.state.tiers import ChunkPool, Tiers
 from offload.scheduler.streams import CopyStream, Worker
 from offload.scheduler.telemetry import Telemetry
+from offload.state.ranks import Ranks
+from offload.state.tiers import ChunkPool, Tiers
 from offload.swap import SwapStore
 
 log = logging.getLogger("offload")

@@ -13,8 +13,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from offload.state.activation_tier import InputTier, KeptInput
 from offload.plan.units import Unit
+from offload.state.activation_tier import InputTier, KeptInput
 
 # [Note: activation checkpointing]
 # With `activation_checkpointing`, the forward of every unit made of layers (a root module with children: a

@@ -20,8 +20,8 @@ import torch
 
 from offload.plan.modes import StepMode
 from offload.plan.units import Unit
-from offload.step import accumulator
 from offload.state.runtime import Runtime
+from offload.step import accumulator
 
 
 @dataclass(frozen=True)

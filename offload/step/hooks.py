@@ -6,6 +6,7 @@ import time
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
 from offload.state.runtime import Runtime
 
 # [Note: finding the backward of a module]

@@ -9,15 +9,15 @@ import time
 import torch
 from torch.profiler import record_function
 
-from offload.step.gradients import Backward, GradientPath, settle
 from offload.plan.modes import StepMode, step_mode
-from offload.state.optim import KINDS, STATES
-from offload.step.prefetch import Prefetcher
 from offload.plan.units import Unit
+from offload.scheduler.telemetry import overlap_fraction
+from offload.state.optim import KINDS, STATES
+from offload.state.runtime import Runtime
+from offload.step.gradients import Backward, GradientPath, settle
+from offload.step.prefetch import Prefetcher
 from offload.step.scale import LossScale, lr_factor
 from offload.step.windows import WindowPipeline
-from offload.scheduler.telemetry import overlap_fraction
-from offload.state.runtime import Runtime
 
 # [Note: phases]
 #     idle -> forward -> backward -> idle          one micro-step (gradients leave hbm as they become final)

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from torch.profiler import record_function
 
-from offload.state.residency import R
 from offload.plan.units import Unit
 from offload.scheduler.policy import ResidencyPolicy
+from offload.state.residency import R
 
 
 class Prefetcher:

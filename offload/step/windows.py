@@ -22,10 +22,10 @@ from torch.profiler import record_function
 
 from offload.kernels.cpu_adam import StepDigests, adam_step
 from offload.plan.memory import OPTIMIZER_READ_AHEAD as READ_AHEAD
-from offload.state.optim import KINDS, STATES, OptimState
 from offload.plan.units import Unit
-from offload.swap.integrity import digest_bounds, tensor_digests
+from offload.state.optim import KINDS, STATES, OptimState
 from offload.state.runtime import Runtime
+from offload.swap.integrity import digest_bounds, tensor_digests
 
 
 class WindowPipeline:
