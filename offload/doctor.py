@@ -155,7 +155,7 @@ def probe_copy(report: dict) -> list[Check]:
 def probe_cpu_adam(report: dict, build: bool) -> list[Check]:
     from offload.kernels import cpu_adam
 
-    library = cpu_adam._cache_dir() / f"{cpu_adam._NAME}.so"
+    library = cpu_adam.cache_dir() / f"{cpu_adam.LIBRARY_NAME}.so"
     cached = library.exists()
     if not cached and not build:
         report["cpu_adam"] = {"built": False, "dir": str(library.parent)}

@@ -10,15 +10,15 @@ import os
 
 from offload.plan.memory import OFFLOAD_TIER, TIERS, Knobs, runtime_parts
 
-# [Note: the ledger]
-# Mixed precision with Adam, per parameter (Rajbhandari et al., ZeRO, 2020): 2 B bf16/fp16 weight,
-# 2 B gradient, K = 12 B optimizer state (fp32 master, m, v). With D data-parallel ranks, stage 1
-# partitions the optimizer state (/D), stage 2 also the gradients, stage 3 also the weights. Offload
-# moves a term to another tier whole: `offload_param` the weights (dram or nvme), `offload_optimizer`
-# the optimizer state (dram or nvme) and, because the step then runs on the CPU, the gradients, which our
-# runtime accumulates in fp32 in dram (4 B, not 2). With fp32 precision the weight is its own master:
-# 4 B weight, 4 B gradient, K = 8 (m, v).
-#
+# [Note: the ledger] is LEDGER, which `offload estimate --help` prints
+LEDGER = """Mixed precision with Adam, per parameter (Rajbhandari et al., ZeRO, 2020): 2 B bf16/fp16 weight,
+2 B gradient, K = 12 B optimizer state (fp32 master, m, v). With D data-parallel ranks, stage 1
+partitions the optimizer state (/D), stage 2 also the gradients, stage 3 also the weights. Offload
+moves a term to another tier whole: `offload_param` the weights (dram or nvme), `offload_optimizer`
+the optimizer state (dram or nvme) and, because the step then runs on the CPU, the gradients, which our
+runtime accumulates in fp32 in dram (4 B, not 2). With fp32 precision the weight is its own master:
+4 B weight, 4 B gradient, K = 8 (m, v)."""
+
 # [Note: the runtime]
 # Peak memory is never just the ledger. `runtime_bytes` adds what the runtime itself holds through
 # offload.plan.memory.runtime_parts, the function the engine's placement checks (its formulas and note), with

@@ -184,9 +184,9 @@ def _failing_ninja_first_on_path(tmp_path) -> str:
 
 def test_the_build_directory_is_named_by_sources_compiler_torch_and_flags_not_by_path(tmp_path, monkeypatch):
     monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
-    here = cpu_adam._cache_dir()
+    here = cpu_adam.cache_dir()
     monkeypatch.setenv("PATH", _failing_ninja_first_on_path(tmp_path))
-    assert cpu_adam._cache_dir() == here
+    assert cpu_adam.cache_dir() == here
     source, compiler = cpu_adam._source_bytes(), cpu_adam._compiler_version()
     key = cpu_adam._build_key(source, compiler)
     assert here.name.endswith(key) and here.parent == tmp_path / "cache" / "cpu_adam"

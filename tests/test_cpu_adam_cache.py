@@ -159,5 +159,5 @@ def test_the_real_build_is_sealed():
     """The real build's library passes the checks (a new process then loads it without a build:
     tests/test_cpu_adam_api.py, test_a_cached_kernel_loads_in_a_new_process_without_running_ninja)."""
     assert cpu_adam._get_kernel() is not None  # built (or loaded) by the marker's check
-    build_dir = cpu_adam._cache_dir()
+    build_dir = cpu_adam.cache_dir()
     assert kernel_cache.why_untrusted(build_dir, build_dir / "offload_cpu_adam.so") is None

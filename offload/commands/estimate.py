@@ -21,7 +21,7 @@ TRAIN_PLACEMENT = {"offload_param": "nvme", "offload_optimizer": "nvme"}
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "estimate", help="memory needed per GPU, in host RAM and on NVMe, for a model, ZeRO stage and offload choice",
-        description=__doc__ + " GB = 1e9 bytes. " + est.__doc__.split("\n\n")[1].split("\n", 1)[1])
+        description=__doc__ + " GB = 1e9 bytes. " + est.LEDGER)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=str, metavar="N", help="parameter count: 7.5e9, 7.5B, 350M")
     what.add_argument("--model", metavar="HF_CONFIG_OR_DIR",

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 # the kernels (cpu_adam.cpp, with the module's bindings) and torch's CPU allocator on the CPU backend
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_adam.cpp", "host_alloc.cpp"))
-_NAME = "offload_cpu_adam"  # the extension module (TORCH_EXTENSION_NAME) and its library, <_NAME>.so
+LIBRARY_NAME = "offload_cpu_adam"  # the extension module (TORCH_EXTENSION_NAME) and its library, <LIBRARY_NAME>.so
 _CFLAGS = ("-O3",)
 _BACKENDS = ("auto", "compiled", "torch")
 _ISAS = ("scalar", "avx2", "avx512", "avx512bf16")  # index = the kernel's ISA code (avx512bf16: AVX-512
@@ -87,7 +87,7 @@ def _compiler_version() -> str:
         raise RuntimeError(f"the C++ compiler {cxx!r} does not run: {e}") from e
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     root = os.environ.get("OFFLOAD_CACHE_DIR")
     if root is None:
         root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "offload"
@@ -98,7 +98,7 @@ def _cache_dir() -> Path:
 
 def _import(library: Path) -> object:
     """The extension module from its built library, as cpp_extension.load would import it (without ninja)."""
-    spec = importlib.util.spec_from_file_location(_NAME, library)
+    spec = importlib.util.spec_from_file_location(LIBRARY_NAME, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -109,7 +109,7 @@ def _build() -> object:
     by _build_key, so a cached build never runs ninja again). A cached library is loaded only when it can
     be trusted ([Note: trusting a cached kernel] in offload/kernels/kernel_cache.py); else it is built again and
     one line says why. Raises RuntimeError saying what failed."""
-    build_dir = _cache_dir()
+    build_dir = cache_dir()
     try:
         unsafe = kernel_cache.unsafe_ancestry(build_dir.parent)
         if unsafe is not None:  # the cache cannot be made safe from here: build for this process alone
@@ -118,7 +118,7 @@ def _build() -> object:
                 "can write, to keep the build"))
         kernel_cache.private_dirs(build_dir.parent)
         with kernel_cache.locked(build_dir.parent / f"{build_dir.name}.lock"):
-            library = build_dir / f"{_NAME}.so"
+            library = build_dir / f"{LIBRARY_NAME}.so"
             if not library.exists():
                 return _build_into(build_dir)
             why = kernel_cache.why_untrusted(build_dir, library)
@@ -140,7 +140,7 @@ def _build_into(build_dir: Path, cached: bool = True, why: str | None = None) ->
     print(f"offload: building the CPU Adam kernel ({'once, ' if cached else ''}~25 s) in {build_dir}"
           + (f" ({why})" if why else ""), file=sys.stderr, flush=True)
     module = _compile(build_dir)
-    kernel_cache.seal(build_dir / f"{_NAME}.so")
+    kernel_cache.seal(build_dir / f"{LIBRARY_NAME}.so")
     return module
 
 
@@ -157,7 +157,7 @@ def _compile(build_dir: Path) -> object:
     for path, copy in zip(_SOURCES, sources):
         shutil.copyfile(path, copy)
     try:
-        return cpp_extension.load(name=_NAME, sources=[str(c) for c in sources], extra_cflags=list(_CFLAGS),
+        return cpp_extension.load(name=LIBRARY_NAME, sources=[str(c) for c in sources], extra_cflags=list(_CFLAGS),
                                   build_directory=str(build_dir), verbose=False)
     except Exception as e:  # compiler errors surface as RuntimeError/CalledProcessError/ImportError
         raise RuntimeError(f"building/loading {', '.join(map(str, _SOURCES))} in {build_dir} failed: {e}") from e

@@ -246,7 +246,7 @@ def _fill_late(rt: Runtime, unit: Unit, w: WeightHandle, st: OptimState | None, 
     if st is not None:
         write_slots(rt, w, st, "master", [s for s in slots if s.trainable], fill, keep=True)
     write_slots(rt, w, st, "weight", slots, fill, keep=True)
-    w._attach() if w.home == "hbm" else w._detach()
+    w.attach() if w.home == "hbm" else w.detach()
 
 
 class _Progress:
@@ -283,7 +283,7 @@ def place(rt: Runtime, unit: Unit, source, weights: list, states: list, late=())
     zero, whose values come later ([Note: adapters initialized late])."""
     p = rt.settings
     given = [s for s in unit.slots if not any(s is x for x in late)]
-    values = {s.name: _initial_value(s, source, rt.dtype) for s in given}  # keeps the values past _detach()
+    values = {s.name: _initial_value(s, source, rt.dtype) for s in given}  # keeps the values past detach()
     w = WeightHandle(unit, p.weight_home[unit.index], rt.dtype, rt)
     pieces = [(s.offset, values[s.name]) for s in given]
     if w.home == "nvme":
@@ -293,7 +293,7 @@ def place(rt: Runtime, unit: Unit, source, weights: list, states: list, late=())
             copy_spans(pieces, *w.chunks[i], w.dram[w.span(i)])
     else:
         copy_spans(pieces, 0, unit.numel, w.hbm)
-        w._attach()
+        w.attach()
     weights[unit.index] = w
     if unit.trainable_numel:
         st = OptimState(unit, p.state_home[unit.index], rt)

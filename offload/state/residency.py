@@ -114,15 +114,15 @@ class WeightHandle(_Handle):
         self._lent = None          # the pool buffer under the hbm copy ([Note: reused host memory for hbm] in offload.state.tiers)
         if home != "hbm":
             self._free_hbm()
-            self._detach()
+            self.detach()
 
     # -- parameters ---------------------------------------------------------------------------------
-    def _attach(self) -> None:
+    def attach(self) -> None:
         for s in self.unit.slots:
             s.attach(self.hbm)
         self.shaped = False
 
-    def _detach(self) -> None:
+    def detach(self) -> None:
         for s in self.unit.slots:
             s.detach(self._placeholder)
         self.shaped = False
@@ -276,7 +276,7 @@ class WeightHandle(_Handle):
             self.rt.telemetry.link("dram_to_hbm", held * self.dtype.itemsize, end - self._t0)
         if self.gather is not None:  # the gather's exposed time: [Note: partitioned weights]
             self.gather.finish(t0)
-        self._attach()
+        self.attach()
         self._set(R.HBM, self.state)
 
     # -- release: hbm -> home -------------------------------------------------------------------------
@@ -287,7 +287,7 @@ class WeightHandle(_Handle):
         if self.state in (R.NVME_TO_HBM, R.DRAM_TO_HBM):
             self.wait_for_fetch()
         if self.state is R.HBM:
-            self._detach()
+            self.detach()
             self._free_hbm()
             self._set(HOME_STATE[self.home], R.HBM)
 
@@ -302,7 +302,7 @@ class WeightHandle(_Handle):
         else:
             self.release()
         if self.shaped:
-            self._detach()
+            self.detach()
 
     def close(self) -> None:
         """Settles the transfers in flight and returns every byte charged for these weights (hbm-home
@@ -316,7 +316,7 @@ class WeightHandle(_Handle):
                 if self.home == "hbm":
                     self.rt.tiers.acct["hbm"].refund(self.nbytes)
                 else:
-                    self._detach()
+                    self.detach()
                     self._free_hbm()
             if self.dram is not None:
                 self.rt.tiers.free(self.shard_tier, self.dram)
