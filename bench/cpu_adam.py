@@ -41,7 +41,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from offload import cpu_adam  # noqa: E402
+from offload.kernels import cpu_adam  # noqa: E402
 
 BYTES_PER_PARAM = 28
 HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)

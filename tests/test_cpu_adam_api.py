@@ -199,7 +199,7 @@ def test_the_build_directory_is_named_by_sources_compiler_torch_and_flags_not_by
 def test_a_cached_kernel_loads_in_a_new_process_without_running_ninja(tmp_path):
     """Built once (by the marker's check, in this process): a new process with another ninja first on PATH
     loads it from its directory, never runs ninja and never says it builds."""
-    code = "from offload import cpu_adam; assert cpu_adam._get_kernel() is not None, cpu_adam._kernel_error"
+    code = "from offload.kernels import cpu_adam; assert cpu_adam._get_kernel() is not None, cpu_adam._kernel_error"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PATH": _failing_ninja_first_on_path(tmp_path), "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr[-2000:]
