@@ -307,22 +307,21 @@ def test_keep_prunes_this_runs_oldest_by_step_not_by_file_time(tmp_path):
 
 
 class _FailingStoreWrites:
-    """The swap store's writes fail from the `after`-th on (as a drive that fills up would)."""
+    """The swap store's writes fail from the `after`-th on (as a drive that fills up would): its `write`
+    replaced on the instance, so every part holding the store sees it; restore() puts it back."""
 
     def __init__(self, store, after: int):
-        self.store, self.left = store, after
-
-    def __getattr__(self, name):
-        return getattr(self.store, name)
-
-    def __contains__(self, key):
-        return key in self.store
+        self.store, self.left, self._write = store, after, store.write
+        store.write = self.write
 
     def write(self, *a, **kw):
         self.left -= 1
         if self.left < 0:
             raise OSError(28, "No space left on device (injected)")
-        return self.store.write(*a, **kw)
+        return self._write(*a, **kw)
+
+    def restore(self) -> None:
+        del self.store.write
 
 
 def test_a_load_that_fails_after_verification_fails_the_engine(saved, tmp_path):
@@ -333,10 +332,10 @@ def test_a_load_that_fails_after_verification_fails_the_engine(saved, tmp_path):
     model, cfg, path = saved
     eng = offload.initialize(copy.deepcopy(model), {**cfg, "nvme_path": str(tmp_path / "swap2")})
     try:
-        eng.rt.store = failing = _FailingStoreWrites(eng.store, after=3)  # checkpoints write through the runtime
+        failing = _FailingStoreWrites(eng.store, after=3)
         with pytest.raises(OSError, match="injected"):
             eng.load_checkpoint(path)
-        eng.rt.store = failing.store
+        failing.restore()
         assert eng.phase is Phase.FAILED
         x, y = mlp_batches(1)[0]
         for call in (lambda: eng(x, y), eng.step, eng.full_state_dict, lambda: eng.save_checkpoint(str(tmp_path))):

@@ -125,21 +125,20 @@ def test_an_error_after_units_were_stepped_fails_the_engine_and_close_still_work
 
 
 class FailingWrites:
-    """Wraps a SwapStore: every write raises once armed (as a full disk or a dying drive would)."""
+    """Every write of a SwapStore raises once armed (as a full disk or a dying drive would): its `write`
+    replaced on the instance, so every part holding the store sees it; restore() puts it back."""
 
     def __init__(self, store):
-        self.store, self.armed = store, False
-
-    def __getattr__(self, name):
-        return getattr(self.store, name)
-
-    def __contains__(self, key):
-        return key in self.store
+        self.store, self.armed, self._write = store, False, store.write
+        store.write = self.write
 
     def write(self, *a, **kw):
         if self.armed:
             raise SwapIOError(28, "injected write failure", path="swap.data", offset=0, nbytes=4096)
-        return self.store.write(*a, **kw)
+        return self._write(*a, **kw)
+
+    def restore(self) -> None:
+        del self.store.write
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -155,12 +154,12 @@ def test_a_swap_error_mid_backward(tmp_path, overlap):
         for handle in eng.weights + eng.states:  # the handles read the store through the runtime
             assert handle is None or handle.rt is eng.rt
         before = resources(eng)
-        eng.rt.store = failing = FailingWrites(eng.rt.store)
+        failing = FailingWrites(eng.rt.store)
         failing.armed = True
         with pytest.raises(SwapIOError, match="injected"):
             eng.backward(eng(*batches[2]))
         failing.armed = False
-        eng.rt.store = failing.store
+        failing.restore()
         if overlap:
             assert eng.phase is Phase.FAILED
             with pytest.raises(StepFailed, match="SwapIOError"):
@@ -185,12 +184,12 @@ def test_a_deferred_step_that_fails_fails_the_engine_in_the_forward_that_waited(
     try:
         train(eng, batches[:1])
         assert eng.placement.deferred
-        eng.rt.store = failing = FailingWrites(eng.rt.store)
+        failing = FailingWrites(eng.rt.store)
         failing.armed = True
         with pytest.raises(SwapIOError, match="injected"):
             eng(*batches[1])
         failing.armed = False
-        eng.rt.store = failing.store
+        failing.restore()
         assert eng.phase is Phase.FAILED and eng.staging.lent == 0
         for call in (lambda: eng(*batches[2]), eng.full_state_dict, lambda: eng.save_checkpoint(str(tmp_path / "c"))):
             with pytest.raises(StepFailed, match=r"applied at the next fetch \(split_step\) failed .*SwapIOError"):
