@@ -33,3 +33,15 @@ def test_make_demo_installs_the_extras_the_readme_commands_need():
     extras = set(re.search(r"\.\[([\w,]+)\]", install).group(1).split(","))
     readme = (ROOT / "README.md").read_text()
     assert "--lora" in readme and {"hf", "lora"} <= extras
+
+
+def test_the_package_data_holds_the_kernel_sources_cpu_adam_builds_from():
+    """A wheel carries offload/'s non-Python files by pyproject's package-data globs: the sources the CPU Adam
+    kernel is built from must match one (a moved csrc/ would leave an installed package unable to build it)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from offload.kernels import cpu_adam
+
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["offload"]
+    shipped = {p for g in globs for p in (ROOT / "offload").glob(g)}
+    sources = cpu_adam._SOURCES
+    assert sources and all(src.exists() and src in shipped for src in sources), (globs, sources)
