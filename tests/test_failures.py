@@ -269,3 +269,29 @@ def test_gradient_accumulation_first_micro_step_rolls_back_a_later_one_fails(tmp
         assert eng.phase is Phase.FAILED
         with pytest.raises(StepFailed, match="step 3"):
             eng.step()
+
+
+def test_an_interrupt_between_freeing_a_fetched_copy_and_its_transition_is_not_refunded_twice(tmp_path, monkeypatch):
+    """An interrupt (Ctrl-C, or the Stopped a SIGTERM raises) lands anywhere on the compute thread: here after
+    release() emptied a fetched copy and refunded it, before the state's transition. The failure path's
+    reset() releases it again: the copy is refunded once and the weights are at home."""
+    from offload.state.residency import HOME_STATE
+
+    with offload.initialize(faulty_mlp(), config(tmp_path, "cpu")) as eng:
+        hbm = eng.tiers.acct["hbm"]
+        w = next(w for w in eng.weights if w is not None and w.home != "hbm")
+        before = hbm.used_bytes
+        w.fetch()
+        w.wait_for_fetch()
+        assert hbm.used_bytes == before + w.nbytes
+        real = w._set
+
+        def interrupted(target, expect):
+            monkeypatch.setattr(w, "_set", real)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(w, "_set", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            w.release()
+        w.reset()
+        assert w.state is HOME_STATE[w.home] and hbm.used_bytes == before

@@ -140,6 +140,10 @@ class WeightHandle(_Handle):
             self.shaped = True
 
     def _free_hbm(self) -> None:
+        """Empties the hbm copy and refunds its charge, once (the copy is charged while it has storage): a stop
+        signal's exception may land between this and the state's transition, and the failure path frees again."""
+        if not self.hbm.untyped_storage().nbytes():
+            return
         lent, self._lent = self._lent, None
         self.rt.tiers.take_hbm_memory(self.hbm, lent)
         self.rt.tiers.acct["hbm"].refund(self.nbytes)
