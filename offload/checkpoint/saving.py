@@ -21,7 +21,6 @@ from offload.checkpoint.format import CheckpointError
 from offload.checkpoint.state_dict import param_names, state_entries
 from offload.plan.config import Config
 from offload.state.homes import unit_buffers
-from offload.state.runtime import Runtime
 
 # [Note: what a checkpoint holds]
 # Per parameter, by name: its fp32 master, exp_avg and exp_avg_sq and its own Adam step count (trainable),

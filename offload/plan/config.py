@@ -8,16 +8,13 @@ keys; we refuse them). Every value is validated with a message that says how to 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
 import os
 import pathlib
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 from offload.integrations import deepspeed
-from offload.plan.settings import CHUNK_ALIGN_BYTES, build, fail, read_settings_file, with_article
+from offload.plan.settings import CHUNK_ALIGN_BYTES, build, fail, read_settings_file
 
 DEVICES = ("none", "cpu", "nvme")
 PRECISION_CHOICES = ("auto", "bf16", "fp16", "fp32")  # offload.plan.precision.CHOICES, without importing torch here

@@ -51,12 +51,11 @@ class StepSettings:
 
     @classmethod
     def of(cls, cfg: Config, placement: Placement) -> "StepSettings":
-        frozen = lambda d: MappingProxyType(dict(d))  # noqa: E731  (read-only views of the plan's maps)
+        p = placement  # its maps as read-only copies
         return cls(cfg.precision, cfg.optimizer, cfg.lr_schedule, cfg.loss_scale, cfg.gradient_accumulation_steps,
                    cfg.gradient_clipping, cfg.overlap_step, cfg.delayed_update, cfg.seed,
-                   frozen(placement.weight_home), frozen(placement.state_home), frozen(placement.owners),
-                   frozen(placement.weight_owners), tuple(placement.deferred), placement.read_ahead,
-                   placement.grad_reserve)
+                   *(MappingProxyType(dict(m)) for m in (p.weight_home, p.state_home, p.owners, p.weight_owners)),
+                   tuple(p.deferred), p.read_ahead, p.grad_reserve)
 
 
 @dataclass
