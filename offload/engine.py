@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from offload import handback
 from offload.checkpoint import loading, saving
 from offload.checkpoint import state_dict as state_dicts
 from offload.checkpoint.values import unit_values
@@ -38,7 +39,7 @@ from offload.state.residency import WeightHandle
 from offload.state.runtime import Runtime
 from offload.step import hooks
 from offload.step.activations import Checkpointing, UnitInputs, no_cache
-from offload.step.pipeline import Phase, StepPipeline
+from offload.step.pipeline import EngineClosed, Phase, StepPipeline
 from offload.step.prefetch import agreed_policy
 from offload.swap.buffers import map_large_allocations
 
@@ -78,6 +79,7 @@ class Engine(nn.Module):
         self.dtype = cfg.compute_dtype
         if cfg.quantize_base is not None:
             quantized.quantize_base(model, cfg.quantize_base, self.dtype)
+        self._inference = quantized.InferenceKernel(model)  # [Note: the CPU inference repack] in offload.plan.quantized
         self.units: list[Unit] = partition(model, cfg.units.min_numel, cfg.units.classes,
                                                itemsize=self.dtype.itemsize)
         self.placement: Placement = plan_placement(self.units, cfg, self.device, order=forward_order(model, self.units),
@@ -88,7 +90,7 @@ class Engine(nn.Module):
         agree = (lambda values, op: rt.ranks.agree(values, op, "all_reduce: the trace to replay")
                  ) if self.placement.weight_owners else None  # [Note: collective order] in offload.state.ranks
         self.trace = ExecutionTrace(self.placement.knobs.prefetch_units, agree=agree)
-        self._closed = False
+        self._closed = self._kept = False
         self.checkpoint_run_id: str | None = None  # the run its checkpoints belong to (offload.checkpoint.saving.run_id)
         self.weights: list[WeightHandle | None] = [None] * len(self.units)  # filled by materialize
         self.states: list[OptimState | None] = [None] * len(self.units)
@@ -118,8 +120,8 @@ class Engine(nn.Module):
                                       else None)  # [Note: activation checkpointing] in offload.step.activations
         self._checkpointing = (Checkpointing(self.units, self.unit_inputs, lambda: self.pipeline.in_backward)
                                if cfg.activation_checkpointing else None)
-        self._guards = state_dicts.guard_module(model)  # model.state_dict() would read placeholders: kept after close
-        _serve_save_pretrained(self, model)
+        self._guards = state_dicts.guard_module(model)  # model.state_dict() would read placeholders
+        self._unserve = _serve_save_pretrained(self, model)
         log.info("%s", self.placement.describe())
         # On stderr, where a user sees it: a training script's logging may show no INFO. Over ranks rank 0
         # prints it alone (the others' differ only in their own budgets; their logs have it at INFO).
@@ -294,12 +296,20 @@ class Engine(nn.Module):
                 "activations": {"checkpointed_units": len(self._checkpointing.units) if self._checkpointing else 0,
                                 **activations}}
 
-    def close(self) -> None:
+    def close(self, keep_weights: bool = False) -> None:
         """Frees pinned memory, stops the threads and removes the swap files; also after an error (it does
-        not raise what was already raised). Idempotent."""
+        not raise what was already raised). Idempotent. Afterwards the model's parameters are empty and any
+        use of the model raises EngineClosed, unless keep_weights: then the trained weights (after flush(); the
+        compute dtype, quantized ones as bitsandbytes stores them) go back into the model's own parameters
+        first, and it runs in plain PyTorch, as the engine's forward did (offload.handback: refused, with
+        nothing freed, when they do not fit the RAM available; over ranks every rank calls it)."""
         if self._closed:
+            if keep_weights and not self._kept:
+                raise EngineClosed("close(keep_weights=True): this engine was closed without keep_weights and its "
+                                   "weights are gone; load a saved directory or checkpoint")
             return
-        self._closed = True
+        kept = handback.take(self) if keep_weights else None
+        self._closed, self._kept = True, kept is not None
         for h in getattr(self, "_handles", []) + getattr(self, "_grad_hooks", []):
             h.remove()
         if getattr(self, "_checkpointing", None) is not None:
@@ -312,6 +322,17 @@ class Engine(nn.Module):
             self.rt.close(self.weights + self.states)
         if getattr(self, "_host_cache", False):
             cpu_adam.close_host_cache()
+        if getattr(self, "_inference", None) is not None:
+            self._inference.close(restore=kept is not None)
+        for h in getattr(self, "_guards", []):
+            h.remove()
+        if kept is None:
+            self._guards = state_dicts.guard_module(self.module, closed=True)
+            return
+        self._guards = []
+        handback.give(self, kept)
+        self._unserve()
+        _WRAPPED.discard(self.module)
 
     def __enter__(self) -> "Engine":
         return self
@@ -373,28 +394,36 @@ class BatchCheck:
         self.checked = shape if checked is None else (max(shape[0], checked[0]), max(shape[1], checked[1]))
 
 
-def _serve_save_pretrained(engine: "Engine", model: nn.Module) -> None:
+def _serve_save_pretrained(engine: "Engine", model: nn.Module):
     """`model.save_pretrained(dir)` (a PEFT or transformers model) writes the engine's values: the model's own
     state_dict() would read placeholders (state_dicts.guard_module refuses it). A PEFT model gets the
     trainable parameters only (its adapter: no frozen base weight is read), a transformers model the whole
-    state_dict(). An explicit state_dict= is passed through as given."""
+    state_dict(). An explicit state_dict= is passed through as given. Returns what puts the model's own back."""
     original = getattr(model, "save_pretrained", None)
     if not callable(original):
-        return
+        return lambda: None
     adapter = hasattr(model, "peft_config")
     ref = weakref.ref(engine)
 
     def save_pretrained(save_directory, *args, **kwargs):
         eng = ref()
         if "state_dict" not in kwargs:
-            if eng is None:
-                raise RuntimeError("save_pretrained: the offload engine that held this model's values is gone; "
-                                   "save through a live engine (before close())")
+            if eng is None or eng._closed:
+                raise EngineClosed(f"save_pretrained: {state_dicts.CLOSED}")
             kwargs["state_dict"] = eng.trainable_state_dict() if adapter else eng.state_dict()
         return original(save_directory, *args, **kwargs)
 
     save_pretrained.__doc__ = original.__doc__
+    own = model.__dict__.get("save_pretrained")  # an attribute of the instance before ours, put back
+
+    def unserve() -> None:
+        if own is None:
+            model.__dict__.pop("save_pretrained", None)
+        else:
+            model.save_pretrained = own
+
     model.save_pretrained = save_pretrained
+    return unserve
 
 
 def _check_unsupported(cfg: Config) -> tuple[int, int]:

@@ -330,3 +330,27 @@ def test_examples_train_and_the_loss_falls(script):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["last_loss"] < result["first_loss"]
+
+
+def test_close_keep_weights_hands_the_trained_model_back_and_a_plain_close_says_so(offload_run, tmp_path):
+    """close(keep_weights=True): trainer.model runs in plain PyTorch with the engine's last logits and saves with
+    transformers' own save_pretrained; after a plain close() its use names the ways to keep the weights."""
+    from offload.step.pipeline import EngineClosed
+
+    trainer, _ = offload_run(max_steps=3)
+    ids = dataset(2, seed=5)[0]["input_ids"][None]
+    with torch.no_grad():
+        ours = trainer.engine(input_ids=ids).logits
+    trainer.close(keep_weights=True)
+    with torch.no_grad():
+        assert torch.equal(trainer.model(input_ids=ids).logits, ours)
+    trainer.model.save_pretrained(tmp_path / "kept")
+    loaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "kept")).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, ours)
+    other, _ = offload_run(max_steps=1)
+    other.close()
+    with pytest.raises(EngineClosed, match=r"now closed: use close\(keep_weights=True\), full_state_dict\(\)"):
+        other.model(input_ids=ids)
+    with pytest.raises(EngineClosed, match=r"now closed: use close\(keep_weights=True\)"):
+        other.model.save_pretrained(tmp_path / "gone")

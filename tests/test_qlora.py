@@ -37,12 +37,17 @@ def base_dir(tmp_path_factory):
     return str(d)
 
 
-def qlora(base_dir: str, quant: str):
+def qlora(base_dir: str, quant: str, mode: str = "train"):
+    """The LoRA model on from_pretrained's quantized base, in `mode`, which picks bitsandbytes' kernels: "train"
+    its training ones (4-bit: dequantize, then matmul; int8: MatMul8bitFp), "eval" its inference ones (int8:
+    MatMul8bitLt; 4-bit on an AVX512-BF16 CPU: a repack of the weight and its own kernel, [Note: the CPU
+    inference repack] in offload.plan.quantized). from_pretrained returns eval mode: say which."""
     q = transformers.BitsAndBytesConfig(**QUANT[quant])
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=q, dtype=torch.float32)
     torch.manual_seed(1)
-    return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                     lora_dropout=0.0))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                      lora_dropout=0.0))
+    return model.train(mode == "train")
 
 
 def batches(n: int):
@@ -179,10 +184,11 @@ def test_the_saved_adapter_loads_on_the_4bit_base_and_merged_loads_alone(tmp_pat
     assert json.load(open(tmp_path / "adapter" / "adapter_config.json"))["base_model_name_or_path"] == base_dir
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
     ids = batches(1)[0]
+    loaded.train()  # bitsandbytes' training kernel: the fp32 dequantized base, as the merge (eval mode may repack)
     with torch.no_grad():
         a, m = loaded(input_ids=ids).logits, merged(input_ids=ids).logits
         plain = transformers.AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=q,
-                                                                 dtype=torch.float32)(input_ids=ids).logits
+                                                                 dtype=torch.float32).train()(input_ids=ids).logits
     assert not torch.allclose(a, plain, atol=1e-4)  # the adapter trained: it moves the logits
     torch.testing.assert_close(m, a, rtol=1e-4, atol=1e-4)
 
@@ -347,3 +353,138 @@ def test_quantize_refuses_a_model_of_conv1d_layers_by_name():
 
     with pytest.raises(ValueError, match=r"--quantize=int8: 8 of the model's layers are transformers' Conv1D"):
         estimate.quantized_weights(model, "int8")
+
+
+# -- evaluation and training, each on bitsandbytes' kernel for its mode (issue 49) -------------------------------
+
+def repack_on(model, kernel: str) -> None:
+    """kernel "native": bitsandbytes repacks 4-bit weights for its CPU inference kernel as it decides (on a CPU
+    with AVX512-BF16 only: skipped elsewhere); "forced": every Linear4bit repacks as if it had AVX512-BF16. The
+    repack is plain PyTorch and runs anywhere; here the kernel it leads to is bitsandbytes' reference one, read
+    with the repacked layout (numbers unlike the training kernel's, but deterministic), there the AVX512-BF16 one."""
+    if kernel == "native" and not bnb.functional.has_avx512bf16():
+        pytest.skip("needs a CPU with AVX512-BF16, where bitsandbytes repacks 4-bit weights at an eval-mode forward")
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit) and kernel == "forced":
+            m.support_avx512bf16_for_cpu = True
+
+
+def plain_eval(model, ids) -> torch.Tensor:
+    """The plain model's eval-mode logits, taken on a copy: the repack of an eval forward stays there (trained
+    after it, the plain model would run the inference kernel, which has no gradient: [Note: the CPU inference
+    repack] in offload.plan.quantized)."""
+    twin = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        return twin(input_ids=ids).logits
+
+
+def engine_eval(model, engine, ids) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        out = engine(input_ids=ids).logits
+    model.train()
+    return out
+
+
+def packed_layers(model) -> int:
+    return sum(bool(getattr(m.weight.quant_state, "packing_format_for_cpu", False)) for m in model.modules()
+               if isinstance(m, bnb.nn.Linear4bit))
+
+
+@pytest.mark.parametrize("kernel", ["native", "forced"])
+def test_the_4bit_eval_mode_runs_another_kernel_than_training(base_dir, kernel):
+    """What the tests above guard against: on such a CPU an eval-mode forward repacks the weights and runs
+    another kernel, whose logits are not the training kernel's; a reference in the wrong mode fails them."""
+    model = qlora(base_dir, "nf4-dq")
+    repack_on(model, kernel)
+    ids = batches(1)[0]
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+    evaluated = plain_eval(model, ids)
+    assert packed_layers(model) == 0
+    assert not torch.allclose(evaluated, trained, atol=1e-5)
+
+
+def test_the_int8_eval_mode_runs_another_kernel_than_training_on_every_host(base_dir):
+    model = qlora(base_dir, "int8")
+    ids = batches(1)[0]
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+    assert not torch.allclose(plain_eval(model, ids), trained, atol=1e-5)
+
+
+@pytest.mark.parametrize("quant,where,kernel", [("nf4-dq", "hbm", "forced"), ("nf4-dq", "dram", "forced"),
+                                                ("nf4-dq", "nvme", "forced"), ("nf4-dq", "nvme", "native"),
+                                                ("int8", "nvme", "native")])  # int8's kernels differ on any host
+def test_eval_train_eval_through_the_engine_equal_the_plain_models(tmp_path, base_dir, quant, where, kernel):
+    """model.eval() under no_grad through the engine gives the plain model's eval-mode logits, training then
+    gives the plain loop's train-mode losses, and evaluating again the plain trained model's eval-mode logits."""
+    plain, model = qlora(base_dir, quant), qlora(base_dir, quant)
+    if quant != "int8":
+        repack_on(plain, kernel)
+        repack_on(model, kernel)
+    data, ids = batches(1) * 3, batches(2)[1]
+    with offload.initialize(model, config=config(tmp_path, where)) as engine:
+        torch.testing.assert_close(engine_eval(model, engine, ids), plain_eval(plain, ids), rtol=0, atol=1e-6)
+        assert train(engine, data) == pytest.approx(plain_losses(plain, data), rel=1e-6)
+        torch.testing.assert_close(engine_eval(model, engine, ids), plain_eval(plain, ids), rtol=0, atol=1e-6)
+        assert packed_layers(model) == 0  # the record stays in the training kernel's layout
+
+
+@pytest.mark.parametrize("where,kernel", [("hbm", "forced"), ("dram", "forced"), ("nvme", "forced"),
+                                          ("nvme", "native")])
+def test_a_base_repacked_by_an_evaluation_trains_to_the_plain_loops_losses(tmp_path, base_dir, where, kernel):
+    """A model evaluated before offload.initialize (its 4-bit weights repacked in place) is taken as bitsandbytes
+    holds it, unpacked by bitsandbytes' own inverse (what its state_dict() saves), and trains to the losses of
+    the plain model so unpacked; its evaluation then equals that plain model's."""
+    model = qlora(base_dir, "nf4-dq")
+    repack_on(model, kernel)
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=batches(1)[0])
+    assert packed_layers(model) == 14
+    reference = copy.deepcopy(model)
+    reference.state_dict()  # bitsandbytes unpacks each layer in place as it saves
+    assert packed_layers(reference) == 0
+    reference.train()
+    data, ids = batches(1) * 3, batches(2)[1]
+    expected = plain_losses(reference, data)
+    model.train()
+    with offload.initialize(model, config=config(tmp_path, where)) as engine:
+        assert train(engine, data) == pytest.approx(expected, rel=1e-6)
+        assert expected[-1] < expected[0]
+        torch.testing.assert_close(engine_eval(model, engine, ids), plain_eval(reference, ids), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("quant,where", [("nf4-dq", "nvme"), ("nf4-dq", "hbm"), ("int8", "dram")])
+def test_keep_weights_hands_back_a_qlora_model_that_runs_and_saves_in_plain_pytorch(tmp_path, base_dir, quant,
+                                                                                     where):
+    """close(keep_weights=True): the records bound to their bytes as bitsandbytes stores them, the adapters in the
+    compute dtype; the plain model gives the engine's last logits in both modes, bit for bit, and saves."""
+    model = qlora(base_dir, quant)
+    if quant != "int8":
+        repack_on(model, "forced")  # its eval mode then repacks in plain PyTorch, as the engine's did
+    ids = batches(2)[1]
+    with offload.initialize(model, config=config(tmp_path, where)) as engine:
+        train(engine, batches(2))
+        with torch.no_grad():
+            trained = engine(input_ids=ids).logits
+        evaluated = engine_eval(model, engine, ids)
+        stored = {}
+        for u in engine.units:
+            w = engine.weights[u.index]
+            w.wait_for_fetch()
+            stored.update({s.name: s.record.capture() for s in u.slots if s.record is not None})
+            w.release()
+        engine.close(keep_weights=True)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, trained)
+    assert torch.equal(plain_eval(model, ids), evaluated)
+    now = packed_bytes(model)
+    assert sorted(now) == sorted(stored) and all(torch.equal(now[n], stored[n]) for n in stored)
+    model.save_pretrained(tmp_path / "adapter")  # peft's own save, the engine gone
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=transformers.BitsAndBytesConfig(
+        **QUANT[quant]), dtype=torch.float32)
+    loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).train()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, trained)

@@ -202,3 +202,20 @@ def test_trls_bf16_default_on_a_cpu_without_native_bf16_says_what_to_set(tmp_pat
                               offload_config=nvme(tmp_path))
     closing(t)
     assert t.engine.cfg.precision == "bf16"  # said, and honoured
+
+
+def test_close_keep_weights_hands_back_the_policy_and_the_reference(tmp_path, closing):
+    """OffloadDPOTrainer.close(keep_weights=True): the trained policy runs in plain PyTorch with its engine's
+    logits, and the reference model (its own frozen engine) comes back as it was given."""
+    policy, reference = tiny_llama(), tiny_llama()
+    t = OffloadDPOTrainer(model=policy, ref_model=reference, args=config(trl.DPOConfig, tmp_path, max_steps=2),
+                          train_dataset=dpo_data(), processing_class=TOKENIZER, offload_config=nvme(tmp_path))
+    closing(t)
+    t.train()
+    ids = torch.tensor([TOKENIZER("the cat sat").input_ids])
+    with torch.no_grad():
+        ours = t.engine(input_ids=ids).logits
+    t.close(keep_weights=True)
+    with torch.no_grad():
+        assert torch.equal(policy(input_ids=ids).logits, ours)
+        assert torch.equal(reference(input_ids=ids).logits, tiny_llama()(input_ids=ids).logits)

@@ -27,6 +27,7 @@ def main() -> None:
     per_rank = cfg.pop("_rank_cfg", {})    # rank -> config keys that differ on that rank
     events = [] if cfg.pop("_trace_gathers", False) else None  # the gathers' threads and the fetch order
     evaluate = cfg.pop("_eval", False)     # after each step, a forward under no_grad on the same batch
+    keep = cfg.pop("_keep", False)         # at the end close(keep_weights=True): the plain model against the engine
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = {**cfg, **per_rank.get(str(rank), {})}
@@ -35,9 +36,10 @@ def main() -> None:
     if isinstance(cfg["nvme_path"], str):  # a list: one directory per rank already (Config.swap_dir)
         cfg["nvme_path"] = os.path.join(cfg["nvme_path"], f"rank{rank}")
     torch.manual_seed(0)
-    losses, evals = [], []
+    losses, evals, kept = [], [], None
+    model = MLP(**model_kwargs)
     try:
-        with offload.initialize(MLP(**model_kwargs), cfg) as eng:
+        with offload.initialize(model, cfg) as eng:
             if load is not None:
                 eng.load_checkpoint(load)
             if dcp_load is not None:
@@ -73,6 +75,8 @@ def main() -> None:
             state_bytes, weight_bytes = state_bytes_of(eng), weight_bytes_of(eng)
             partitioned = sum(w.unit.numel for w in eng.weights if w.partitioned)
             partitioned_trainable = sum(w.unit.trainable_numel for w in eng.weights if w.partitioned)
+            if keep:
+                kept = kept_weights(eng, model, mlp_batches(1, seed=7)[0])
         with open(f"{out}.rank{rank}.json", "w") as f:
             json.dump({"losses": losses, "collectives": stats["collectives"], "state_bytes": state_bytes,
                        "weight_bytes": weight_bytes, "partitioned_numel": partitioned,
@@ -81,9 +85,21 @@ def main() -> None:
                        "skipped_steps": eng.skipped_steps, "loss_scale": eng.loss_scale,
                        "trainable": sum(u.trainable_numel for u in eng.units),
                        "params": sum(p.numel() for p in MLP().parameters()), "events": events, "evals": evals, "ahead_bytes": ahead_bytes,
-                       "activations": stats["activations"]}, f)
+                       "activations": stats["activations"], "kept": kept}, f)
     finally:
         dist.destroy_process_group()
+
+
+def kept_weights(eng, model, batch) -> dict:
+    """close(keep_weights=True) after a forward under no_grad: whether the plain model then gives that forward's
+    loss bit for bit, with every parameter whole in the compute dtype."""
+    with torch.no_grad():
+        before = eng(*batch)
+    eng.close(keep_weights=True)
+    with torch.no_grad():  # in the compute dtype, as the engine casts them
+        after = model(*(t.to(eng.dtype) for t in batch))
+    shapes = all(p.dtype == eng.dtype and p.numel() > 0 for p in model.parameters())
+    return {"equal": bool(torch.equal(before, after)), "loss": after.item(), "whole": shapes}
 
 
 def settled_stats(eng) -> tuple[int, dict]:

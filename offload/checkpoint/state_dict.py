@@ -11,6 +11,7 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
 from offload.state.homes import write_slots
+from offload.step.pipeline import EngineClosed
 
 # [Note: sharded state dicts]
 # engine.state_dict(sharded=True), over ranks, holds on each rank only its part of every parameter, as
@@ -142,10 +143,23 @@ def load_state_dict(engine, sd: dict, strict: bool = True) -> _IncompatibleKeys:
     return _IncompatibleKeys(missing, unexpected)
 
 
-def guard_module(model) -> list:
+CLOSED = ("this model's weights were held by an offload engine that is now closed: use close(keep_weights=True), "
+          "full_state_dict() or a saved directory (offload train --save)")
+
+
+def guard_module(model, closed: bool = False) -> list:
     """model.state_dict() would return the empty placeholders of released parameters, and
     model.load_state_dict() would write around the tiers: on every module holding parameters both raise,
-    pointing at the engine's own. Returns the hook handles."""
+    pointing at the engine's own. closed: the engine is closed and the parameters empty for good: those two
+    and the module's forward raise EngineClosed, saying how to keep the weights. Returns the hook handles."""
+    if closed:
+        def refuse(module, *args, **kwargs):
+            raise EngineClosed(f"{type(module).__name__}: {CLOSED}")
+
+        return [h for m in model.modules() if any(True for _ in m.parameters())
+                for h in (m.register_forward_pre_hook(refuse), m.register_state_dict_pre_hook(refuse),
+                          m.register_load_state_dict_pre_hook(refuse))]
+
     def refuse_save(module, *args):
         raise RuntimeError(f"{type(module).__name__}.state_dict(): this model is wrapped by offload, whose "
                            "parameters live in the engine's tiers (here: empty placeholders); use engine.state_dict() "

@@ -44,6 +44,21 @@ def unit_values(rt: Runtime, w: WeightHandle, st: OptimState | None, frozen: boo
         yield s, s.value(master if s.trainable else weights)
 
 
+@torch.no_grad()
+def unit_weights(rt: Runtime, w: WeightHandle) -> torch.Tensor:
+    """The unit of `w`'s weights whole, flat, in the compute dtype, as its forward reads them (a quantized
+    weight's record as its bytes), on the CPU: a new tensor, except an hbm home on the CPU, whose buffer the
+    parameters keep after close(). Over ranks, partitioned weights are gathered (a collective)."""
+    if w.partitioned:
+        return _gather_weights(rt, w)
+    w.writer.wait_for_write()
+    if w.home == "nvme":
+        return _read_chunks(rt.store, w.key, w.chunks, w.dtype)
+    if w.home == "dram":
+        return w.dram.clone()
+    return w.hbm if w.hbm.device.type == "cpu" else w.hbm.cpu()
+
+
 def _read_chunks(store: SwapStore, key: str, chunks, dtype: torch.dtype) -> torch.Tensor:
     """A buffer stored in swap chunks, read whole into a new tensor (its values are returned whole)."""
     out = torch.empty(chunks[-1][1] if chunks else 0, dtype=dtype)

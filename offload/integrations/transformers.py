@@ -22,6 +22,7 @@ import transformers
 from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
 
+from offload import handback
 from offload.checkpoint import format as checkpoint_format
 from offload.integrations import common
 from offload.integrations.accelerate import EngineOptimizer, route
@@ -124,12 +125,15 @@ class OffloadTrainer(Trainer):
         return common.with_owned(self._offload_settings, trainer_settings(self.args), owner="Trainer",
                                  lr_from="TrainingArguments' learning_rate, lr_scheduler_type and warmup")
 
-    def close(self) -> None:
+    def close(self, keep_weights: bool = False) -> None:
         """Closes the engines (the trained model's and the frozen ones'): removes their swap files and frees
-        their memory. The trainer trains no further."""
-        for engine in [*self.frozen_engines, self.engine]:
-            if engine is not None:
-                engine.close()
+        their memory. The trainer trains no further. keep_weights: each model gets its weights back first
+        and runs in plain PyTorch (Engine.close; refused, nothing freed, when they do not fit in RAM)."""
+        engines = [e for e in [self.engine, *self.frozen_engines] if e is not None]
+        if keep_weights:
+            handback.check_room(engines)  # all of them at once, before any is freed
+        for engine in engines:
+            engine.close(keep_weights=keep_weights)
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()

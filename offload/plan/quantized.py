@@ -10,8 +10,8 @@ scales (SCB). A fetch binds views of the unit's fetched bytes to those attribute
 the QuantState's tensors, the layer's MatmulLtState), a release binds empty tensors; nothing is expanded,
 copied or cast, so the layer dequantizes exactly what it would without offload, and the bytes moved are
 the quantized bytes. bitsandbytes' own objects keep their identity (autograd's context holds them between
-forward and backward). The CPU repacking for AVX512-BF16 inference (Linear4bit's eval path) would swap the
-stored bytes for others: it is turned off on the layers an engine holds.
+forward and backward). bitsandbytes' CPU repack for its AVX512-BF16 inference kernel: [Note: the CPU
+inference repack].
 """
 
 from __future__ import annotations
@@ -22,6 +22,18 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+# [Note: the CPU inference repack]
+# On a CPU with AVX512-BF16, bitsandbytes' Linear4bit repacks its weight in place at the first eval-mode
+# forward whose input needs no grad, for an inference kernel (bf16 absmax, another nibble order) whose
+# numbers differ from the training kernel's; from then on every forward, train mode included, runs that
+# kernel, which has no autograd formula: plain PyTorch training after an evaluation gets no gradient through
+# those layers (torch warns "an autograd kernel was not registered"). The engine holds one record, in the
+# training kernel's layout: a model repacked before offload.initialize is unpacked by bitsandbytes' own
+# inverse (what its state_dict() saves: the absmax rounded to bf16 by the repack stays so), and an eval-mode
+# forward that bitsandbytes would run on a repacked weight gets a repack of the bound record for that
+# forward alone (InferenceKernel), so evaluation gives the plain model's eval-mode numbers and training the
+# train-mode ones, in any order. Without AVX512-BF16, or on CUDA, nothing repacks and none of this runs.
 
 SUPPORTED = ("bitsandbytes Linear4bit (nf4 or fp4, with or without double quantization) and Linear8bitLt "
              "(int8, frozen)")
@@ -235,10 +247,8 @@ def _record_4bit(bnb, module: nn.Module, p, where: str) -> Record:
         raise ValueError(f"{where}: a Linear4bit weight that is not quantized yet (bitsandbytes quantizes it when the "
                          "layer moves to a device); load with from_pretrained(..., quantization_config=...) or call "
                          "model.to(device) first")
-    if getattr(qs, "packing_format_for_cpu", False):
-        raise ValueError(f"{where}: a Linear4bit weight repacked for CPU inference (AVX512-BF16); use the model "
-                         "before any no-grad CPU forward, or reload it")
-    module.support_avx512bf16_for_cpu = False  # [Note: quantized weights as records]
+    if getattr(qs, "packing_format_for_cpu", False):  # evaluated before: [Note: the CPU inference repack]
+        qs = _unpack(bnb, module, p, where)
     pieces = [Piece(p, "data", p.dtype, tuple(p.shape)), Piece(qs, "absmax", qs.absmax.dtype, tuple(qs.absmax.shape)),
               Piece(qs, "code", qs.code.dtype, tuple(qs.code.shape))]
     if qs.nested:
@@ -257,6 +267,60 @@ def _record_4bit(bnb, module: nn.Module, p, where: str) -> Record:
         return bnb.functional.dequantize_4bit(views[0], state)
 
     return Record(qs.quant_type, qs.shape.numel(), pieces, dequantize=dequantize)
+
+
+def _unpack(bnb, module: nn.Module, p, where: str):
+    """A weight repacked for the CPU inference kernel, back in the layout the training kernel reads, in place,
+    by bitsandbytes' own inverse (what its state_dict() and .cuda() run); returns the new quantization state."""
+    inverse = getattr(bnb.functional, "_convert_weight_packed_for_cpu_inverse", None)
+    if inverse is None:
+        raise ValueError(f"{where}: a Linear4bit weight repacked for CPU inference (AVX512-BF16), and this "
+                         f"bitsandbytes ({bnb.__version__}) has no inverse of the repack; reload the model, or "
+                         "upgrade bitsandbytes")
+    p.data, p.quant_state = inverse(p.data, p.quant_state)
+    if getattr(module, "quant_state", None) is not None:
+        module.quant_state = p.quant_state
+    return p.quant_state
+
+
+class InferenceKernel:
+    """[Note: the CPU inference repack] The engine's side of it: the Linear4bit layers of `model` whose forward
+    would repack their weight in place (support_avx512bf16_for_cpu) no longer do; for an eval-mode forward
+    that bitsandbytes would run on the repacked weight, a repack made from the bound record for that forward
+    alone. close(restore=True) gives the layers their own repack back (the model leaves the engine)."""
+
+    def __init__(self, model: nn.Module):
+        bnb = _bnb()
+        self.layers = {m: m.support_avx512bf16_for_cpu for m in model.modules()
+                       if bnb is not None and isinstance(m, bnb.nn.Linear4bit)
+                       and getattr(m, "support_avx512bf16_for_cpu", False)}
+        self.saved: dict = {}
+        self.handles = []
+        for m in self.layers:
+            m.support_avx512bf16_for_cpu = False
+            self.handles += [m.register_forward_pre_hook(self._repack),
+                             m.register_forward_hook(self._restore, always_call=True)]
+
+    def _repack(self, module: nn.Module, args) -> None:
+        x = args[0] if args else None  # bitsandbytes' own test, Linear4bit.forward
+        if x is None or x.device.type != "cpu" or module.training or x.requires_grad:
+            return
+        p = module.weight
+        self.saved[module] = (p.data, p.quant_state)
+        p.data, p.quant_state = _bnb().functional._convert_weight_packed_for_cpu(p.data, copy.copy(p.quant_state))
+
+    def _restore(self, module: nn.Module, args, out) -> None:
+        saved = self.saved.pop(module, None)
+        if saved is not None:
+            module.weight.data, module.weight.quant_state = saved
+
+    def close(self, restore: bool) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        if restore:
+            for m, on in self.layers.items():
+                m.support_avx512bf16_for_cpu = on
 
 
 def _record_8bit(bnb, module: nn.Module, p, where: str) -> Record:
