@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload import handback
 from offload.checkpoint import loading, saving
+from offload.checkpoint.background import BackgroundSave
 from offload.checkpoint import state_dict as state_dicts
 from offload.checkpoint.values import unit_values
 from offload.kernels import cpu_adam
@@ -91,6 +92,7 @@ class Engine(nn.Module):
                  ) if self.placement.weight_owners else None  # [Note: collective order] in offload.state.ranks
         self.trace = ExecutionTrace(self.placement.knobs.prefetch_units, agree=agree)
         self._closed = self._kept = False
+        self._saving: BackgroundSave | None = None  # a background checkpoint in flight
         self.checkpoint_run_id: str | None = None  # the run its checkpoints belong to (offload.checkpoint.saving.run_id)
         self.weights: list[WeightHandle | None] = [None] * len(self.units)  # filled by materialize
         self.states: list[OptimState | None] = [None] * len(self.units)
@@ -170,6 +172,9 @@ class Engine(nn.Module):
         Returns True when parameters were updated (False: between boundaries, or an fp16 overflow)."""
         stepped = self.pipeline.step()
         self.prefetcher.ahead_of_step()
+        saving, self._saving = self._saving, None  # a background checkpoint: published (or its failure raised) here
+        if saving is not None and not saving.poll():
+            self._saving = saving
         return stepped
 
     def flush(self) -> None:
@@ -254,17 +259,25 @@ class Engine(nn.Module):
         torch's `strict` semantics; checks names and shapes before writing anything. Takes a full or a
         sharded state dict (DTensors, gathered a unit at a time: then call it on every rank). assign: no
         effect."""
+        _finish_save(self)
         return state_dicts.load_state_dict(self, state_dict, strict)
 
     def save_checkpoint(self, directory: str, name: str | None = None, keep: int | None = None,
-                        extra: dict | None = None) -> str:
+                        extra: dict | None = None, background: bool = False):
         """Writes everything needed to continue exactly to <directory>/<name> (default step<N>), atomically,
         then points <directory>/latest at it and keeps the newest `keep`; `extra`: your JSON state, returned
         by load_checkpoint. With delayed_update the pending update is saved, not applied. Between steps
         only (also between the micro-steps of an accumulation window). Returns the path. See
         offload.checkpoint.saving for what it holds. Over several ranks (zero_stage 0, every rank holding the same
         states) call it on every rank: rank 0 writes, the others wait for it; zero_stage 1-3 over ranks: every
-        rank writes the states it holds ([Note: ranks] in offload.checkpoint.saving)."""
+        rank writes the states it holds ([Note: ranks] in offload.checkpoint.saving).
+        background=True: returns at once a handle (wait() -> the path, done() -> bool) while training goes on;
+        the checkpoint holds this step boundary's state ([Note: background saves] in
+        offload.checkpoint.background). A save waits for the one in flight first."""
+        _finish_save(self)
+        if background:
+            self._saving = BackgroundSave(self, directory, name, keep, extra)
+            return self._saving
         return saving.save(self, directory, name, keep, extra)
 
     def load_checkpoint(self, path: str) -> dict:
@@ -272,6 +285,7 @@ class Engine(nn.Module):
         engine, whatever its placement; verifies names, shapes and checksums before changing anything.
         Returns the checkpoint's `extra`. Over several ranks every rank calls it; it may have been saved at
         another world size or zero_stage."""
+        _finish_save(self)
         return loading.load(self, path)
 
     def start_trace(self) -> None:
@@ -308,6 +322,11 @@ class Engine(nn.Module):
                 raise EngineClosed("close(keep_weights=True): this engine was closed without keep_weights and its "
                                    "weights are gone; load a saved directory or checkpoint")
             return
+        try:
+            _finish_save(self)  # a background checkpoint in flight is finished first
+            failed = None
+        except Exception as e:  # raised once the engine is closed
+            failed = e
         kept = handback.take(self) if keep_weights else None
         self._closed, self._kept = True, kept is not None
         for h in getattr(self, "_handles", []) + getattr(self, "_grad_hooks", []):
@@ -328,17 +347,26 @@ class Engine(nn.Module):
             h.remove()
         if kept is None:
             self._guards = state_dicts.guard_module(self.module, closed=True)
-            return
-        self._guards = []
-        handback.give(self, kept)
-        self._unserve()
-        _WRAPPED.discard(self.module)
+        else:
+            self._guards = []
+            handback.give(self, kept)
+            self._unserve()
+            _WRAPPED.discard(self.module)
+        if failed is not None:
+            raise failed
 
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _finish_save(engine: Engine) -> None:
+    """Waits for the engine's background checkpoint in flight, if any (its failure raised here, once)."""
+    saving, engine._saving = getattr(engine, "_saving", None), None
+    if saving is not None:
+        saving.wait()
 
 
 def activation_lines(checkpointing: Checkpointing | None, unit_inputs: UnitInputs, model: nn.Module,

@@ -113,7 +113,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                     help="dropout on the adapters' input (default 0)")
     c = parser.add_argument_group("checkpoints")
     c.add_argument("--save-every", type=int, default=None, metavar="N",
-                   help="save a checkpoint every N steps, at the last step and on SIGTERM (in --checkpoint-dir)")
+                   help="save a checkpoint every N steps, at the last step and on SIGTERM (in --checkpoint-dir), "
+                        "written in the background while training goes on (SIGTERM's: before stopping)")
+    c.add_argument("--save-blocking", action="store_true",
+                   help="with --save-every: training waits while each checkpoint is written")
     c.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help=f"where checkpoints go and `--resume latest` looks (default {DEFAULT_CHECKPOINT_DIR})")
     c.add_argument("--keep-checkpoints", type=int, default=None, metavar="K",

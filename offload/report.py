@@ -140,6 +140,7 @@ def build_report(run: dict, cfg, info: dict, history: dict, final: dict, init_s:
         "train_seconds": train_s, "stall_share": sum(history["stall_seconds"]) / train_s if train_s else 0.0,
         **{k: history[k] for k in ("losses", "step_seconds", "lrs", "grad_norms", "stall_seconds")},
         "eval_losses": history.get("eval_losses", []),  # [{"step", "loss"}]: --eval-data, every --eval-every steps
+        "checkpoints": history.get("checkpoints"),  # --save-every: offload.train_checkpoints.Checkpoints.summary()
         "stats": final, "config": cfg.to_dict(), "run": run,
         "samples": {"columns": list(SAMPLE_COLUMNS), "rows": history["samples"]},
         "out_dir": out_dir, "saved": saved,
@@ -224,6 +225,11 @@ def summary_table(report: dict) -> str:
         trend = f"{first['loss']:.3f} (step {first['step']}) -> " if len(evals) > 1 else ""
         ev = report["run"]["eval"]
         lines.append(f"  eval loss   {trend}{last['loss']:.3f} (step {last['step']}); {ev['batches']} batches of {ev['data']}")
+    ck = report.get("checkpoints")
+    if ck and ck["saved"]:
+        how = f"{ck['background']} in the background" if ck["background"] else "blocking"
+        lines.append(f"  checkpoints {ck['saved']} saved ({how}): {ck['seconds']:.1f} s writing, {ck['exposed_s']:.1f} s "
+                     f"of it exposed to training, {ck['hidden_s']:.1f} s hidden")
     lines.append(f"  {'tier':6s} {'used':>10s} {'peak':>10s} {'budget':>10s}")
     for tier in TIERS:
         s = st["tiers"][tier]

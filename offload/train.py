@@ -2,13 +2,12 @@
 
 The run of `offload train`, once offload.recipe has resolved its settings and built its model and data:
 the training loop, the loss on --eval-data (Evaluator), checkpoints every --save-every steps and --resume
-(Checkpoints), and the stop on SIGTERM or SIGINT (a partial report; with checkpoints, SIGTERM saves first).
+(offload.train_checkpoints), and the stop on SIGTERM or SIGINT (a partial report; with checkpoints, SIGTERM saves first).
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
 import signal
@@ -19,14 +18,13 @@ import time
 import torch
 
 import offload
+from offload.checkpoint.background import BackgroundSaveError
 from offload.data import BatchSampler
 from offload.kernels.cpu_adam import kernel_backend
-from offload.lora import base_name, check_mergeable, save_dtype, transposed_layers
-from offload.models import hf_name, loss_of
+from offload.lora import check_mergeable, save_dtype
+from offload.models import loss_of
 from offload.plan.config import Config
 from offload.recipe import (
-    DEFAULT_CHECKPOINT_DIR,
-    DEFAULT_KEEP_CHECKPOINTS,
     RankSlice,
     as_namespace,
     build,
@@ -35,6 +33,7 @@ from offload.recipe import (
 )
 from offload.signals import SIGNALS, Stopped, stop_on_signals
 from offload.state.ranks import reduced
+from offload.train_checkpoints import Checkpoints, SaveFailed, resume_point
 from offload.watchdog import LauncherWatch, SignalWatchdog
 
 PER_STEP = ("losses", "step_seconds", "lrs", "grad_norms", "stall_seconds")  # history: one entry per step
@@ -73,7 +72,7 @@ def _train(args: argparse.Namespace, cfg: Config, run: dict, watch: LauncherWatc
     sampler = RankSlice(data_sampler("--data", run["data"], info["tokenizer"], run, cfg.seed), rank, world)
     evaluator = Evaluator.from_run(run, cfg, info["tokenizer"])  # every rank: the same batches, the same loss
     checkpoints = Checkpoints.from_args(args, run, cfg, model, info)
-    resume = _resume_point(args, run, cfg)
+    resume = resume_point(args, run, cfg)
     out_dir = args.out
     made = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)  # before training: an unwritable --out fails now, not after the run
@@ -230,7 +229,11 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, 
                 loss = loss_of(engine(ids.to(engine.device), labels=labels.to(engine.device)))
                 engine.backward(loss)
                 loss_sum += loss.item()
-            engine.step()
+            failed = None
+            try:
+                engine.step()
+            except BackgroundSaveError as e:  # the step is done (and recorded below); the checkpoint before it failed
+                failed = checkpoints.failed(e)
             if getattr(engine, "world", 1) > 1:  # the global batch's loss (the d2h thread is idle now)
                 loss_sum = _mean_over_ranks(loss_sum)
             seconds = time.perf_counter() - t
@@ -245,14 +248,19 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, 
                 history["eval_losses"].append({"step": step + 1, "loss": evaluator.loss(engine)})
                 bar.eval_loss = history["eval_losses"][-1]["loss"]
             bar.update(loss_sum / gas, seconds, stats, stats["stall_seconds"] - stall0)
+            if failed is not None:
+                raise failed
             preempted = sigterm.agreed(getattr(engine, "world", 1))
             if checkpoints is not None and (checkpoints.due(step + 1) or preempted):
-                path = checkpoints.save(engine, step + 1)
+                path = checkpoints.save(engine, step + 1, blocking=preempted)
                 if preempted:
                     print(f"offload train: SIGTERM: saved {path} after step {step + 1}; continue with --resume",
                           file=sys.stderr, flush=True)
                     raise Stopped(signal.SIGTERM)
             check_stop()
+        if checkpoints is not None:
+            checkpoints.finish()
+            history["checkpoints"] = checkpoints.summary()
 
 
 class Evaluator:
@@ -291,114 +299,6 @@ class Evaluator:
 
 
 # --- checkpoints ---------------------------------------------------------------------------------------
-
-
-def _identity(run: dict, cfg: Config) -> dict:
-    """What fixes the batch sequence: a resumed run must have the same."""
-    return {"model": run["model"], "data": run["data"], "batch_size": run["batch_size"], "seq_len": run["seq_len"],
-            "seed": cfg.seed, "grad_accum": cfg.gradient_accumulation_steps, "lora": run.get("lora")}
-
-
-class Checkpoints:
-    """offload train's checkpoints: every `every` steps and at the last one, in `directory`, the newest
-    `keep` kept. Each holds the data position (the next step: batch i depends only on (seed, i)), what
-    fixes the batch sequence, and for a preset its Hugging Face config and names (for export)."""
-
-    def __init__(self, directory: str, every: int, keep: int, steps: int, extra: dict):
-        self.directory, self.every, self.keep, self.steps, self.extra = directory, every, keep, steps, extra
-
-    @classmethod
-    def from_args(cls, args, run: dict, cfg: Config, model, info: dict) -> "Checkpoints | None":
-        for flag in ("save_every", "keep_checkpoints"):
-            if getattr(args, flag) is not None and getattr(args, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be a positive integer")
-        if args.save_every is None:
-            return None
-        extra = {"train": {"run": _identity(run, cfg)}}
-        if info["kind"] == "hf":  # export: the config as the directory had it, and its tokenizer files
-            extra["hf_config"], extra["hf_source"] = info["hf_config"], info["source"]
-        if info["kind"] == "preset":  # a LoRA run's export merges the adapters (offload.lora.merged_items)
-            extra["hf_config"] = info["hf_config"]
-            names = [base_name(n) for n, _ in model.named_parameters(remove_duplicate=False) if ".lora_" not in n]
-            extra["hf_names"] = {n: hf_name(n) for n in names}
-        if run.get("lora") is not None:  # export merges as --save-merged: weights stored [in, out] transposed
-            extra["lora"] = {**run["lora"], "transposed": transposed_layers(model)}
-        keep = DEFAULT_KEEP_CHECKPOINTS if args.keep_checkpoints is None else args.keep_checkpoints
-        return cls(args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR, args.save_every, keep, run["steps"], extra)
-
-    def due(self, step: int) -> bool:
-        return step % self.every == 0 or step == self.steps
-
-    def save(self, engine, step: int) -> str:
-        """Saves after `step`; a save that fails (a full disk) raises SaveFailed naming the path and step."""
-        from offload.checkpoint.format import CheckpointError
-
-        extra = {**self.extra, "train": {**self.extra["train"], "step": step}}
-        name, again = f"step{step:08d}", 0
-        while os.path.lexists(os.path.join(self.directory, name)):  # resumed from an earlier one: never overwrite
-            again += 1
-            name = f"step{step:08d}-{again}"
-        try:
-            return engine.save_checkpoint(self.directory, name=name, keep=self.keep, extra=extra)
-        except (OSError, CheckpointError) as e:  # saves are atomic: the previous checkpoints are as they were
-            raise SaveFailed(os.path.join(self.directory, name), step, e, self.last_good()) from e
-
-    def last_good(self) -> str | None:
-        from offload.checkpoint import format as fmt
-
-        try:
-            return fmt.resolve(self.directory) if os.path.isfile(os.path.join(self.directory, fmt.LATEST)) else None
-        except (OSError, ValueError):
-            return None
-
-
-class SaveFailed(OSError):
-    """A checkpoint `offload train` could not save (ENOSPC on --checkpoint-dir): training stops after that
-    step, the report of the steps done is written, the last good checkpoint stays as it was; the CLI
-    prints this one line and exits 2."""
-
-    def __init__(self, path: str, step: int, cause: BaseException, last_good: str | None):
-        super().__init__(getattr(cause, "errno", None) or errno.EIO, str(cause), path)
-        self.path, self.step, self.cause, self.last_good = path, step, cause, last_good
-        self.out_dir: str | None = None  # set once the report is written
-        self.report: dict | None = None
-
-    def __str__(self) -> str:
-        resume = (f"the last good checkpoint is {self.last_good} (continue from it with --resume)"
-                  if self.last_good else "no checkpoint was saved before it")
-        report = f"; report in {self.out_dir}" if self.out_dir else ""
-        return (f"saving the checkpoint {self.path} after step {self.step} failed ({self.cause}); training stopped "
-                f"there and {resume}{report}; free space on --checkpoint-dir or point it elsewhere")
-
-
-def _resume_point(args, run: dict, cfg: Config) -> tuple[str, int] | None:
-    """(checkpoint path, the step to continue at) for --resume, checked against this run before anything
-    is built; None without --resume, or for `latest` when the directory holds no checkpoint yet."""
-    from offload.checkpoint import format as fmt
-
-    if args.resume is None:
-        return None
-    path = args.resume
-    if path == "latest":
-        path = args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR
-        if not os.path.isfile(os.path.join(path, fmt.LATEST)):
-            print(f"offload train: no checkpoint in {path} yet; starting at step 0", file=sys.stderr, flush=True)
-            return None
-    ckpt = fmt.resolve(path)
-    position = fmt.read_manifest(ckpt)["extra"].get("train")
-    if position is None:
-        raise ValueError(f"--resume={args.resume}: {ckpt} was not saved by offload train (it has no data position); "
-                         "load it with engine.load_checkpoint() in your own loop")
-    ours = _identity(run, cfg)
-    differ = [k for k in ours if position["run"].get(k) != ours[k]]
-    if differ:
-        raise ValueError(f"--resume={args.resume}: {ckpt} was trained with " + ", ".join(
-            f"{k}={position['run'].get(k)!r}" for k in differ) + " (here " + ", ".join(f"{k}={ours[k]!r}" for k in differ)
-            + "), so the batches would not continue its sequence; resume with the same settings")
-    if position["step"] >= run["steps"]:
-        raise ValueError(f"--steps={run['steps']}: {ckpt} is at step {position['step']}, nothing is left to train; "
-                         "raise --steps")
-    return ckpt, position["step"]
 
 
 class _SaveOnSigterm:

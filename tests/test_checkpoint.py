@@ -647,9 +647,12 @@ class _FullFile:
         self.f.close()
 
 
-def test_offload_train_names_a_failed_save_keeps_the_last_good_checkpoint_and_reports(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("blocking", [True, False])
+def test_offload_train_names_a_failed_save_keeps_the_last_good_checkpoint_and_reports(tmp_path, monkeypatch, capsys,
+                                                                                      blocking):
     """ENOSPC on --checkpoint-dir at step 4: one line naming the checkpoint's path, the step, the cause and the
-    last good checkpoint; the report of the 4 steps done is written; exit 2; resuming continues from step 2."""
+    last good checkpoint; the report of the steps done is written (4; in the background the failure is found
+    at the end of step 5); exit 2; resuming continues from step 2."""
     d, out = tmp_path / "ckpts", tmp_path / "run"
     real_create = fmt.create
 
@@ -659,7 +662,8 @@ def test_offload_train_names_a_failed_save_keeps_the_last_good_checkpoint_and_re
 
     monkeypatch.setattr(fmt, "create", full_at_step_4)
     flags = ["train", "--model", "tiny", "--steps", "6", "--batch-size", "2", "--seq-len", "32", "--nvme-path",
-             str(tmp_path / "swap"), "--no-progress", "--save-every", "2", "--checkpoint-dir", str(d)]
+             str(tmp_path / "swap"), "--no-progress", "--save-every", "2", "--checkpoint-dir", str(d),
+             *(["--save-blocking"] if blocking else [])]
     assert main([*flags, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.fullmatch(rf"offload train: error: saving the checkpoint {re.escape(str(d / 'step00000004'))} after step 4 "
@@ -668,13 +672,13 @@ def test_offload_train_names_a_failed_save_keeps_the_last_good_checkpoint_and_re
                         rf"\(continue from it with --resume\); report in {re.escape(str(out))}; free space on "
                         r"--checkpoint-dir or point it elsewhere", err), err
     report = json.load(open(out / "report.json"))
-    assert len(report["losses"]) == 4 and report["failed"]["step"] == 4
+    assert len(report["losses"]) == (4 if blocking else 5) and report["failed"]["step"] == 4
     assert report["failed"]["last_good_checkpoint"] == str(d / "step00000002")
     assert sorted(os.listdir(d)) == ["latest", "step00000002"]  # the failed save removed itself
     monkeypatch.undo()
     assert main([*flags, "--out", str(tmp_path / "run2"), "--resume", "--json"]) == 0
     resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert resumed["run"]["start_step"] == 2 and resumed["losses"][:2] == report["losses"][2:]
+    assert resumed["run"]["start_step"] == 2 and resumed["losses"][:2] == report["losses"][2:4]
 
 
 def test_export_loads_with_from_pretrained_and_gives_the_engines_logits(tmp_path):

@@ -133,8 +133,8 @@ def test_offload_train_on_a_disk_that_fills_stops_naming_the_save_and_resumes_el
     straight = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["losses"]
     real_save = training.Checkpoints.save
 
-    def fill_after_step_2(self, engine, step):
-        path = real_save(self, engine, step)
+    def fill_after_step_2(self, engine, step, **kw):
+        path = real_save(self, engine, step, **kw)
         if step == 2:
             fill(mnt)
         return path
@@ -143,7 +143,7 @@ def test_offload_train_on_a_disk_that_fills_stops_naming_the_save_and_resumes_el
         ckpts = mnt / "ckpts"
         monkeypatch.setattr(training.Checkpoints, "save", fill_after_step_2)
         assert main([*flags, "--nvme-path", str(mnt / "swap"), "--checkpoint-dir", str(ckpts), "--out",
-                     str(tmp_path / "r1")]) == 2
+                     str(tmp_path / "r1"), "--save-blocking"]) == 2  # the disk fills after step 2's save, not during
         monkeypatch.undo()
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert re.search(rf"saving the checkpoint {re.escape(str(ckpts / 'step00000003'))} after step 3 failed "

@@ -28,6 +28,7 @@ def main() -> None:
     events = [] if cfg.pop("_trace_gathers", False) else None  # the gathers' threads and the fetch order
     evaluate = cfg.pop("_eval", False)     # after each step, a forward under no_grad on the same batch
     keep = cfg.pop("_keep", False)         # at the end close(keep_weights=True): the plain model against the engine
+    background = cfg.pop("_save_background", False)  # the _save_at checkpoint in the background: when it publishes
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = {**cfg, **per_rank.get(str(rank), {})}
@@ -36,7 +37,7 @@ def main() -> None:
     if isinstance(cfg["nvme_path"], str):  # a list: one directory per rank already (Config.swap_dir)
         cfg["nvme_path"] = os.path.join(cfg["nvme_path"], f"rank{rank}")
     torch.manual_seed(0)
-    losses, evals, kept = [], [], None
+    losses, evals, kept, handle, published = [], [], None, None, None
     model = MLP(**model_kwargs)
     try:
         with offload.initialize(model, cfg) as eng:
@@ -60,8 +61,11 @@ def main() -> None:
                 if evaluate and eng.micro_step == 0:
                     with torch.no_grad():
                         evals.append(eng(x, y[rank * n:(rank + 1) * n]).item())
+                if handle is not None and published is None and handle.done():
+                    published = {"published_at": eng.step_count}
                 if save_at is not None and eng.step_count == save_at and eng.micro_step == 0:
-                    eng.save_checkpoint(out + ".ckpt")
+                    handle = eng.save_checkpoint(out + ".ckpt", background=background)
+                    handle = handle if background else None
             ahead_bytes, stats = settled_stats(eng)
             sd = eng.full_state_dict()  # every rank: with zero_stage 1-3 it gathers each window from its owner
             if rank == 0:
@@ -85,7 +89,7 @@ def main() -> None:
                        "skipped_steps": eng.skipped_steps, "loss_scale": eng.loss_scale,
                        "trainable": sum(u.trainable_numel for u in eng.units),
                        "params": sum(p.numel() for p in MLP().parameters()), "events": events, "evals": evals, "ahead_bytes": ahead_bytes,
-                       "activations": stats["activations"], "kept": kept}, f)
+                       "activations": stats["activations"], "kept": kept, "background": published}, f)
     finally:
         dist.destroy_process_group()
 

@@ -55,6 +55,24 @@ CONFIG_KEYS = ("optimizer", "gradient_accumulation_steps", "gradient_clipping", 
 def save(engine, directory: str, name: str | None = None, keep: int | None = None, extra: dict | None = None) -> str:
     """Writes a checkpoint of `engine` to <directory>/<name> atomically, points <directory>/latest at it
     and keeps the newest `keep`. Returns its path. Over several ranks every rank calls it ([Note: ranks])."""
+    name, manifest, accumulator = prepare(engine, name, keep, extra)
+    held = snapshot(engine)
+    if engine.rt.world > 1:
+        final, tmp = begin_ranks(engine, directory, name)
+        try:
+            part = save_part(engine, tmp, accumulator, held)
+        except Exception as e:
+            part = f"rank {engine.rt.rank}: {type(e).__name__}: {e}"
+        return finish_ranks(engine, directory, name, keep, manifest, final, tmp, part)
+    with fmt.writing(directory, name) as tmp:
+        part = save_part(engine, tmp, accumulator, held)
+        fmt.write_manifest(tmp, {**manifest, **merge([part])})
+    return published(directory, name, keep, manifest["run_id"])
+
+
+def prepare(engine, name: str | None, keep: int | None, extra: dict | None) -> tuple[str, dict, bool]:
+    """(the checkpoint's name, its manifest but the parts', whether the gradient accumulator is saved) at this
+    step boundary; refuses a bad `keep` or `extra` before anything is written."""
     counters = engine.pipeline.checkpoint_state()
     accumulator = counters["pending_update"] is not None or counters["micro_step"] > 0
     if name is None:
@@ -62,15 +80,19 @@ def save(engine, directory: str, name: str | None = None, keep: int | None = Non
     if keep is not None and keep < 1:
         raise ValueError(f"keep={keep}: must be >= 1 (or None: keep every checkpoint)")
     manifest = {**_manifest_head(engine.cfg, engine.rt.world, engine.module, counters, accumulator, extra), "run_id": run_id(engine)}
-    if engine.rt.world > 1:
-        return _save_ranks(engine, directory, name, keep, manifest, accumulator)
-    with fmt.writing(directory, name) as tmp:
-        part = _save_part(engine, tmp, accumulator)
-        fmt.write_manifest(tmp, {**manifest, **_merge([part])})
-    return _published(directory, name, keep, manifest["run_id"])
+    return name, manifest, accumulator
 
 
-def _published(directory: str, name: str, keep: int | None, run: str) -> str:
+def snapshot(engine) -> dict:
+    """What the checkpoint takes as it is now besides the units' homes: the RNG states, and on rank 0 the
+    model's persistent buffers (a forward may change them: batch norm's running statistics)."""
+    buffers = {}
+    if engine.rt.rank == 0:
+        buffers = {name: b.detach().cpu().clone() for name, b, _ in state_entries(engine.module, params=False)}
+    return {"rng": _rng_state(), "buffers": buffers}
+
+
+def published(directory: str, name: str, keep: int | None, run: str) -> str:
     """Points <directory>/latest at the saved checkpoint and keeps the newest `keep` of run `run`."""
     fmt.point_latest(directory, name)
     if keep is not None:
@@ -86,20 +108,23 @@ def run_id(engine) -> str:
     return engine.checkpoint_run_id
 
 
-def _save_part(engine, tmp: str, accumulator: bool) -> dict:
+def save_part(engine, tmp: str, accumulator: bool, held: dict, staging=None, saved=None) -> dict:
     """This rank's data file in `tmp` and what the manifest says of it ([Note: ranks]): the optimizer states
     of the windows it holds (zero_stage 0: rank 0 holds all, the others write none), and on rank 0 the frozen
-    weights and the buffers, which every rank holds alike."""
+    weights and the buffers, which every rank holds alike; `held`: snapshot()'s. staging: the chunk pool nvme
+    homes are read through (the runtime's by default); saved(unit index): called as each unit is written,
+    in the order the next step updates them (the last unit first)."""
     first = engine.rt.rank == 0
     with fmt.DataFile(tmp, fmt.data_file_name(engine.rt.rank)) as out:
-        tensors = _save_parameters(engine, out, accumulator, states=first or engine.rt.sharded, weights=first)
-        buffers = _save_buffers(engine.module, out) if first else {}
+        tensors = _save_parameters(engine, out, accumulator, states=first or engine.rt.sharded, weights=first,
+                                   staging=staging, saved=saved)
+        buffers = _save_buffers(held["buffers"], out)
         out.sync()
     return {"tensors": tensors, "buffers": buffers, "files": {out.name: {"rank": engine.rt.rank, "nbytes": out.nbytes}},
-            "rng": {str(engine.rt.rank): _rng_state()}}
+            "rng": {str(engine.rt.rank): held["rng"]}}
 
 
-def _merge(parts: list[dict]) -> dict:
+def merge(parts: list[dict]) -> dict:
     """The manifest's tensors, buffers, files and rng from every rank's part (rank 0's first): each tensor's
     ranges of a kind are the union of the ranks' ranges, in element order."""
     tensors = json.loads(json.dumps(parts[0]["tensors"]))
@@ -118,10 +143,10 @@ def _merge(parts: list[dict]) -> dict:
             "rng": {k: v for p in parts for k, v in p["rng"].items()}}
 
 
-def _save_ranks(engine, directory: str, name: str, keep: int | None, manifest: dict, accumulator: bool) -> str:
-    """[Note: ranks] Over several ranks (a directory every rank can reach): rank 0 makes the temporary
-    directory, every rank writes its part into it, rank 0 merges the parts into the manifest and publishes
-    the checkpoint. An error on any rank is raised on every rank, and nothing is published."""
+def begin_ranks(engine, directory: str, name: str) -> tuple[str, str]:
+    """[Note: ranks] Over several ranks (a directory every rank can reach), a collective: rank 0 makes the
+    temporary directory; (final path, temporary directory) on every rank, where each writes its part
+    (save_part), then finish_ranks."""
     import torch.distributed as dist
 
     dist.barrier()  # every rank finished the step being saved
@@ -134,11 +159,15 @@ def _save_ranks(engine, directory: str, name: str, keep: int | None, manifest: d
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], str):
         raise CheckpointError(f"saving {os.path.join(directory, name)}: {box[0]}")
-    final, tmp = box[0]
-    try:
-        part = _save_part(engine, tmp, accumulator)
-    except Exception as e:
-        part = f"rank {engine.rt.rank}: {type(e).__name__}: {e}"
+    return box[0]
+
+
+def finish_ranks(engine, directory: str, name: str, keep: int | None, manifest: dict, final: str, tmp: str,
+                 part) -> str:
+    """A collective: rank 0 merges the ranks' parts (save_part's, or a rank's error as a string) into the
+    manifest and publishes the checkpoint. An error on any rank is raised on every rank, nothing published."""
+    import torch.distributed as dist
+
     parts = [None] * engine.rt.world if engine.rt.rank == 0 else None
     dist.gather_object(part, parts, dst=0)
     outcome = [None]
@@ -147,9 +176,9 @@ def _save_ranks(engine, directory: str, name: str, keep: int | None, manifest: d
             failed = [p for p in parts if isinstance(p, str)]
             if failed:
                 raise CheckpointError(f"saving {final}: " + "; ".join(failed) + "; nothing was published")
-            fmt.write_manifest(tmp, {**manifest, "world_size": engine.rt.world, **_merge(parts)})
+            fmt.write_manifest(tmp, {**manifest, "world_size": engine.rt.world, **merge(parts)})
             fmt.commit(tmp, final)
-            outcome = [_published(directory, name, keep, manifest["run_id"])]
+            outcome = [published(directory, name, keep, manifest["run_id"])]
         except BaseException as e:
             fmt.abort(tmp)
             outcome = [f"{type(e).__name__}: {e}"]
@@ -177,16 +206,18 @@ def _manifest_head(cfg: Config, world: int, model: nn.Module, counters: dict, ac
             "saved_at": time.time(), "config": {k: essentials[k] for k in CONFIG_KEYS}, "extra": extra}
 
 
-def _save_parameters(engine, out: fmt.DataFile, accumulator: bool, states: bool = True, weights: bool = True) -> dict:
-    """Every parameter's entry, unit by unit, each of its buffers chunk by chunk ([Note: the format]):
-    `states` the optimizer's (the windows this rank holds), `weights` the frozen parameters'."""
+def _save_parameters(engine, out: fmt.DataFile, accumulator: bool, states: bool = True, weights: bool = True,
+                     staging=None, saved=None) -> dict:
+    """Every parameter's entry, unit by unit (the last first), each of its buffers chunk by chunk ([Note: the
+    format]): `states` the optimizer's (the windows this rank holds), `weights` the frozen parameters'."""
     names = param_names(engine.module)
     tensors: dict = {}
+    entries = {}  # unit index -> {slot offset: its entry}, made in the units' order
     for unit in engine.units:
         st = engine.states[unit.index]
         steps = {s.offset: n for s, n in zip(st.slots, st.slot_steps)} if st is not None else {}
         got = {st.slots[k].offset for k in st.got_grad} if st is not None else set()
-        entry = {}
+        entry = entries[unit.index] = {}
         for s in unit.slots:
             name, *aliases = names[s.param]
             meta = entry[s.offset] = tensors[name] = {"shape": list(s.shape), "dtype": fmt.dtype_name(engine.rt.dtype),
@@ -198,12 +229,14 @@ def _save_parameters(engine, out: fmt.DataFile, accumulator: bool, states: bool 
                 meta["step"] = steps[s.offset]
                 if accumulator:
                     meta["has_grad"] = s.offset in got
+    for unit in reversed(engine.units):
+        st, entry = engine.states[unit.index], entries[unit.index]
         kinds = (*STATES, *("grad",) * accumulator) if st is not None and states else ()
         if (weights or engine.weights[unit.index].partitioned) and any(not s.trainable for s in unit.slots):
             kinds = (*kinds, "weight")
         for kind in kinds:
             slots = [s for s in unit.slots if s.trainable == (kind != "weight")]
-            for b, e, t in unit_buffers(engine.rt, engine.weights[unit.index], st, kind):
+            for b, e, t in unit_buffers(engine.rt, engine.weights[unit.index], st, kind, staging=staging):
                 for s in slots:
                     lo, hi = max(b, s.offset), min(e, s.offset + s.numel)
                     if lo < hi:
@@ -212,14 +245,16 @@ def _save_parameters(engine, out: fmt.DataFile, accumulator: bool, states: bool 
                             piece = piece.float()  # a one-micro-step accumulator may hold the compute dtype
                         where = entry[s.offset].setdefault(kind, {"dtype": fmt.dtype_name(piece.dtype), "ranges": []})
                         where["ranges"].append(out.write(piece, lo - s.offset, hi - s.offset))
+        if saved is not None:
+            saved(unit.index)
     return tensors
 
 
-def _save_buffers(model: nn.Module, out: fmt.DataFile) -> dict:
-    """The model's persistent buffers into `out`: their manifest entries by name."""
+def _save_buffers(held: dict, out: fmt.DataFile) -> dict:
+    """The model's persistent buffers as snapshot() held them, into `out`: their manifest entries by name."""
     buffers = {}
-    for name, b, _ in state_entries(model, params=False):
-        t = b.detach().reshape(-1).cpu()
+    for name, b in held.items():
+        t = b.reshape(-1)
         buffers[name] = {"shape": list(b.shape), "dtype": fmt.dtype_name(b.dtype),
                          "ranges": [out.write(t, 0, t.numel())] if t.numel() else []}
     return buffers

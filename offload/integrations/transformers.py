@@ -50,7 +50,8 @@ from offload.integrations.accelerate import EngineOptimizer, route
 # - Checkpoints (save_steps): Trainer's _save_checkpoint writes checkpoint-N as always (trainer_state.json,
 #   scheduler.pt, rng_state.pth, rotation by save_total_limit), but the weights and optimizer.pt are the
 #   engine's checkpoint in that folder (engine.save_checkpoint: every state from its tier, the step count,
-#   loss scale, a delayed update as it is), written by _save_optimizer_and_scheduler; save_model writes no
+#   loss scale, a delayed update as it is; in the background unless save_blocking=True, finished by the
+#   next save, close(), or at the latest when the process exits), written by _save_optimizer_and_scheduler; save_model writes no
 #   weights there. resume_from_checkpoint: _load_from_checkpoint loads the engine checkpoint,
 #   _load_optimizer_and_scheduler the scheduler, and Trainer skips the batches already seen and restores
 #   its RNG. save_only_model=True keeps Trainer's weights-only checkpoints (they do not resume).
@@ -93,9 +94,10 @@ class OffloadTrainer(Trainer):
                             f"among the bases, so that its hooks override that trainer's; write class "
                             f"{cls.__name__}(OffloadTrainer, {before[0].__name__})")
 
-    def __init__(self, *args, offload_config=None, **kwargs):
+    def __init__(self, *args, offload_config=None, save_blocking: bool = False, **kwargs):
         self.engine = None
         self.frozen_engines = []  # [Note: frozen models beside the trained one]
+        self._save_blocking = save_blocking  # save_steps' engine checkpoints: else in the background
         self._offload_settings = common.settings(offload_config)
         self._precision_said = False
         self._weights_in_engine_checkpoint = False  # True while _save_checkpoint writes an engine checkpoint
@@ -215,7 +217,8 @@ class OffloadTrainer(Trainer):
         while os.path.lexists(os.path.join(output_dir, name)):  # an earlier run's in this folder: kept (keep=1 prunes this run's only)
             again += 1
             name = f"step{self.state.global_step:08d}-{again}"
-        self.engine.save_checkpoint(output_dir, name=name, keep=1)
+        background = not (self._save_blocking or self.engine.cfg.delayed_update)  # its pending update: blocking
+        self.engine.save_checkpoint(output_dir, name=name, keep=1, background=background)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 

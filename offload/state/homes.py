@@ -16,14 +16,15 @@ from offload.state.runtime import Runtime
 
 
 def unit_buffers(rt: Runtime, w: WeightHandle, st: OptimState | None, kind: str, write: bool = False, keep: bool = True,
-                 only=None):
+                 only=None, staging=None):
     """(begin, end, host tensor) over one of the unit's flat buffers (master, exp_avg, exp_avg_sq, grad, or
     weight in the compute dtype), one chunk at a time, from its home: nvme chunks through a pool chunk (a
     key never written reads as zeros: moments before the first step), accelerator-resident ones through a
     host copy, host-resident ones as views. write: the tensor goes back to its home when the caller asks
     for the next one (not after an exception). keep=False: it starts zeroed instead of read. only: the
     indices of the chunks / windows to visit (default: every one this rank holds). `w` and `st` are the
-    unit's weight handle and optimizer state (None for a frozen unit)."""
+    unit's weight handle and optimizer state (None for a frozen unit). staging: the chunk pool nvme chunks go
+    through (default the runtime's)."""
     if kind == "weight":
         w.writer.wait_for_write()  # new weights written behind by the last step
         spans, home, key, dtype = w.chunks, w.home, w.key, w.dtype
@@ -45,7 +46,8 @@ def unit_buffers(rt: Runtime, w: WeightHandle, st: OptimState | None, kind: str,
                 at_home.copy_(t)
             continue
         k = chunk_key(key, i)
-        buf = rt.staging.acquire(e - b, dtype, f"checkpoint {k}")
+        pool = staging or rt.staging
+        buf = pool.acquire(e - b, dtype, f"checkpoint {k}")
         try:
             if keep and k in rt.store:
                 rt.store.read(k, into=buf).wait()
@@ -55,7 +57,7 @@ def unit_buffers(rt: Runtime, w: WeightHandle, st: OptimState | None, kind: str,
             if write:
                 rt.store.write(k, buf).wait()
         finally:
-            rt.staging.release(buf)
+            pool.release(buf)
 
 
 def write_slots(rt: Runtime, w: WeightHandle, st: OptimState | None, kind: str, slots, fill, keep: bool) -> None:

@@ -12,7 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -75,6 +75,9 @@ class Runtime:
     reader: Worker              # fetches from nvme, chunk by chunk
     ranks: Ranks                # the process groups (one per thread that enters collectives), with a timeout
     gather: CopyStream | None = None  # zero_stage 3, zero_gather_ahead: the gathers of fetched units, in issue order
+    # a background checkpoint's gate (offload.checkpoint.background): before_update(unit index) returns once
+    # that unit's states are written, and the step may update them
+    before_update: Callable[[int], None] | None = None
 
     @property
     def grad_group(self):

@@ -75,6 +75,9 @@ class WindowPipeline:
 
     def _step_unit(self, unit: Unit) -> None:
         st = self.states[unit.index]
+        gate = self.rt.before_update  # a background checkpoint still writing this unit's states
+        if gate is not None:
+            gate(unit.index)
         for i in st.mine:  # every window, or over ranks the ones this rank owns ([Note: windows over ranks])
             self._load((unit.index, i))
             self.started = True

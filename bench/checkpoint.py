@@ -1,0 +1,104 @@
+"""Step times with a checkpoint every step: none, in the background, blocking (issue 52), side by side on one
+engine (weights and optimizer states on nvme), in rounds so that drift on a shared machine hits each mode alike.
+
+Each round: a step with no checkpoint (none); a background checkpoint asked, then the steps that run while it
+is written (background: each of them, until it is published); a step followed by a blocking checkpoint
+(blocking: the step plus the save, what training waits). Goal: background <= 1.05 x none. exposed_s: the mean
+time training waited for a background checkpoint (its request, and units the step reached before the saver).
+
+    python bench/checkpoint.py [--model bench-200m|3b] [--batch 4] [--seq 512] [--rounds 3] [--dir DIR] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="bench-200m", help="a preset (bench-200m, 3b, ...)")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="swap and checkpoints go under it (default: a temporary directory)")
+    ap.add_argument("--precision", default="auto")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    base = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir)
+    try:
+        report = run(args, base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    step = report["step_s"]
+    print(f"{args.model}, {args.batch} x {args.seq}, weights and states on nvme, {report['precision']}:")
+    for mode in ("none", "background", "blocking"):
+        print(f"  {mode:10s} step {step[mode]:7.2f} s  ({step[mode] / step['none']:.2f}x none)")
+    print(f"  blocking save {report['save_s_blocking']:.2f} s; background: {report['background_s']:.2f} s to publish, "
+          f"{report['exposed_s']:.3f} s exposed, over {report['steps_per_background']:.1f} steps")
+    if args.json:
+        print(json.dumps(report))
+
+
+def run(args, base: str) -> dict:
+    import torch
+
+    import offload
+    from offload.data import BatchSampler, load_tokens
+    from offload.models import build_model, loss_of
+
+    model = build_model(args.model, seed=0)
+    sampler = BatchSampler(load_tokens(), args.batch, args.seq, seed=0)
+    cfg = {"precision": args.precision, "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"},
+           "nvme_path": os.path.join(base, "swap")}
+    ck = os.path.join(base, "ck")
+    times = {"none": [], "background": [], "blocking": []}
+    saves, exposed, published, per_save = [], [], [], []
+    with offload.initialize(model, cfg) as engine:
+        i = 0
+
+        def step() -> float:
+            nonlocal i
+            ids, labels = sampler.batch(i)
+            i += 1
+            t = time.perf_counter()
+            engine.backward(loss_of(engine(ids, labels=labels)))
+            engine.step()
+            return time.perf_counter() - t
+
+        step(), step()  # the first records the trace, the second settles the pool
+        for _ in range(args.rounds):
+            times["none"].append(step())
+            handle = engine.save_checkpoint(ck, name=f"bg{i}", keep=1, background=True)
+            n = 0
+            while not handle.done():
+                times["background"].append(step())
+                n += 1
+            handle.wait()
+            per_save.append(n)
+            exposed.append(handle.stats()["exposed_s"])
+            published.append(handle.stats()["seconds"])
+            s = step()
+            t = time.perf_counter()
+            engine.save_checkpoint(ck, name=f"bl{i}", keep=1)
+            saves.append(time.perf_counter() - t)
+            times["blocking"].append(s + saves[-1])
+        precision = engine.cfg.precision
+        params = sum(u.numel for u in engine.units)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"model": args.model, "params": params, "precision": precision, "batch": args.batch, "seq": args.seq,
+            "rounds": args.rounds, "step_s": med, "steps": times, "save_s_blocking": statistics.median(saves),
+            "exposed_s": statistics.mean(exposed), "background_s": statistics.median(published),
+            "steps_per_background": statistics.mean(per_save), "background_over_none": med["background"] / med["none"]}
+
+
+if __name__ == "__main__":
+    main()

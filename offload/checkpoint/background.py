@@ -1,0 +1,151 @@
+"""engine.save_checkpoint(..., background=True): the checkpoint of a step boundary written while training goes
+on; its handle's wait() returns the path, done() says whether it is published ([Note: background saves]).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from offload.checkpoint import format as fmt
+from offload.checkpoint import saving
+from offload.checkpoint.format import CheckpointError
+from offload.state.tiers import ChunkPool
+
+# [Note: background saves]
+# What the checkpoint must hold is the state at the step boundary where it was asked; what changes after it
+# is each unit's optimizer states (and the weights written from them), when the next step updates that unit.
+# So a saver thread writes the units one by one, the last first (backward's order, in which the next step
+# updates them), and the step's update of a unit waits until that unit is written (Runtime.before_update):
+# copy-on-write per unit, where the copy is the write itself. Everything else is taken at the request, in the
+# caller's thread: the counters, the RNG states, the model's buffers. The states are read from their homes
+# by the saver (nvme ones through a one-chunk pool of its own, so that a step holding the runtime's pool
+# never waits for it), written to the same files as a blocking save, and published the same way: `latest`
+# moves only once the whole checkpoint is written and verified. Over ranks each rank writes its part; the
+# manifest is merged and published at a later step boundary once every rank's part is written (an agreement
+# at each step()), or by wait() (every rank calls it). A failure in the saver is raised at the next step(),
+# save_checkpoint(), close() or wait(); the previous checkpoint and `latest` stay as they were.
+
+
+class BackgroundSaveError(CheckpointError):
+    """A background checkpoint that failed; `path` is the checkpoint it would have been."""
+
+    def __init__(self, path: str, cause: str):
+        super().__init__(f"the background checkpoint {path} failed ({cause}); nothing was published: the previous "
+                         "checkpoint and `latest` are as they were, and training is unaffected")
+        self.path, self.cause = path, cause
+
+
+class BackgroundSave:
+    """A checkpoint being written in the background ([Note: background saves]): wait() -> its path (raises
+    BackgroundSaveError if it failed), done() -> whether it is published; seconds, exposed_s: how long it
+    took and how long training waited for it."""
+
+    def __init__(self, engine, directory: str, name: str | None, keep: int | None, extra: dict | None):
+        name, self.manifest, accumulator = saving.prepare(engine, name, keep, extra)
+        if accumulator:
+            raise ValueError("save_checkpoint(background=True): at this boundary the gradient accumulator must be "
+                             "saved (inside an accumulation window, or delayed_update's pending update), and the next "
+                             "backward changes it; save blocking (background=False) here")
+        t0 = time.perf_counter()
+        self.engine, self.rt, self.directory, self.name, self.keep = engine, engine.rt, directory, name, keep
+        held = saving.snapshot(engine)
+        self.final, self.tmp = (saving.begin_ranks(engine, directory, name) if self.rt.world > 1
+                                else fmt.begin(directory, name))
+        self._written = {u.index: threading.Event() for u in engine.units}
+        self._part = None           # this rank's part once written, or its error as a string
+        self._finished = threading.Event()  # the part written (and in one process, published or failed)
+        self._path: str | None = None
+        self._error: str | None = None
+        self._closed = False
+        try:
+            self._staging = ChunkPool(self.rt.tiers, self.rt.staging.chunk_bytes, 1)
+        except BaseException:
+            fmt.abort(self.tmp)
+            raise
+        self.seconds: float | None = None
+        self.exposed_s = time.perf_counter() - t0
+        self._t0 = t0
+        self.rt.before_update = self._before_update
+        # not a daemon: a process whose script ends with a save in flight finishes it before it exits
+        self._thread = threading.Thread(target=self._run, args=(held,), name="offload-checkpoint", daemon=False)
+        self._thread.start()
+
+    def _before_update(self, index: int) -> None:
+        """The step is about to update unit `index`: returns once the saver has written it."""
+        event = self._written.get(index)
+        if event is not None and not event.is_set():
+            t = time.perf_counter()
+            event.wait()
+            self.exposed_s += time.perf_counter() - t
+
+    def _run(self, held: dict) -> None:
+        try:
+            self._part = saving.save_part(self.engine, self.tmp, False, held, staging=self._staging,
+                                          saved=lambda i: self._written[i].set())
+        except BaseException as e:  # noqa: BLE001  (raised to the caller at its next step or wait)
+            self._part = f"rank {self.rt.rank}: {e}" if self.rt.world > 1 else str(e)
+        finally:
+            for event in self._written.values():  # a failed save never holds the step
+                event.set()
+            self._staging.close()
+        if self.rt.world == 1:
+            self._publish_alone()
+        self._finished.set()
+
+    def _publish_alone(self) -> None:
+        if isinstance(self._part, str):
+            fmt.abort(self.tmp)
+            self._error = self._part
+            return
+        try:
+            fmt.write_manifest(self.tmp, {**self.manifest, **saving.merge([self._part])})
+            fmt.commit(self.tmp, self.final)
+            self._path = saving.published(self.directory, self.name, self.keep, self.manifest["run_id"])
+        except BaseException as e:  # noqa: BLE001
+            fmt.abort(self.tmp)
+            self._error = str(e)
+
+    def done(self) -> bool:
+        return self._path is not None or self._error is not None
+
+    def poll(self) -> bool:
+        """At a step boundary, on every rank: over ranks, publishes once every rank's part is written (a
+        collective each call). True once finished; raises BackgroundSaveError if it failed."""
+        if self.rt.world > 1 and not self.done():
+            written = self.rt.ranks.agree([float(self._finished.is_set())], "min", "the background checkpoint")[0]
+            if written:
+                self._publish_ranks()
+        return self._settled() if self.done() else False
+
+    def wait(self) -> str:
+        """Waits for the checkpoint (over ranks a collective: every rank calls it) and returns its path."""
+        t = time.perf_counter()
+        self._thread.join()
+        self.exposed_s += time.perf_counter() - t
+        if self.rt.world > 1 and not self.done():
+            self._publish_ranks()
+        self._settled()
+        return self._path
+
+    def _publish_ranks(self) -> None:
+        try:
+            self._path = saving.finish_ranks(self.engine, self.directory, self.name, self.keep, self.manifest,
+                                             self.final, self.tmp, self._part)
+        except CheckpointError as e:
+            self._error = str(e)
+
+    def _settled(self) -> bool:
+        if not self._closed:
+            self._closed = True
+            self.seconds = time.perf_counter() - self._t0
+            if self.rt.before_update == self._before_update:
+                self.rt.before_update = None
+        if self._error is not None:
+            raise BackgroundSaveError(self.final, self._error)
+        return True
+
+    def stats(self) -> dict:
+        """{"seconds": from the request to the checkpoint published (None until then), "exposed_s": how long
+        training waited for it: the request itself, units not yet written when the step reached them, wait()}."""
+        return {"seconds": self.seconds, "exposed_s": self.exposed_s}
