@@ -219,3 +219,78 @@ def test_close_keep_weights_hands_back_the_policy_and_the_reference(tmp_path, cl
     with torch.no_grad():
         assert torch.equal(policy(input_ids=ids).logits, ours)
         assert torch.equal(reference(input_ids=ids).logits, tiny_llama()(input_ids=ids).logits)
+
+
+# -- GRPO: rollouts through the engine (issue 51) -----------------------------------------------------------------
+
+def tiny_qwen2():
+    cfg = transformers.Qwen2Config(vocab_size=len(TOKENIZER), hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=64, pad_token_id=TOKENIZER.pad_token_id,
+                                   eos_token_id=TOKENIZER.eos_token_id)
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def length_reward(completions, **kw):
+    return [float(len(c)) for c in completions]
+
+
+def grpo_args(tmp_path, name, beta):
+    return trl.GRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=3, num_generations=3,
+                          max_completion_length=8, max_steps=3, learning_rate=1e-2, logging_steps=1, report_to=[],
+                          save_strategy="no", disable_tqdm=True, bf16=False, seed=0, dataloader_pin_memory=False,
+                          beta=beta)
+
+
+@pytest.mark.parametrize("policy", ["full", "full with a reference", "lora", "qlora"])
+def test_grpo_rewards_lengths_and_losses_equal_stock_grpo_trainer(tmp_path, closing, policy):
+    """3 GRPO steps of a tiny Qwen2, its weights and states on nvme, sampled rollouts (num_generations 3, 8
+    new tokens at most) through the engine: each step's mean reward, mean completion length and loss equal
+    stock GRPOTrainer's in memory under the same seed (losses 1e-5 relative or 1e-6 absolute). With a reference (beta > 0): a
+    full policy's on a frozen engine, a LoRA policy's its adapters disabled."""
+    from offload.integrations.trl import OffloadGRPOTrainer
+
+    directory = tmp_path / "policy"
+    tiny_qwen2().save_pretrained(directory)
+    beta = 0.0 if policy == "full" else 0.04
+    data = datasets.Dataset.from_dict({"prompt": [PROMPTS[i % len(PROMPTS)] for i in range(12)]})
+    runs = {}
+    for cls in (trl.GRPOTrainer, OffloadGRPOTrainer):
+        more = ({"offload_config": {**nvme(tmp_path), "units": {"classes": ["Qwen2DecoderLayer"]}}}
+                if cls is OffloadGRPOTrainer else {})
+        if policy == "qlora":
+            q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                bnb_4bit_use_double_quant=True)
+            model = transformers.AutoModelForCausalLM.from_pretrained(directory, quantization_config=q,
+                                                                      dtype=torch.float32)
+        else:
+            model = tiny_qwen2() if policy == "full" else str(directory)
+        if policy in ("lora", "qlora"):
+            more["peft_config"] = lora()
+        t = cls(model=model, reward_funcs=length_reward, args=grpo_args(tmp_path, cls.__name__, beta),
+                train_dataset=data, processing_class=TOKENIZER, **more)
+        if cls is OffloadGRPOTrainer:
+            closing(t)
+        t.train()
+        runs[cls] = [(h["loss"], h["reward"], h["completions/mean_length"]) for h in t.state.log_history
+                     if "loss" in h]
+        if cls is OffloadGRPOTrainer:
+            assert len(t.frozen_engines) == (1 if policy == "full with a reference" else 0)
+    ours, stock = runs[OffloadGRPOTrainer], runs[trl.GRPOTrainer]
+    assert len(ours) == 3
+    assert [r[1:] for r in ours] == [r[1:] for r in stock]  # the same rollouts: rewards and lengths exactly
+    # GRPO's loss is near zero after the first step (advantages centred): 1e-5 relative, or 1e-6 absolute
+    assert [r[0] for r in ours] == pytest.approx([r[0] for r in stock], rel=1e-5, abs=1e-6)
+
+
+def test_grpo_settings_the_engine_does_not_run_are_refused(tmp_path):
+    from offload.integrations.trl import OffloadGRPOTrainer
+
+    args = grpo_args(tmp_path, "x", 0.0)
+    args.use_vllm = True
+    with pytest.raises(ValueError, match=r"OffloadGRPOTrainer: use_vllm=True: the rollouts are generated through the "
+                                         r"offload engine.*set it False"):
+        OffloadGRPOTrainer(model=tiny_qwen2(), reward_funcs=length_reward, args=args,
+                           train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}), processing_class=TOKENIZER,
+                           offload_config=nvme(tmp_path))
