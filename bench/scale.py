@@ -20,7 +20,7 @@ the JSON has precision, matmul_gflops (that dtype's F.linear speed measured in t
 compute_floor_s = 6 x params x tokens / matmul_gflops (bench/limits.py), next to compute_bound_s (the same
 model's forward+backward in memory plus CPU Adam, measured).
 
-python bench/scale.py [--model 3b|PRESET|HF_DIR] [--steps 20] [--batch 1] [--seq 256] --dir DIR
+python bench/scale.py [--model 3b|PRESET|smollm2|HF_DIR] [--steps 20] [--batch 1] [--seq 256] --dir DIR
                       [--io-size 2G] [--precision auto|bf16|fp16|fp32] [--ds-python PATH] [--no-deepspeed] [--json]
 """
 
@@ -285,7 +285,7 @@ def _print_summary(report: dict) -> None:
 
 def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="3b", metavar="PRESET|HF_DIR")
+    ap.add_argument("--model", default="3b", metavar="PRESET|PACKAGED|HF_DIR")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=256)
@@ -313,9 +313,12 @@ def _parse_args() -> argparse.Namespace:
     if not os.path.isdir(args.dir):
         ap.error(f"--dir={args.dir}: not a directory; create it or pass an existing one")
     from offload.models import PRESETS
+    from offload.pretrained import PACKAGED, resolve_model
 
+    args.model = resolve_model(args.model)  # a packaged model (smollm2): its cached directory, for every worker
     if args.model not in PRESETS and not os.path.isdir(args.model):
-        ap.error(f"--model={args.model}: neither a preset ({', '.join(PRESETS)}) nor a Hugging Face directory")
+        ap.error(f"--model={args.model}: neither a preset ({', '.join(PRESETS)}), a packaged model "
+                 f"({', '.join(PACKAGED)}) nor a Hugging Face directory")
     return args
 
 

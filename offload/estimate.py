@@ -181,16 +181,19 @@ def parse_count(text: str) -> int:
 def meta_model(model: str):
     """(--model built on the meta device, where it came from): a preset of offload.models, or the model
     AutoModelForCausalLM builds from a config.json or a directory holding one (any architecture it knows:
-    the counts are the built model's, no formula per architecture)."""
+    the counts are the built model's, no formula per architecture), a packaged model's (offload.pretrained)
+    from its cached directory."""
     from offload.models import PRESETS, build_model, hf_causal_lm  # local: the ledger itself needs no torch
+    from offload.pretrained import PACKAGED, resolve_model
 
+    model = resolve_model(model)  # a packaged model: its cached directory (converted on first use)
     if os.path.isdir(model) or model.endswith(".json") or os.sep in model:
         path = os.path.join(model, "config.json") if os.path.isdir(model) else model
         built = hf_causal_lm(path, device="meta")
         return built, f"{path} (model_type {built.config.model_type})"
     if model not in PRESETS:
-        raise ValueError(f"--model={model}: no such file, directory or preset ({', '.join(PRESETS)}); "
-                         f"pass a config.json, a HF model directory or a preset name")
+        raise ValueError(f"--model={model}: no such file, directory or preset ({', '.join(PRESETS)}), nor a packaged "
+                         f"model ({', '.join(PACKAGED)}); pass a config.json, a HF model directory or one of those")
     return build_model(model, device="meta"), f"preset {model!r}"
 
 

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from offload.pretrained import PACKAGED, resolve_model
+
 # [Note: seeding contract]
 # Every module that owns parameters directly has `reset_parameters()`, and every random draw in it comes
 # from the *CPU* default generator (then copied into the parameter, whatever its device or dtype). So:
@@ -315,12 +317,14 @@ def _read_json(path: str) -> dict:
 
 def build_model(name_or_dir: str | ModelConfig, device="cpu", dtype=None, seed: int = 0,
                 checkpoint_activations: bool = False) -> nn.Module:
-    """A preset name, a ModelConfig, or a local HF directory (config.json of a causal LM) -> model.
+    """A preset name, a ModelConfig, a packaged model's name (offload.pretrained: its cached HF directory) or
+    a local HF directory (config.json of a causal LM) -> model.
 
     Our models are initialized with init_weights(model, seed) unless device is "meta" (the Engine then
     materializes them under the same contract). A HF directory gives the model AutoModelForCausalLM builds
     from its config (hf_causal_lm); its weights come from its safetensors (offload.integrations.hf_io).
     """
+    name_or_dir = resolve_model(name_or_dir)
     if isinstance(name_or_dir, str) and os.path.isdir(name_or_dir):
         return hf_causal_lm(name_or_dir, device, dtype, seed)
     if isinstance(name_or_dir, ModelConfig):
@@ -328,8 +332,8 @@ def build_model(name_or_dir: str | ModelConfig, device="cpu", dtype=None, seed: 
     elif name_or_dir in PRESETS:
         cfg = PRESETS[name_or_dir]
     else:
-        raise ValueError(f"--model={name_or_dir}: neither a preset ({', '.join(PRESETS)}) nor a directory "
-                         f"with config.json; pass one of those")
+        raise ValueError(f"--model={name_or_dir}: neither a preset ({', '.join(PRESETS)}), a packaged model "
+                         f"({', '.join(PACKAGED)}) nor a directory with config.json; pass one of those")
     if checkpoint_activations:
         cfg = dataclasses.replace(cfg, checkpoint_activations=True)
     model = LlamaLM(cfg, device=device, dtype=dtype)

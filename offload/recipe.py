@@ -31,6 +31,7 @@ from offload.flags import file_settings, put_flags
 from offload.integrations.hf_io import DTYPES as SAVE_DTYPES
 from offload.lora import LoraWeights, apply_lora, lora_settings, lora_targets
 from offload.models import PRESETS, build_model, hf_llama_config
+from offload.pretrained import PACKAGED, resolve_model
 from offload.plan.config import Config, load_config
 from offload.plan.settings import set_dotted
 
@@ -54,8 +55,10 @@ CONFIG_FLAGS = {"lr": ("optimizer.lr", RECIPE["lr"]),
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The `offload train` flags (defaults None: the recipe or the config file decides)."""
     g = parser.add_argument_group("training")
-    g.add_argument("--model", default=None, metavar="PRESET|HF_DIR",
-                   help=f"a preset ({', '.join(PRESETS)}) or a local Hugging Face directory of a causal LM that "
+    g.add_argument("--model", default=None, metavar="PRESET|PACKAGED|HF_DIR",
+                   help=f"a preset ({', '.join(PRESETS)}), a pretrained model a pip package ships "
+                        f"({', '.join(PACKAGED)}: converted once into a cached Hugging Face directory, "
+                        f"docs/training.md) or a local Hugging Face directory of a causal LM that "
                         f"AutoModelForCausalLM builds (Llama, Mistral, Qwen2, Mixtral, GPT-2, ...; default "
                         f"{RECIPE['model']})")
     g.add_argument("--data", default=None, metavar="PATH",
@@ -273,8 +276,9 @@ def load_token_ids(path: str | None, tokenizer=None) -> torch.Tensor:
 
 def build(run: dict, cfg: Config):
     """(model, weights source or None, info dict) for a preset or a HF directory (built on meta); a LoRA run's
-    run["lora"]["targets"] become the targets used (the model's default when none were given)."""
-    name = run["model"]
+    run["lora"]["targets"] become the targets used (the model's default when none were given). A packaged
+    model's name (offload.pretrained) is its cached directory."""
+    name = resolve_model(run["model"])
     if os.path.isdir(name):
         from offload.integrations.hf_io import SafetensorsWeights
 
@@ -293,8 +297,9 @@ def build(run: dict, cfg: Config):
         info = {"kind": "preset", "name": name, "hf_config": hf_llama_config(preset), "tokenizer": None,
                 "source": None}
     else:
-        raise ValueError(f"--model={name}: neither a preset ({', '.join(PRESETS)}) nor a directory; "
-                         f"pass a preset name or a local Hugging Face directory")
+        raise ValueError(f"--model={name}: neither a preset ({', '.join(PRESETS)}), a packaged model "
+                         f"({', '.join(PACKAGED)}) nor a directory; pass one of those or a local Hugging Face "
+                         f"directory")
     if max_len is not None and run["seq_len"] > max_len:
         raise ValueError(f"--seq-len={run['seq_len']}: longer than the model's maximum of {max_len}; "
                          f"pass --seq-len {max_len} or less")

