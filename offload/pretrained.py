@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 
+from offload.checkpoint.format import fsync_dir
 from offload.integrations.gguf import check_gguf, convert_gguf
 
 CACHE_ENV = "OFFLOAD_CACHE"
@@ -227,7 +228,7 @@ def _build(spec: Packaged, source: str, digest: str, entry: str) -> None:
             json.dump(manifest, f, indent=2, sort_keys=True)
         _fsync_tree(tmp)  # and readable by all, as a download is: mkdtemp and safetensors make them private
         os.replace(tmp, entry)
-        _fsync_dir(root)
+        fsync_dir(root)
         for f in files:  # known digests under their new paths: the next check need not hash them again
             _DIGESTS[_key(os.path.join(entry, f))] = files[f]["sha256"]
     except BaseException:
@@ -246,15 +247,7 @@ def _fsync_tree(directory: str) -> None:
         finally:
             os.close(fd)
     os.chmod(directory, 0o755)
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(directory)
 
 
 def _say(line: str) -> None:

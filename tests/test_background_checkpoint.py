@@ -17,7 +17,7 @@ import torch
 import offload
 from offload.checkpoint import format as fmt
 from offload.checkpoint.background import BackgroundSaveError
-from tests.engine_util import MLP, mlp_batches
+from tests.engine_util import MLP, mlp_batches, train
 from tests.ranks_util import REPO, run_ranks
 
 PLACES = {"hbm": "none", "dram": "cpu", "nvme": "nvme"}
@@ -28,15 +28,6 @@ def cfg(tmp_path, place: str, **extra) -> dict:
             "offload_optimizer": {"device": PLACES[place]}, "nvme_path": str(tmp_path / "swap"),
             "units": {"min_numel": 512}, "optimizer": {"lr": 1e-2}, **extra}
 
-
-def train(eng, batches) -> list[float]:
-    out = []
-    for x, y in batches:
-        loss = eng(x, y)
-        eng.backward(loss)
-        eng.step()
-        out.append(loss.item())
-    return out
 
 
 @pytest.fixture
@@ -130,7 +121,7 @@ import os, signal, sys, time, torch
 sys.path.insert(0, {repo!r})
 import offload
 from offload.checkpoint import format as fmt
-from tests.engine_util import MLP, mlp_batches
+from tests.engine_util import MLP, mlp_batches, train
 original = fmt.DataFile.write
 def write(self, t, begin, end):
     time.sleep(0.05)

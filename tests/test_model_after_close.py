@@ -12,7 +12,7 @@ import offload
 from offload import handback
 from offload.plan.placement import PlacementError
 from offload.step.pipeline import EngineClosed
-from tests.engine_util import DTYPES, MLP, mlp_batches
+from tests.engine_util import DTYPES, MLP, mlp_batches, train
 from tests.ranks_util import run_ranks
 
 PLACES = {"hbm": "none", "dram": "cpu", "nvme": "nvme"}
@@ -25,11 +25,6 @@ def cfg(tmp_path, place: str, precision: str = "fp32", **extra) -> dict:
             "offload_optimizer": {"device": PLACES[place]}, "nvme_path": str(tmp_path / "swap"),
             "units": {"min_numel": 512}, "optimizer": {"lr": 1e-2}, **extra}
 
-
-def train(eng, batches) -> None:
-    for x, y in batches:
-        eng.backward(eng(x, y))
-        eng.step()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

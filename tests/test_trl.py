@@ -294,3 +294,21 @@ def test_grpo_settings_the_engine_does_not_run_are_refused(tmp_path):
         OffloadGRPOTrainer(model=tiny_qwen2(), reward_funcs=length_reward, args=args,
                            train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}), processing_class=TOKENIZER,
                            offload_config=nvme(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.pretrained
+def test_the_grpo_example_runs_on_smollm2(smollm2):
+    """examples/grpo.py, cut to one step: the rollouts of the real model through the engine are rewarded."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "examples", "grpo.py"), "--steps", "1", "--prompts", "1",
+                           "--generations", "2", "--max-new-tokens", "4"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result["rewards"]) == 1 and 0 <= result["rewards"][0] <= 1 and not result["stock"]

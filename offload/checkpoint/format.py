@@ -95,9 +95,9 @@ def begin(directory: str, name: str) -> tuple[str, str]:
 
 
 def commit(tmp: str, final: str) -> None:
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     os.rename(tmp, final)
-    _fsync_dir(os.path.dirname(final) or ".")
+    fsync_dir(os.path.dirname(final) or ".")
 
 
 def abort(tmp: str) -> None:
@@ -165,7 +165,7 @@ def point_latest(directory: str, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def list_checkpoints(directory: str, run_id: str | None = None) -> list[str]:
@@ -215,7 +215,8 @@ def _write_synced(path: str, data: bytes) -> None:
         raise OSError(e.errno, f"{e.strerror or e} (writing {len(data)} bytes)", path) from e
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """fsync a directory: the names it holds (a rename, a new file) survive a crash."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
