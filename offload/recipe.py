@@ -90,7 +90,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     e = parser.add_argument_group("evaluation")
     e.add_argument("--eval-data", default=None, metavar="PATH",
                    help="a local file as --data takes, to evaluate on: the loss over the same --eval-batches batches "
-                        "(forward only), every --eval-every steps and after the last")
+                        "(forward only), before the first step, every --eval-every steps and after the last")
     e.add_argument("--eval-every", type=int, default=None, metavar="N", help="evaluate every N steps (default: "
                    "after the last step only)")
     e.add_argument("--eval-batches", type=int, default=None, metavar="B",

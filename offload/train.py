@@ -210,7 +210,9 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, 
     `history` as each step ends (a stopped run keeps what it has); check_stop() after each step raises a
     signal's Stopped that something swallowed (offload/signals.py). With checkpoints, a SIGTERM is held
     until the step ends, the checkpoint is saved, and then the run stops as for any signal. The evaluator's
-    loss (when due) is taken after the step's timing, so step times and stalls are training's alone."""
+    loss (when due) is taken after the step's timing, so step times and stalls are training's alone; a run
+    that starts at step 0 is also evaluated before its first step (a resumed run is not: the run it continues
+    evaluated what its schedule asked for, and its checkpoint's step may be one of those)."""
     from offload.report import Progress, Sampler
     from offload.report import tokens_per_step as run_tokens
 
@@ -221,6 +223,9 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, 
     with Sampler(engine) as samples, Progress(run["steps"] - start, tokens_per_step, enabled=progress) as bar, \
             _SaveOnSigterm(checkpoints is not None) as sigterm:
         history["samples"] = samples.rows
+        if evaluator is not None and start == 0:  # the loss before training, the first point of the fall
+            history["eval_losses"].append({"step": 0, "loss": evaluator.loss(engine)})
+            bar.eval_loss = history["eval_losses"][-1]["loss"]
         for step in range(start, run["steps"]):
             t = time.perf_counter()
             stall0 = engine.rt.telemetry.stall_seconds  # not stats(): that lists the swap directory

@@ -80,23 +80,41 @@ def test_short_run_writes_its_report(tmp_path, capsys):
     assert os.listdir(tmp_path / "swap") == []
 
 
-def test_evaluation_every_n_steps_and_after_the_last(tmp_path, capsys):
-    """--eval-data: the mean loss over the same --eval-batches batches, forward only, every --eval-every steps
-    and after the last; in the report, the summary table and the progress line. Training is unchanged."""
+def test_evaluation_before_the_first_step_every_n_steps_and_after_the_last(tmp_path, capsys):
+    """--eval-data: the mean loss over the same --eval-batches batches, forward only, before the first step,
+    every --eval-every steps and after the last; in the report, the summary table and the progress line.
+    Training is unchanged."""
     text = tmp_path / "eval.txt"
     text.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 20)
     plain = _run(tmp_path, steps=3, out=str(tmp_path / "plain"))
     capsys.readouterr()
     report = _run(tmp_path, steps=3, eval_data=str(text), eval_every=2, eval_batches=2, no_progress=False)
-    assert [e["step"] for e in report["eval_losses"]] == [2, 3]
+    assert [e["step"] for e in report["eval_losses"]] == [0, 2, 3]
     assert all(2 < e["loss"] < 7 for e in report["eval_losses"])  # bytes: ln(257) = 5.5 at random
     assert report["losses"] == plain["losses"] and plain["eval_losses"] == []
     assert report["run"]["eval"] == {"data": str(text), "every": 2, "batches": 2}
     with open(report["files"]["report"]) as f:
         assert json.load(f)["eval_losses"] == report["eval_losses"]
     out, err = capsys.readouterr()
-    assert f"eval loss   {report['eval_losses'][0]['loss']:.3f} (step 2) -> " in out
+    assert f"eval loss   {report['eval_losses'][0]['loss']:.3f} (step 0) -> " in out
     assert f"eval {report['eval_losses'][-1]['loss']:.3f}" in err  # the progress line
+
+
+def test_a_resumed_run_does_not_evaluate_its_checkpoints_step_again(tmp_path):
+    """The run that saved the checkpoint evaluated before its first step and on its schedule; the run resumed
+    from it evaluates on the same schedule from the next step on, so no step's loss is taken twice."""
+    text = tmp_path / "eval.txt"
+    text.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 20)
+    constant = tmp_path / "constant.yaml"  # the same learning rates in a run of 2 steps and one of 4
+    constant.write_text("lr_schedule: {type: constant}\n")
+    common = dict(eval_data=str(text), eval_every=1, eval_batches=1, checkpoint_dir=str(tmp_path / "ck"),
+                  offload_config=str(constant))
+    first = _run(tmp_path, steps=2, save_every=2, **common)
+    resumed = _run(tmp_path, steps=4, resume="latest", out=str(tmp_path / "run2"), **common)
+    whole = _run(tmp_path, steps=4, out=str(tmp_path / "run3"), **common)
+    assert [e["step"] for e in first["eval_losses"]] == [0, 1, 2]
+    assert [e["step"] for e in resumed["eval_losses"]] == [3, 4]
+    assert first["eval_losses"] + resumed["eval_losses"] == whole["eval_losses"]  # one run, cut in two
 
 
 def test_evaluation_flags_are_checked():
