@@ -19,6 +19,7 @@ import time
 import torch
 
 import offload
+from offload.answers import Answers
 from offload.data import BatchSampler
 from offload.kernels.cpu_adam import kernel_backend
 from offload.lora import base_name, check_mergeable, save_dtype, transposed_layers
@@ -72,12 +73,13 @@ def _train(args: argparse.Namespace, cfg: Config, run: dict, watch: LauncherWatc
         check_mergeable(model)  # before training, not after it
     sampler = RankSlice(data_sampler("--data", run["data"], info["tokenizer"], run, cfg.seed), rank, world)
     evaluator = Evaluator.from_run(run, cfg, info["tokenizer"])  # every rank: the same batches, the same loss
+    answers = Answers.from_run(run, info["tokenizer"], sampler.sampler.shape)  # every rank: the same forwards
     checkpoints = Checkpoints.from_args(args, run, cfg, model, info)
     resume = _resume_point(args, run, cfg)
     out_dir = args.out
     made = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)  # before training: an unwritable --out fails now, not after the run
-    history = {**{k: [] for k in PER_STEP}, "eval_losses": [], "samples": []}
+    history = {**{k: [] for k in PER_STEP}, "eval_losses": [], "samples": [], "answers": []}
     engine, init_s = None, None
     t0 = time.perf_counter()
     with SignalWatchdog(label=f"offload train (rank {rank})" if world > 1 else "offload train"), \
@@ -90,15 +92,21 @@ def _train(args: argparse.Namespace, cfg: Config, run: dict, watch: LauncherWatc
                     engine.load_checkpoint(resume[0])
                     run = {**run, "start_step": resume[1], "resumed_from": resume[0]}
                 init_s = time.perf_counter() - t0
-                rep.print_header(run, cfg, info, engine, quiet=args.json or getattr(args, "quiet_rank", False))
+                quiet = args.json or getattr(args, "quiet_rank", False)
+                rep.print_header(run, cfg, info, engine, quiet=quiet)
+                if answers is not None:  # before the first step (a resumed run's: after its checkpoint's step)
+                    history["answers"] += answers.answer(engine, run.get("start_step", 0))
+                    rep.print_answers(history["answers"], quiet=quiet)
                 if args.trace:
                     engine.start_trace()
                 _loop(engine, sampler, run, cfg, history, check_stop, progress=not args.no_progress,
                       checkpoints=checkpoints, evaluator=evaluator)
-                final = engine.stats()
                 if args.trace:
                     engine.save_trace(args.trace)
                     rep.plot_timeline(engine.rt.telemetry.chrome_trace(), args.trace + ".png")
+                if answers is not None:
+                    history["answers"] += answers.answer(engine, run["steps"])
+                final = engine.stats()
                 saved = save(engine, info, args.save, run["lora"], dtype=run["save_dtype"]) if args.save else None
                 merged = (save(engine, info, args.save_merged, run["lora"], merged=True, dtype=run["save_dtype"])
                           if args.save_merged else None)

@@ -24,7 +24,7 @@ def test_defaults_are_the_demo_recipe():
     assert cfg.optimizer.lr == recipe.RECIPE["lr"] and cfg.gradient_clipping == recipe.RECIPE["clip"]
     assert cfg.lr_schedule.type == "cosine" and cfg.lr_schedule.total_steps == recipe.RECIPE["steps"]
     assert run == {k: recipe.RECIPE[k] for k in ("model", "steps", "batch_size", "seq_len")} | {
-        "data": None, "eval": None, "lora": None, "save_dtype": "auto"}
+        "data": None, "eval": None, "prompts": None, "lora": None, "save_dtype": "auto"}
 
 
 def test_flags_beat_the_config_file_which_beats_the_recipe(tmp_path):
@@ -83,16 +83,20 @@ def test_short_run_writes_its_report(tmp_path, capsys):
 def test_evaluation_before_the_first_step_every_n_steps_and_after_the_last(tmp_path, capsys):
     """--eval-data: the mean loss over the same --eval-batches batches, forward only, before the first step,
     every --eval-every steps and after the last; in the report, the summary table and the progress line.
-    Training is unchanged."""
+    Training is unchanged by it, and by --sample-prompts' answers before and after."""
     text = tmp_path / "eval.txt"
     text.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 20)
     plain = _run(tmp_path, steps=3, out=str(tmp_path / "plain"))
     capsys.readouterr()
-    report = _run(tmp_path, steps=3, eval_data=str(text), eval_every=2, eval_batches=2, no_progress=False)
+    prompts = tmp_path / "prompts.txt"  # answering them before and after changes nothing either
+    prompts.write_text("To be, or\n")
+    report = _run(tmp_path, steps=3, eval_data=str(text), eval_every=2, eval_batches=2, no_progress=False,
+                  sample_prompts=str(prompts), sample_tokens=4)
     assert [e["step"] for e in report["eval_losses"]] == [0, 2, 3]
     assert all(2 < e["loss"] < 7 for e in report["eval_losses"])  # bytes: ln(257) = 5.5 at random
     assert report["losses"] == plain["losses"] and plain["eval_losses"] == []
     assert report["run"]["eval"] == {"data": str(text), "every": 2, "batches": 2}
+    assert [(a["step"], a["prompt"]) for a in report["answers"]] == [(0, "To be, or"), (3, "To be, or")]
     with open(report["files"]["report"]) as f:
         assert json.load(f)["eval_losses"] == report["eval_losses"]
     out, err = capsys.readouterr()
