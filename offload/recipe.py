@@ -40,8 +40,9 @@ DEFAULT_CHECKPOINT_DIR = "./checkpoints"
 DEFAULT_KEEP_CHECKPOINTS = 2
 DEFAULT_EVAL_BATCHES = 8
 
-# What `make demo` runs: sized to train within a few minutes on 2 CPU cores in fp32 (docs/training.md, "make
-# demo"; timings: bench/RESULTS.md, "make demo at the auto precision").
+# What `offload train` runs with no flags (`make demo` passes its own: docs/training.md "make demo"): sized to
+# train within a few minutes on 2 CPU cores in fp32, with nothing but the package (timings: bench/RESULTS.md,
+# "make demo at the auto precision", when `make demo` ran it).
 RECIPE = {"model": "small", "steps": 150, "batch_size": 8, "seq_len": 128, "lr": 3e-3,
           "warmup_steps": 10, "grad_accum": 1, "clip": 1.0, "seed": 0}
 # Train flags that are config keys: flag dest -> (config path, recipe default).
