@@ -394,6 +394,8 @@ class BatchSampler(_Batches):
     every rank draws the same global batch of batch_size * world_size windows and takes its own slice.
     """
 
+    shape = "text"  # the record shape it samples (ExampleSampler's: its examples')
+
     def __init__(self, tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int = 0,
                  rank: int = 0, world_size: int = 1):
         if len(tokens) <= seq_len:
@@ -437,7 +439,7 @@ class ExampleSampler(_Batches):
             warnings.warn(f"{len(examples.rows) - len(kept)} of {len(examples.rows)} examples have no completion "
                           f"token within seq_len={seq_len} and are left out; a longer sequence keeps them",
                           DataWarning, stacklevel=2)
-        self.rows, self.pad_id = kept, examples.pad_id
+        self.rows, self.pad_id, self.shape = kept, examples.pad_id, examples.shape
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
 
     def _order(self, epoch: int) -> np.ndarray:

@@ -72,7 +72,7 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     # ~0.8M: unit tests.
     "tiny": ModelConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=384, max_seq_len=256),
-    # ~12M: `make demo`, a few hundred steps on 2 CPU cores in minutes.
+    # ~12M: `offload train` with no flags, a few hundred steps on 2 CPU cores in minutes.
     "small": ModelConfig(d_model=384, n_layers=6, n_heads=6, n_kv_heads=2, d_ff=1024, max_seq_len=256),
     # ~203M: the benchmarks' model (bench/e2e.py; bench/RESULTS.md).
     "bench-200m": ModelConfig(vocab_size=320, d_model=1024, n_layers=16, n_heads=16, n_kv_heads=16,

@@ -26,6 +26,7 @@ import os
 import torch
 
 import offload
+from offload.answers import DEFAULT_SAMPLE_TOKENS
 from offload.data import BatchSampler, ByteTokenizer, load_data, load_tokens, make_sampler
 from offload.flags import file_settings, put_flags
 from offload.integrations.hf_io import DTYPES as SAVE_DTYPES
@@ -40,8 +41,9 @@ DEFAULT_CHECKPOINT_DIR = "./checkpoints"
 DEFAULT_KEEP_CHECKPOINTS = 2
 DEFAULT_EVAL_BATCHES = 8
 
-# What `make demo` runs: sized to train within a few minutes on 2 CPU cores in fp32 (docs/training.md, "make
-# demo"; timings: bench/RESULTS.md, "make demo at the auto precision").
+# What `offload train` runs with no flags (`make demo` passes its own: docs/training.md "make demo"): sized to
+# train within a few minutes on 2 CPU cores in fp32, with nothing but the package (timings: bench/RESULTS.md,
+# "make demo at the auto precision", when `make demo` ran it).
 RECIPE = {"model": "small", "steps": 150, "batch_size": 8, "seq_len": 128, "lr": 3e-3,
           "warmup_steps": 10, "grad_accum": 1, "clip": 1.0, "seed": 0}
 # Train flags that are config keys: flag dest -> (config path, recipe default).
@@ -93,11 +95,17 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     e = parser.add_argument_group("evaluation")
     e.add_argument("--eval-data", default=None, metavar="PATH",
                    help="a local file as --data takes, to evaluate on: the loss over the same --eval-batches batches "
-                        "(forward only), every --eval-every steps and after the last")
+                        "(forward only), before the first step, every --eval-every steps and after the last")
     e.add_argument("--eval-every", type=int, default=None, metavar="N", help="evaluate every N steps (default: "
                    "after the last step only)")
     e.add_argument("--eval-batches", type=int, default=None, metavar="B",
                    help=f"batches of --batch-size x --seq-len per evaluation (default {DEFAULT_EVAL_BATCHES})")
+    e.add_argument("--sample-prompts", default=None, metavar="PATH",
+                   help="a .txt file of prompts, one a line, that the model answers (greedy) before the first step "
+                        "and after the last, put as --data's records put theirs (a chat: the tokenizer's chat "
+                        "template); the answers are in the summary and the report")
+    e.add_argument("--sample-tokens", type=int, default=None, metavar="N",
+                   help=f"new tokens at most per answer to --sample-prompts (default {DEFAULT_SAMPLE_TOKENS})")
     lo = parser.add_argument_group("LoRA (peft: pip install 'offload[lora]'; in a source checkout "
                                    "pip install -e '.[lora]')")
     lo.add_argument("--lora", type=int, default=None, metavar="R",
@@ -189,6 +197,7 @@ def resolve(args: argparse.Namespace) -> tuple[Config, dict]:
         run["batch_size"] = micro_batch_size(args.deepspeed) or run["batch_size"]
     run["data"] = args.data
     run["eval"] = _eval_settings(args)
+    run["prompts"] = _prompt_settings(args)
     run["lora"] = lora_settings(args)
     run["save_dtype"] = _save_dtype(args)
     if getattr(args, "quantize", None) is not None:
@@ -224,6 +233,18 @@ def _eval_settings(args) -> dict | None:
         return None
     batches = DEFAULT_EVAL_BATCHES if args.eval_batches is None else args.eval_batches
     return {"data": args.eval_data, "every": args.eval_every, "batches": batches}
+
+
+def _prompt_settings(args) -> dict | None:
+    """{path, max_new_tokens} of --sample-prompts and --sample-tokens, or None without --sample-prompts."""
+    tokens = getattr(args, "sample_tokens", None)
+    if tokens is not None and (not isinstance(tokens, int) or tokens < 1):
+        raise ValueError(f"--sample-tokens={tokens}: must be a positive integer")
+    if getattr(args, "sample_prompts", None) is None:
+        if tokens is not None:
+            raise ValueError("--sample-tokens: needs --sample-prompts PATH (a .txt file of prompts, one a line)")
+        return None
+    return {"path": args.sample_prompts, "max_new_tokens": DEFAULT_SAMPLE_TOKENS if tokens is None else tokens}
 
 
 def _save_dtype(args) -> str:

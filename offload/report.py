@@ -141,6 +141,7 @@ def build_report(run: dict, cfg, info: dict, history: dict, final: dict, init_s:
         **{k: history[k] for k in ("losses", "step_seconds", "lrs", "grad_norms", "stall_seconds")},
         "eval_losses": history.get("eval_losses", []),  # [{"step", "loss"}]: --eval-data, every --eval-every steps
         "checkpoints": history.get("checkpoints"),  # --save-every: offload.train_checkpoints.Checkpoints.summary()
+        "answers": history.get("answers", []),  # [{"step", "prompt", "answer"}]: --sample-prompts, before and after
         "stats": final, "config": cfg.to_dict(), "run": run,
         "samples": {"columns": list(SAMPLE_COLUMNS), "rows": history["samples"]},
         "out_dir": out_dir, "saved": saved,
@@ -230,6 +231,7 @@ def summary_table(report: dict) -> str:
         how = f"{ck['background']} in the background" if ck["background"] else "blocking"
         lines.append(f"  checkpoints {ck['saved']} saved ({how}): {ck['seconds']:.1f} s writing, {ck['exposed_s']:.1f} s "
                      f"of it exposed to training, {ck['hidden_s']:.1f} s hidden")
+    lines += answer_lines(report.get("answers", []))
     lines.append(f"  {'tier':6s} {'used':>10s} {'peak':>10s} {'budget':>10s}")
     for tier in TIERS:
         s = st["tiers"][tier]
@@ -252,6 +254,25 @@ def summary_table(report: dict) -> str:
             what = "peft LoRA adapter" if key == "saved" and report["run"].get("lora") else "Hugging Face directory"
             lines.append(f"  {label:11s} {report[key]} ({what}, {report[key + '_dtype']})")
     return "\n".join(lines)
+
+
+def answer_lines(answers: list[dict]) -> list[str]:
+    """The answers to --sample-prompts, by prompt, each on one line after its step."""
+    if not answers:
+        return []
+    width = max(len(str(a["step"])) for a in answers)
+    lines = ["  answers     greedy, to --sample-prompts:"]
+    for prompt in dict.fromkeys(a["prompt"] for a in answers):
+        lines.append(f"    {prompt}")
+        lines += [f"      step {a['step']:<{width}}  {' '.join(a['answer'].split()) or '(nothing)'}"
+                  for a in answers if a["prompt"] == prompt]
+    return lines
+
+
+def print_answers(answers: list[dict], quiet: bool = False) -> None:
+    """The answers before training, printed as soon as they are made (the summary repeats them beside the after)."""
+    if not quiet:
+        print("\n".join(answer_lines(answers)), flush=True)
 
 
 def plot_timeline(trace: dict, path: str) -> None:

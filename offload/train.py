@@ -18,6 +18,7 @@ import time
 import torch
 
 import offload
+from offload.answers import Answers
 from offload.checkpoint.background import BackgroundSaveError
 from offload.data import BatchSampler
 from offload.kernels.cpu_adam import kernel_backend
@@ -71,12 +72,13 @@ def _train(args: argparse.Namespace, cfg: Config, run: dict, watch: LauncherWatc
         check_mergeable(model)  # before training, not after it
     sampler = RankSlice(data_sampler("--data", run["data"], info["tokenizer"], run, cfg.seed), rank, world)
     evaluator = Evaluator.from_run(run, cfg, info["tokenizer"])  # every rank: the same batches, the same loss
+    answers = Answers.from_run(run, info["tokenizer"], sampler.sampler.shape)  # every rank: the same forwards
     checkpoints = Checkpoints.from_args(args, run, cfg, model, info)
     resume = resume_point(args, run, cfg)
     out_dir = args.out
     made = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)  # before training: an unwritable --out fails now, not after the run
-    history = {**{k: [] for k in PER_STEP}, "eval_losses": [], "samples": []}
+    history = {**{k: [] for k in PER_STEP}, "eval_losses": [], "samples": [], "answers": []}
     engine, init_s = None, None
     t0 = time.perf_counter()
     with SignalWatchdog(label=f"offload train (rank {rank})" if world > 1 else "offload train"), \
@@ -89,15 +91,21 @@ def _train(args: argparse.Namespace, cfg: Config, run: dict, watch: LauncherWatc
                     engine.load_checkpoint(resume[0])
                     run = {**run, "start_step": resume[1], "resumed_from": resume[0]}
                 init_s = time.perf_counter() - t0
-                rep.print_header(run, cfg, info, engine, quiet=args.json or getattr(args, "quiet_rank", False))
+                quiet = args.json or getattr(args, "quiet_rank", False)
+                rep.print_header(run, cfg, info, engine, quiet=quiet)
+                if answers is not None:  # before the first step (a resumed run's: after its checkpoint's step)
+                    history["answers"] += answers.answer(engine, run.get("start_step", 0))
+                    rep.print_answers(history["answers"], quiet=quiet)
                 if args.trace:
                     engine.start_trace()
                 _loop(engine, sampler, run, cfg, history, check_stop, progress=not args.no_progress,
                       checkpoints=checkpoints, evaluator=evaluator)
-                final = engine.stats()
                 if args.trace:
                     engine.save_trace(args.trace)
                     rep.plot_timeline(engine.rt.telemetry.chrome_trace(), args.trace + ".png")
+                if answers is not None:
+                    history["answers"] += answers.answer(engine, run["steps"])
+                final = engine.stats()
                 saved = save(engine, info, args.save, run["lora"], dtype=run["save_dtype"]) if args.save else None
                 merged = (save(engine, info, args.save_merged, run["lora"], merged=True, dtype=run["save_dtype"])
                           if args.save_merged else None)
@@ -209,7 +217,9 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, 
     `history` as each step ends (a stopped run keeps what it has); check_stop() after each step raises a
     signal's Stopped that something swallowed (offload/signals.py). With checkpoints, a SIGTERM is held
     until the step ends, the checkpoint is saved, and then the run stops as for any signal. The evaluator's
-    loss (when due) is taken after the step's timing, so step times and stalls are training's alone."""
+    loss (when due) is taken after the step's timing, so step times and stalls are training's alone; a run
+    that starts at step 0 is also evaluated before its first step (a resumed run is not: the run it continues
+    evaluated what its schedule asked for, and its checkpoint's step may be one of those)."""
     from offload.report import Progress, Sampler
     from offload.report import tokens_per_step as run_tokens
 
@@ -220,6 +230,9 @@ def _loop(engine, sampler: BatchSampler, run: dict, cfg: Config, history: dict, 
     with Sampler(engine) as samples, Progress(run["steps"] - start, tokens_per_step, enabled=progress) as bar, \
             _SaveOnSigterm(checkpoints is not None) as sigterm:
         history["samples"] = samples.rows
+        if evaluator is not None and start == 0:  # the loss before training, the first point of the fall
+            history["eval_losses"].append({"step": 0, "loss": evaluator.loss(engine)})
+            bar.eval_loss = history["eval_losses"][-1]["loss"]
         for step in range(start, run["steps"]):
             t = time.perf_counter()
             stall0 = engine.rt.telemetry.stall_seconds  # not stats(): that lists the swap directory

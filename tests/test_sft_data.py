@@ -227,7 +227,8 @@ def test_train_takes_its_loss_on_completions_only(tmp_path):
     with torch.no_grad():
         masked, every = model(ids, labels=labels).item(), model(ids, labels=ids).item()
     assert report["losses"][0] == pytest.approx(masked, rel=1e-5) and abs(masked - every) > 1e-3
-    assert [e["step"] for e in report["eval_losses"]] == [1] and 0 < report["eval_losses"][0]["loss"] < 10
+    assert [e["step"] for e in report["eval_losses"]] == [0, 1] and 0 < report["eval_losses"][1]["loss"] < 10
+    assert report["eval_losses"][0]["loss"] == pytest.approx(masked, rel=1e-5)  # before training: the same batch
 
 
 def test_train_a_hf_directory_on_chat_data_with_its_template(tmp_path, capsys):

@@ -17,14 +17,14 @@ def _resolve(**kw):
     return recipe.resolve(recipe.as_namespace(kw))
 
 
-def test_defaults_are_the_demo_recipe():
+def test_defaults_are_the_recipe():  # what `offload train` runs with no flags (make demo passes its own)
     cfg, run = _resolve()
     assert (cfg.offload_param.device, cfg.offload_optimizer.device) == ("nvme", "nvme")
     assert cfg.nvme_path == recipe.DEFAULT_SWAP_DIR and cfg.precision == "auto"  # resolved by the engine
     assert cfg.optimizer.lr == recipe.RECIPE["lr"] and cfg.gradient_clipping == recipe.RECIPE["clip"]
     assert cfg.lr_schedule.type == "cosine" and cfg.lr_schedule.total_steps == recipe.RECIPE["steps"]
     assert run == {k: recipe.RECIPE[k] for k in ("model", "steps", "batch_size", "seq_len")} | {
-        "data": None, "eval": None, "lora": None, "save_dtype": "auto"}
+        "data": None, "eval": None, "prompts": None, "lora": None, "save_dtype": "auto"}
 
 
 def test_flags_beat_the_config_file_which_beats_the_recipe(tmp_path):
@@ -80,23 +80,45 @@ def test_short_run_writes_its_report(tmp_path, capsys):
     assert os.listdir(tmp_path / "swap") == []
 
 
-def test_evaluation_every_n_steps_and_after_the_last(tmp_path, capsys):
-    """--eval-data: the mean loss over the same --eval-batches batches, forward only, every --eval-every steps
-    and after the last; in the report, the summary table and the progress line. Training is unchanged."""
+def test_evaluation_before_the_first_step_every_n_steps_and_after_the_last(tmp_path, capsys):
+    """--eval-data: the mean loss over the same --eval-batches batches, forward only, before the first step,
+    every --eval-every steps and after the last; in the report, the summary table and the progress line.
+    Training is unchanged by it, and by --sample-prompts' answers before and after."""
     text = tmp_path / "eval.txt"
     text.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 20)
     plain = _run(tmp_path, steps=3, out=str(tmp_path / "plain"))
     capsys.readouterr()
-    report = _run(tmp_path, steps=3, eval_data=str(text), eval_every=2, eval_batches=2, no_progress=False)
-    assert [e["step"] for e in report["eval_losses"]] == [2, 3]
+    prompts = tmp_path / "prompts.txt"  # answering them before and after changes nothing either
+    prompts.write_text("To be, or\n")
+    report = _run(tmp_path, steps=3, eval_data=str(text), eval_every=2, eval_batches=2, no_progress=False,
+                  sample_prompts=str(prompts), sample_tokens=4)
+    assert [e["step"] for e in report["eval_losses"]] == [0, 2, 3]
     assert all(2 < e["loss"] < 7 for e in report["eval_losses"])  # bytes: ln(257) = 5.5 at random
     assert report["losses"] == plain["losses"] and plain["eval_losses"] == []
     assert report["run"]["eval"] == {"data": str(text), "every": 2, "batches": 2}
+    assert [(a["step"], a["prompt"]) for a in report["answers"]] == [(0, "To be, or"), (3, "To be, or")]
     with open(report["files"]["report"]) as f:
         assert json.load(f)["eval_losses"] == report["eval_losses"]
     out, err = capsys.readouterr()
-    assert f"eval loss   {report['eval_losses'][0]['loss']:.3f} (step 2) -> " in out
+    assert f"eval loss   {report['eval_losses'][0]['loss']:.3f} (step 0) -> " in out
     assert f"eval {report['eval_losses'][-1]['loss']:.3f}" in err  # the progress line
+
+
+def test_a_resumed_run_does_not_evaluate_its_checkpoints_step_again(tmp_path):
+    """The run that saved the checkpoint evaluated before its first step and on its schedule; the run resumed
+    from it evaluates on the same schedule from the next step on, so no step's loss is taken twice."""
+    text = tmp_path / "eval.txt"
+    text.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 20)
+    constant = tmp_path / "constant.yaml"  # the same learning rates in a run of 2 steps and one of 4
+    constant.write_text("lr_schedule: {type: constant}\n")
+    common = dict(eval_data=str(text), eval_every=1, eval_batches=1, checkpoint_dir=str(tmp_path / "ck"),
+                  offload_config=str(constant))
+    first = _run(tmp_path, steps=2, save_every=2, **common)
+    resumed = _run(tmp_path, steps=4, resume="latest", out=str(tmp_path / "run2"), **common)
+    whole = _run(tmp_path, steps=4, out=str(tmp_path / "run3"), **common)
+    assert [e["step"] for e in first["eval_losses"]] == [0, 1, 2]
+    assert [e["step"] for e in resumed["eval_losses"]] == [3, 4]
+    assert first["eval_losses"] + resumed["eval_losses"] == whole["eval_losses"]  # one run, cut in two
 
 
 def test_evaluation_flags_are_checked():
