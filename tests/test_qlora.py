@@ -413,7 +413,11 @@ def test_the_int8_eval_mode_runs_another_kernel_than_training_on_every_host(base
     assert not torch.allclose(plain_eval(model, ids), trained, atol=1e-5)
 
 
-@pytest.mark.parametrize("quant,where,kernel", [("nf4-dq", "hbm", "forced"), ("nf4-dq", "dram", "forced"),
+SLOW = pytest.mark.slow  # the other placements of what nvme shows in the default suite (make test-slow)
+
+
+@pytest.mark.parametrize("quant,where,kernel", [pytest.param("nf4-dq", "hbm", "forced", marks=SLOW),
+                                                pytest.param("nf4-dq", "dram", "forced", marks=SLOW),
                                                 ("nf4-dq", "nvme", "forced"), ("nf4-dq", "nvme", "native"),
                                                 ("int8", "nvme", "native")])  # int8's kernels differ on any host
 def test_eval_train_eval_through_the_engine_equal_the_plain_models(tmp_path, base_dir, quant, where, kernel):
@@ -431,7 +435,8 @@ def test_eval_train_eval_through_the_engine_equal_the_plain_models(tmp_path, bas
         assert packed_layers(model) == 0  # the record stays in the training kernel's layout
 
 
-@pytest.mark.parametrize("where,kernel", [("hbm", "forced"), ("dram", "forced"), ("nvme", "forced"),
+@pytest.mark.parametrize("where,kernel", [pytest.param("hbm", "forced", marks=SLOW),
+                                          pytest.param("dram", "forced", marks=SLOW), ("nvme", "forced"),
                                           ("nvme", "native")])
 def test_a_base_repacked_by_an_evaluation_trains_to_the_plain_loops_losses(tmp_path, base_dir, where, kernel):
     """A model evaluated before offload.initialize (its 4-bit weights repacked in place) is taken as bitsandbytes
@@ -456,7 +461,8 @@ def test_a_base_repacked_by_an_evaluation_trains_to_the_plain_loops_losses(tmp_p
         torch.testing.assert_close(engine_eval(model, engine, ids), plain_eval(reference, ids), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("quant,where", [("nf4-dq", "nvme"), ("nf4-dq", "hbm"), ("int8", "dram")])
+@pytest.mark.parametrize("quant,where", [("nf4-dq", "nvme"), pytest.param("nf4-dq", "hbm", marks=SLOW),
+                                         ("int8", "dram")])
 def test_keep_weights_hands_back_a_qlora_model_that_runs_and_saves_in_plain_pytorch(tmp_path, base_dir, quant,
                                                                                      where):
     """close(keep_weights=True): the records bound to their bytes as bitsandbytes stores them, the adapters in the

@@ -80,6 +80,7 @@ class BackgroundSave:
             self.exposed_s += time.perf_counter() - t
 
     def _run(self, held: dict) -> None:
+        _lower_priority()
         try:
             self._part = saving.save_part(self.engine, self.tmp, False, held, staging=self._staging,
                                           saved=lambda i: self._written[i].set())
@@ -149,3 +150,17 @@ class BackgroundSave:
         """{"seconds": from the request to the checkpoint published (None until then), "exposed_s": how long
         training waited for it: the request itself, units not yet written when the step reached them, wait()}."""
         return {"seconds": self.seconds, "exposed_s": self.exposed_s}
+
+
+SAVER_NICE = 10  # the saver yields the cores to the step's threads (Linux: per thread)
+
+
+def _lower_priority() -> None:
+    """The calling thread's scheduling priority lowered by SAVER_NICE where the OS sets it per thread (Linux);
+    elsewhere, or when refused, left as it is."""
+    import os
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(os.PRIO_PROCESS, 0) + SAVER_NICE))
+    except (AttributeError, OSError):
+        pass
