@@ -15,7 +15,7 @@ from offload.answers import Answers, prompt_ids, read_prompts
 from offload.cli import main
 from offload.data import IGNORE, ByteTokenizer, Encoder, render, tokenize
 from offload.models import build_model
-from tests.test_sft_data import EXAMPLES, chat_tokenizer
+from tests.hf_util import EXAMPLES, chat_tokenizer
 
 RECORDS = {"messages": {"messages": [{"role": "user", "content": "What is the capital of France?"},
                                      {"role": "assistant", "content": "Paris."}]},

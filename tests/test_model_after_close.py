@@ -103,7 +103,7 @@ def test_a_failed_engine_refuses_keep_weights_and_closes(tmp_path):
         model(*mlp_batches(1)[0])
 
 
-@pytest.mark.parametrize("place", ["dram", "nvme"])
+@pytest.mark.parametrize("place", [pytest.param("dram", marks=pytest.mark.slow), "nvme"])
 def test_over_ranks_with_partitioned_weights_every_rank_gets_the_whole_model(tmp_path, place):
     """zero_stage 3 over 2 ranks: each rank's close(keep_weights=True) gathers the units it does not hold; every
     rank's plain model then gives its engine's last forward bit for bit, and the same loss on every rank."""

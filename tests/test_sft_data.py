@@ -11,9 +11,16 @@ import pytest
 import torch
 
 from offload import data
-from offload.data import IGNORE, ByteTokenizer, Examples, ExampleSampler, load_data, load_tokens
+from offload.data import (
+    IGNORE,
+    ByteTokenizer,
+    Examples,
+    ExampleSampler,
+    load_data,
+    load_tokens,
+)
+from tests.hf_util import EXAMPLES, chat_tokenizer
 
-EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples", "data")
 EOS = ByteTokenizer.eos_id
 
 
@@ -136,34 +143,6 @@ def test_the_bundled_examples_load():
 
 
 # --- a Hugging Face tokenizer with a chat template -----------------------------------------------------------
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def chat_tokenizer(directory=None, template: bool = True):
-    """A byte-level BPE tokenizer: with the ChatML template (EOS <|im_end|>), or without a template and
-    starting every text with BOS <s> as Llama's does (EOS </s>)."""
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    text = "What is the capital of France? Paris. Hello there, how are you? system user assistant " * 20
-    special = ["<unk>", "<|im_start|>", "<|im_end|>", "<s>", "</s>"]
-    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=400, special_tokens=special,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    if not template:
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 3)])
-        return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                                    eos_token="</s>")
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>")
-    fast.chat_template = CHATML
-    if directory is not None:
-        fast.save_pretrained(directory)
-    return fast
-
 
 def test_messages_with_the_tokenizers_chat_template_train_on_assistant_turns(tmp_path):
     tok = chat_tokenizer()

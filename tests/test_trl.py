@@ -243,7 +243,8 @@ def grpo_args(tmp_path, name, beta):
                           beta=beta)
 
 
-@pytest.mark.parametrize("policy", ["full", "full with a reference", "lora", "qlora"])
+@pytest.mark.parametrize("policy", ["full", pytest.param("full with a reference", marks=pytest.mark.slow), "lora",
+                                    pytest.param("qlora", marks=pytest.mark.slow)])
 def test_grpo_rewards_lengths_and_losses_equal_stock_grpo_trainer(tmp_path, closing, policy):
     """3 GRPO steps of a tiny Qwen2, its weights and states on nvme, sampled rollouts (num_generations 3, 8
     new tokens at most) through the engine: each step's mean reward, mean completion length and loss equal
