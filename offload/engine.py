@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from offload import handback
 from offload.checkpoint import loading, saving
 from offload.checkpoint.background import BackgroundSave
+from offload.checkpoint.format import CheckpointError
 from offload.checkpoint import state_dict as state_dicts
 from offload.checkpoint.values import unit_values
 from offload.kernels import cpu_adam
@@ -359,7 +360,13 @@ class Engine(nn.Module):
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        if exc[0] is None:
+            self.close()
+            return
+        try:  # an error is on its way out: a background checkpoint's failure is said, not raised over it
+            self.close()
+        except CheckpointError as e:
+            log.warning("offload: close: %s", e)
 
 
 def _finish_save(engine: Engine) -> None:
