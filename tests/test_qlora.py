@@ -91,6 +91,17 @@ def packed_bytes(model) -> dict:
             if rec is not None}
 
 
+def stored_records(engine) -> dict:
+    """Every quantized weight's record as the engine holds it at home: each unit fetched, captured, released."""
+    out = {}
+    for u in engine.units:
+        w = engine.weights[u.index]
+        w.wait_for_fetch()
+        out.update({s.name: s.record.capture() for s in u.slots if s.record is not None})
+        w.release()
+    return out
+
+
 @pytest.mark.parametrize("quant,where", [("nf4-dq", "hbm"), ("nf4-dq", "dram"), ("nf4-dq", "nvme"),
                                          ("nf4", "nvme"), ("fp4", "dram"), ("int8", "nvme"), ("int8", "hbm")])
 def test_a_quantized_base_trains_to_the_plain_loops_losses(tmp_path, base_dir, quant, where):
@@ -136,12 +147,7 @@ def test_quantize_flag_quantizes_as_from_pretrained_bit_for_bit(tmp_path, base_d
     assert info["quantized"] == {"kind": flag, "layers": 14}  # 7 linears x 2 layers; lm_head stays
     expected = packed_bytes(qlora(base_dir, quant))
     with offload.initialize(model, cfg, weights=weights) as engine:
-        got = {}
-        for u in engine.units:
-            w = engine.weights[u.index]
-            w.wait_for_fetch()
-            got.update({s.name: s.record.capture() for s in u.slots if s.record is not None})
-            w.release()
+        got = stored_records(engine)
         assert engine.placement.quantized[flag][0] == 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64)
         records = sum(s.record.nbytes for u in engine.units for s in u.slots if s.record is not None)
         assert engine.placement.quantized[flag][1] == records == sum(t.numel() for t in expected.values())
@@ -476,12 +482,7 @@ def test_keep_weights_hands_back_a_qlora_model_that_runs_and_saves_in_plain_pyto
         with torch.no_grad():
             trained = engine(input_ids=ids).logits
         evaluated = engine_eval(model, engine, ids)
-        stored = {}
-        for u in engine.units:
-            w = engine.weights[u.index]
-            w.wait_for_fetch()
-            stored.update({s.name: s.record.capture() for s in u.slots if s.record is not None})
-            w.release()
+        stored = stored_records(engine)
         engine.close(keep_weights=True)
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, trained)

@@ -39,13 +39,14 @@ def tokenizer():
 TOKENIZER = tokenizer()
 
 
-def tiny_llama():
-    cfg = transformers.LlamaConfig(vocab_size=len(TOKENIZER), hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=64, pad_token_id=TOKENIZER.pad_token_id,
-                                   eos_token_id=TOKENIZER.eos_token_id)
+def tiny_llama(config=None, model=None):
+    """A 2-layer model over TOKENIZER from seed 0: a Llama, or the (config, model) classes given."""
+    config, model = config or transformers.LlamaConfig, model or transformers.LlamaForCausalLM
+    cfg = config(vocab_size=len(TOKENIZER), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                 pad_token_id=TOKENIZER.pad_token_id, eos_token_id=TOKENIZER.eos_token_id)
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
+    return model(cfg)
 
 
 def repeat(texts):
@@ -224,12 +225,7 @@ def test_close_keep_weights_hands_back_the_policy_and_the_reference(tmp_path, cl
 # -- GRPO: rollouts through the engine (issue 51) -----------------------------------------------------------------
 
 def tiny_qwen2():
-    cfg = transformers.Qwen2Config(vocab_size=len(TOKENIZER), hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=64, pad_token_id=TOKENIZER.pad_token_id,
-                                   eos_token_id=TOKENIZER.eos_token_id)
-    torch.manual_seed(0)
-    return transformers.Qwen2ForCausalLM(cfg)
+    return tiny_llama(transformers.Qwen2Config, transformers.Qwen2ForCausalLM)
 
 
 def length_reward(completions, **kw):
