@@ -17,6 +17,13 @@ bf16 weights out = 2 + 3*4 bytes read + 3*4 + 2 written = 28 bytes per parameter
                      compared with the copy at the same moment; ours_vs_roofline is the median of those
                      paired ratios. Also reported: the best step of four copy methods over the whole run
                      (torch copy_, threaded memcpy, in-place p *= 1, in-place g += p) against our best step.
+- int8:              offload.kernels.adam8.adam8_step, the compiled 8-bit AdamW step (int8 m and v, one fp32
+                     absmax per 256: [Note: int8 optimizer states]), bf16 grads in, bf16 weights out: master
+                     4 + 4, grad 2, codes 2 + 2, out 2, absmax 16/256 = 16.06 bytes per parameter;
+                     int8_roofline is the paired copy bandwidth over those bytes, int8_vs_fp32 its rate / ours.
+- bnb_adamw8bit_casts: bitsandbytes.optim.AdamW8bit on CPU tensors (its CPU backend: dequantize blockwise,
+                     the update in torch ops, quantize again) with the casts around it as torch_fused_casts;
+                     null when bitsandbytes does not import or run (--no-bnb skips it).
 Jobs run interleaved, round by round, and the median step is reported. Each round allocates fresh
 buffers (ordinary anonymous memory, first-touched and warmed up before timing) and frees them before the
 next job's process allocates, so peak memory is one job's set (~20 B/param), not the sum of the processes.
@@ -44,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 from offload.kernels import cpu_adam  # noqa: E402
 
 BYTES_PER_PARAM = 28
+INT8_BYTES_PER_PARAM = 4 + 4 + 2 + 2 + 2 + 2 + 16 / 256  # master r+w, grad, codes r+w, out, absmax r+w
 HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 BUFFERS = {"p": torch.float32, "m": torch.float32, "v": torch.float32, "g32": torch.float32,
            "g16": torch.bfloat16, "out": torch.bfloat16}
@@ -115,6 +123,44 @@ def torch_fused_casts_job(b: dict):
         opt.step()
         b["out"].copy_(b["p"])
     return run
+
+
+def int8_job(b: dict):
+    """Our compiled int8 step on the round's master, bf16 grads and bf16 out, with its own int8 states."""
+    from offload.kernels import adam8
+
+    numel = b["p"].numel()
+    states = [torch.zeros(numel, dtype=torch.uint8), torch.zeros(numel // 256),
+              torch.zeros(numel, dtype=torch.uint8), torch.zeros(numel // 256)]
+    step = [0]
+
+    def run():
+        step[0] += 1
+        adam8.adam8_step(b["p"], b["g16"], *states, step=step[0], lr=HP["lr"], beta1=HP["betas"][0],
+                         beta2=HP["betas"][1], eps=HP["eps"], weight_decay=HP["weight_decay"], out=b["out"])
+    return run
+
+
+def bnb_job(b: dict, info: dict):
+    """bitsandbytes' AdamW8bit on the CPU (blockwise, 256) with the casts, warmed up; None (and
+    info["bnb_error"]) when it does not import or run."""
+    try:
+        import bitsandbytes
+
+        param = torch.nn.Parameter(b["p"], requires_grad=True)
+        param.grad = b["g32"]
+        opt = bitsandbytes.optim.AdamW8bit([param], **HP)
+
+        def run():
+            b["g32"].copy_(b["g16"])
+            opt.step()
+            b["out"].copy_(b["p"])
+        run()  # warm-up: allocates the 8-bit states
+        info["bnb_version"] = bitsandbytes.__version__
+        return run
+    except Exception as e:  # noqa: BLE001 (ImportError, or whatever its CPU backend raises: recorded, null)
+        info["bnb_error"] = f"{type(e).__name__}: {e}"
+        return None
 
 
 def copy_gbps(b: dict, steps: int) -> dict:
@@ -257,20 +303,21 @@ def run_bench(args) -> dict:
             print(f"DeepSpeed unavailable: {e}", file=sys.stderr)
     try:
         times = {k: [] for k in ("ours", "roofline_copy", "ours_digests", "separate_hashes", "torch_fused_casts",
-                                 "deepspeed_casts", "deepspeed_fp32")}
-        copy = {}
+                                 "deepspeed_casts", "deepspeed_fp32", "int8", "bnb_adamw8bit_casts")}
+        copy, info = {}, {"bnb_version": None, "bnb_error": "skipped (--no-bnb)" if args.no_bnb else None}
         for _ in range(args.rounds):
-            our_round(args.numel, args.steps, times, copy)  # frees its buffers before the worker allocates
+            # frees its buffers before the worker allocates
+            our_round(args.numel, args.steps, times, copy, None if args.no_bnb else info)
             if worker is not None:
                 times["deepspeed_casts"] += worker.run("casts", args.steps)
                 times["deepspeed_fp32"] += worker.run("fp32", args.steps)
-        return summarize(args.numel, times, copy, worker)
+        return {**summarize(args.numel, times, copy, worker), **info}
     finally:
         if worker is not None:
             worker.close()
 
 
-def our_round(numel: int, steps: int, times: dict, copy: dict) -> None:
+def our_round(numel: int, steps: int, times: dict, copy: dict, bnb_info: dict | None) -> None:
     b = alloc_buffers(numel)
     for k, gbps in copy_gbps(b, steps).items():
         copy[k] = max(copy.get(k, 0.0), gbps)
@@ -287,6 +334,12 @@ def our_round(numel: int, steps: int, times: dict, copy: dict) -> None:
     torch_job = torch_fused_casts_job(b)
     torch_job()
     times["torch_fused_casts"] += time_steps(torch_job, steps)
+    int8 = int8_job(b)
+    int8()  # warm-up
+    times["int8"] += time_steps(int8, steps)
+    bnb = None if bnb_info is None or bnb_info["bnb_error"] else bnb_job(b, bnb_info)
+    if bnb is not None:
+        times["bnb_adamw8bit_casts"] += time_steps(bnb, steps)
 
 
 def summarize(numel: int, times: dict, copy: dict, worker) -> dict:
@@ -300,6 +353,8 @@ def summarize(numel: int, times: dict, copy: dict, worker) -> dict:
     ratio = {f"ours_vs_{k}": (ours / r if r else None) for k, r in rate.items() if k != "ours"}
     roofline = numel / statistics.median(roof_times) / 1e9
     copy_gbps_best = max(copy.values())
+    int8, bnb = rate["int8"], rate["bnb_adamw8bit_casts"]
+    int8_roofline = roofline * BYTES_PER_PARAM / INT8_BYTES_PER_PARAM  # the paired copy bandwidth / 16.06 B
     return {"numel": numel, "ours_gparams_s": ours, "torch_fused_casts_gparams_s": rate["torch_fused_casts"],
             "deepspeed_casts_gparams_s": rate["deepspeed_casts"], "deepspeed_fp32_gparams_s": rate["deepspeed_fp32"],
             "roofline_gparams_s": roofline, "max_rel_err": max_rel_err(numel),
@@ -314,6 +369,10 @@ def summarize(numel: int, times: dict, copy: dict, worker) -> dict:
             "digests_in_step_vs_ours": statistics.median(f / o for f, o in zip(fused_times, times["ours"])),
             "separate_vs_digests_in_step": statistics.median((o + h) / f for o, h, f in
                                                              zip(times["ours"], hash_times, fused_times)),
+            "int8_gparams_s": int8, "int8_roofline_gparams_s": int8_roofline,
+            "bnb_adamw8bit_casts_gparams_s": bnb, "int8_bytes_per_param": INT8_BYTES_PER_PARAM,
+            "int8_vs_fp32": int8 / ours, "int8_vs_int8_roofline": int8 / int8_roofline,
+            "int8_vs_bnb": int8 / bnb if bnb else None,
             **ratio, "backend": cpu_adam.kernel_backend(),
             "isa": cpu_adam.kernel_isa(), "threads": cpu_adam.get_num_threads(),
             "best_step_gparams_s": best, "steps_timed": {k: len(v) for k, v in times.items()},
@@ -343,6 +402,11 @@ def print_table(r: dict) -> None:
           f"{r['digests_in_step_vs_ours']:.2f}x our plain step's time; the store's two separate hash passes "
           f"{r['separate_hashes_s']:.3f} s: plain step + those = {r['separate_vs_digests_in_step']:.2f}x the fused step")
     print(f"  max rel err vs torch AdamW {r['max_rel_err']:.2e}")
+    bnb = r["bnb_adamw8bit_casts_gparams_s"]
+    print(f"  int8 states ({r['int8_bytes_per_param']:.2f} B/param): ours int8 {r['int8_gparams_s']:.3f} Gparam/s "
+          f"= {r['int8_vs_fp32']:.2f}x ours fp32, {r['int8_vs_int8_roofline']:.2f}x its roofline "
+          f"({r['int8_roofline_gparams_s']:.3f} Gparam/s); bitsandbytes {r['bnb_version']} AdamW8bit + casts "
+          + (f"{bnb:.3f} Gparam/s (ours int8 / that {r['int8_vs_bnb']:.2f}x)" if bnb else f"n/a ({r['bnb_error']})"))
 
 
 def main() -> None:
@@ -352,10 +416,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of all jobs, interleaved")
     ap.add_argument("--deepspeed-python", help="interpreter with deepspeed for the reference")
     ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--no-bnb", action="store_true", help="skip bitsandbytes' AdamW8bit")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args()
     if args.numel < 1 or args.steps < 1 or args.rounds < 1:
         ap.error("--numel, --steps and --rounds must be >= 1")
+    if args.numel % 256:
+        ap.error(f"--numel {args.numel}: must be a multiple of 256 (the int8 step's blocks)")
     result = run_bench(args)
     print_table(result)
     if args.json:

@@ -37,6 +37,9 @@ HELP = {
     "optimizer.betas": "Adam's decay rates of the first and second moments",
     "optimizer.eps": "added to the denominator for numerical stability",
     "optimizer.weight_decay": "weight decay (0: none)",
+    "optimizer.states": '"fp32" or "int8": exp_avg and exp_avg_sq as blockwise 8-bit codes, 256 a block with one '
+                        'fp32 absmax (tensors under 4096 elements keep fp32; docs/design.md "int8 optimizer states")',
+    "optimizer.master": '"fp32" (the only one built; "split", a bf16 weight plus a 16-bit remainder, is refused)',
     "gradient_accumulation_steps": "micro-batches (backward calls) per optimizer step",
     "gradient_clipping": "clip the global gradient norm to this value (0: off)",
     "zero_stage": "ZeRO partitioning of states over torch.distributed ranks: 0, 1, 2 or 3",

@@ -8,6 +8,7 @@ import dataclasses
 import math
 import os
 
+from offload.plan.config import STATE_CHOICES
 from offload.plan.memory import OFFLOAD_TIER, TIERS, Knobs, runtime_parts
 
 # [Note: the ledger] is LEDGER, which `offload estimate --help` prints
@@ -17,7 +18,9 @@ partitions the optimizer state (/D), stage 2 also the gradients, stage 3 also th
 moves a term to another tier whole: `offload_param` the weights (dram or nvme), `offload_optimizer`
 the optimizer state (dram or nvme) and, because the step then runs on the CPU, the gradients, which our
 runtime accumulates in fp32 in dram (4 B, not 2). With fp32 precision the weight is its own master:
-4 B weight, 4 B gradient, K = 8 (m, v)."""
+4 B weight, 4 B gradient, K = 8 (m, v). With int8 moments (--optimizer-states int8: one byte each
+and a fp32 scale per 256) K = 4 + 2 + 8/256 (bf16) or 2 + 8/256 (fp32), the small parameters' fp32
+moments aside."""
 
 # [Note: the runtime]
 # Peak memory is never just the ledger. `runtime_bytes` adds what the runtime itself holds through
@@ -46,7 +49,7 @@ class Term:
     """One line of the ledger: bytes_per_param on `tier`, divided by D when `partitioned`."""
     name: str
     tier: str
-    bytes_per_param: int
+    bytes_per_param: float  # whole bytes, but the int8 moments' scales (8/256)
     partitioned: bool
 
 
@@ -56,17 +59,21 @@ def _check_choice(field: str, value, allowed) -> None:
 
 
 def ledger_terms(stage: int, offload_param: str = "none", offload_optimizer: str = "none",
-                 precision: str = "bf16", dram_grad_bytes: int = 4) -> list[Term]:
+                 precision: str = "bf16", dram_grad_bytes: int = 4, states: str = "fp32") -> list[Term]:
     """The three ledger terms (weights, gradients, optimizer) for a ZeRO stage and offload choice.
 
     dram_grad_bytes: bytes per gradient element when the optimizer runs on the CPU (4: fp32 accumulation).
+    states: the moments, "fp32" or "int8" ([Note: int8 optimizer states]).
     """
+    _check_choice("optimizer states", states, STATE_CHOICES)
     _check_choice("stage", stage, (0, 1, 2, 3))
     _check_choice("offload_param", offload_param, tuple(OFFLOAD_TIER))
     _check_choice("offload_optimizer", offload_optimizer, tuple(OFFLOAD_TIER))
     _check_choice("precision", precision, ("bf16", "fp16", "fp32"))
     weight_bytes = 4 if precision == "fp32" else 2
     k = 8 if precision == "fp32" else 12
+    if states == "int8":
+        k = k - 8 + 2 + 8 / 256  # m and v: a byte each and a fp32 absmax per block of each
     opt_tier = OFFLOAD_TIER[offload_optimizer]
     grad_bytes = weight_bytes if opt_tier == "hbm" else dram_grad_bytes   # CPU step: fp32 accumulators
     # The engine keeps each unit's fp32 gradient accumulator beside its optimizer states (dram or nvme), so
@@ -88,11 +95,11 @@ def model_state_bytes(params: int, dp: int, terms: list[Term], trainable: int | 
             out[f"{term.tier}_bytes"] += math.ceil(weight_bytes / dp) if term.partitioned else weight_bytes
             continue
         n = params if term.name == "weights" or trainable is None else trainable
-        out[f"{term.tier}_bytes"] += term.bytes_per_param * (math.ceil(n / dp) if term.partitioned else n)
+        out[f"{term.tier}_bytes"] += math.ceil(term.bytes_per_param * (math.ceil(n / dp) if term.partitioned else n))
     return out
 
 
-def runtime_bytes(unit_numel: int, terms: list[Term], device_type: str = "cuda",
+def runtime_bytes(unit_numel: int, terms: list[Term], device_type: str = "cuda", states: str = "fp32",
                   chunk_bytes: int = 32 << 20, activations: list[dict] = (), hbm_units: int | None = None,
                   trainable_unit_numel: int | None = None, unit_bytes: int | None = None) -> dict:
     """The runtime's buffers and working set per rank, on top of the ledger: offload.plan.memory.runtime_parts,
@@ -110,7 +117,8 @@ def runtime_bytes(unit_numel: int, terms: list[Term], device_type: str = "cuda",
     trained = unit_numel if trainable_unit_numel is None else trainable_unit_numel
     parts = runtime_parts([unit_numel] * n_fetched if w.tier != "hbm" else [], [trained] * knobs.grad_units,
                           w.bytes_per_param, w.tier, opt.tier, device_type, chunk_bytes, knobs,
-                          hbm_trained=w.tier == "hbm" or trainable_unit_numel is None)  # all trained: the rest too
+                          hbm_trained=w.tier == "hbm" or trainable_unit_numel is None,  # all trained: the rest too
+                          states=states)
     if unit_bytes is not None:
         _fetch_bytes(parts, n_fetched, unit_bytes, knobs)
     parts += [dict(p) for p in activations]
@@ -263,18 +271,18 @@ def with_quantized_base(shape: ModelShape, model, kind: str, records: dict) -> M
 
 def estimate(shape: ModelShape, dp: int = 1, stage: int = 0, offload_param: str = "none",
              offload_optimizer: str = "none", precision: str = "bf16", dram_grad_bytes: int = 4,
-             **runtime_kwargs) -> dict:
+             states: str = "fp32", **runtime_kwargs) -> dict:
     """The whole estimate as the JSON of `offload estimate --json`."""
     if dp < 1:
         raise ValueError(f"dp={dp}: must be >= 1 (the number of data-parallel ranks)")
-    terms = ledger_terms(stage, offload_param, offload_optimizer, precision, dram_grad_bytes)
+    terms = ledger_terms(stage, offload_param, offload_optimizer, precision, dram_grad_bytes, states)
     itemsize, q = terms[0].bytes_per_param, shape.quantized
-    states = model_state_bytes(shape.params, dp, terms, shape.trainable,
-                               weight_bytes=q.weight_bytes(shape.params, itemsize) if q else None)
-    runtime = runtime_bytes(shape.largest_unit_numel, terms, trainable_unit_numel=shape.trainable_unit_numel,
+    model_states = model_state_bytes(shape.params, dp, terms, shape.trainable,
+                                     weight_bytes=q.weight_bytes(shape.params, itemsize) if q else None)
+    runtime = runtime_bytes(shape.largest_unit_numel, terms, states=states, trainable_unit_numel=shape.trainable_unit_numel,
                             unit_bytes=q.unit_bytes(itemsize) if q else None,
                             **runtime_kwargs)  # gathered units are whole: no /D
-    per_rank = {k: states[k] + runtime[k] for k in states}
+    per_rank = {k: model_states[k] + runtime[k] for k in model_states}
     trainable = shape.params if shape.trainable is None else shape.trainable
     return {"params": shape.params, "trainable_params": trainable, "frozen_params": shape.params - trainable,
             "quantize": q.kind if q else None,
@@ -283,8 +291,8 @@ def estimate(shape: ModelShape, dp: int = 1, stage: int = 0, offload_param: str 
             "largest_unit_bytes": q.unit_bytes(itemsize) if q else shape.largest_unit_numel * itemsize,
             "source": shape.source,
             "dp": dp, "stage": stage, "offload_param": offload_param, "offload_optimizer": offload_optimizer,
-            "precision": precision, "K": terms[2].bytes_per_param, "device": runtime_kwargs.get("device_type", "cuda"),
-            "model_states": states, "runtime": runtime, "per_rank": per_rank,
+            "precision": precision, "optimizer_states": states, "K": terms[2].bytes_per_param, "device": runtime_kwargs.get("device_type", "cuda"),
+            "model_states": model_states, "runtime": runtime, "per_rank": per_rank,
             "all_ranks": {k: v * dp for k, v in per_rank.items()},
             "formula": formula(terms, runtime, frozen=shape.trainable is not None, quantized=q is not None)}
 

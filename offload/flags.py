@@ -8,14 +8,15 @@ import copy
 import pathlib
 
 from offload.integrations import deepspeed
-from offload.plan.config import DEVICES, PRECISION_CHOICES, Config, load_config
+from offload.plan.config import DEVICES, MASTER_CHOICES, PRECISION_CHOICES, STATE_CHOICES, Config, load_config
 from offload.plan.settings import read_settings_file, set_dotted
 from offload.swap.measure import parse_size
 
 FLAG_KEYS = ("nvme_path", "zero_stage", "precision", "delayed_update",  # top-level keys set by add_arguments' flags
              "activation_checkpointing")
 FLAG_PATHS = {"hbm": "budgets.hbm_bytes", "dram": "budgets.dram_bytes",  # flag dest -> the nested key it sets
-              "offload_activations": "offload_activations.device"}
+              "offload_activations": "offload_activations.device", "optimizer_states": "optimizer.states",
+              "master": "optimizer.master"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -46,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="where the inputs the checkpoints keep wait for their backward (needs "
                         "--activation-checkpointing): none (hbm), cpu (dram) or nvme; they leave hbm as the forward "
                         "makes them and come back ahead of the backward, for a copy each way (docs/training.md)")
+    g.add_argument("--optimizer-states", choices=STATE_CHOICES, default=None,
+                   help="Adam's moments: fp32 (default) or int8, blockwise 8-bit codes with a fp32 scale per 256 "
+                        "(half the optimizer bytes a step moves; docs/training.md)")
+    g.add_argument("--master", choices=MASTER_CHOICES, default=None,
+                   help="the fp32 master weights: fp32 (default; split, a bf16 weight plus a 16-bit remainder, is "
+                        "not built yet and is refused)")
     g.add_argument("--offload-config", default=None, metavar="PATH", help="a .json/.yaml config; flags override it")
     g.add_argument("--deepspeed", default=None, metavar="PATH",
                    help="a DeepSpeed JSON config, read into ours (docs/deepspeed.md); "

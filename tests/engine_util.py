@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 
 import torch
+
+from offload.kernels.quant8 import BLOCK, SMALL_NUMEL, adam8_step
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -97,7 +99,8 @@ class Reference:
     torch's clip_grad_norm_; new weights = masters rounded to the compute dtype."""
 
     def __init__(self, model: nn.Module, precision: str, lr: float = 1e-2, weight_decay: float = 0.0,
-                 adamw: bool = True, clip: float = 0.0, gas: int = 1, kernel: bool = False, delayed: bool = False):
+                 adamw: bool = True, clip: float = 0.0, gas: int = 1, kernel: bool = False, delayed: bool = False,
+                 states: str = "fp32"):
         self.dtype = DTYPES[precision]
         self.model = copy.deepcopy(model)
         for p in self.model.parameters():  # parameters only: the engine keeps buffers as they are
@@ -109,6 +112,8 @@ class Reference:
         self.clip, self.gas, self.kernel = clip, gas, kernel
         self.hp = dict(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay, adamw=adamw)
         self.moments = [(torch.zeros_like(m), torch.zeros_like(m)) for _, m in self.pairs]
+        if states == "int8":  # the plain-PyTorch 8-bit AdamW per parameter, padded to whole blocks
+            self.moments = [_int8_moments(m) if m.numel() >= SMALL_NUMEL else ms for (_, m), ms in zip(self.pairs, self.moments)]
         self.steps = [0] * len(self.pairs)  # per parameter, as torch counts them
         self.delayed, self.pending = delayed, None  # delayed_update: (grads, scale, step) applied next step()
 
@@ -167,13 +172,30 @@ class Reference:
                 continue
             self.steps[i] += 1
             low = torch.empty_like(m, dtype=self.dtype) if self.dtype != torch.float32 else None
-            adam_step(m.view(-1), g.reshape(-1), ea.view(-1), eas.view(-1), step=self.steps[i], grad_scale=scale,
-                      out=None if low is None else low.view(-1), **self.hp)
+            if isinstance(ea, tuple):  # int8 moments (codes, absmax) of m and v: flats padded to whole blocks
+                flat, grad, n = _padded(m), _padded(g.float()), m.numel()
+                adam8_step(flat, grad, *ea, *eas, step=self.steps[i], grad_scale=scale, **self.hp)
+                m.view(-1).copy_(flat[:n])
+                if low is not None:
+                    low.copy_(m)
+            else:
+                adam_step(m.view(-1), g.reshape(-1), ea.view(-1), eas.view(-1), step=self.steps[i], grad_scale=scale,
+                          out=None if low is None else low.view(-1), **self.hp)
             p.copy_(m if low is None else low)
 
     def state(self) -> dict[str, torch.Tensor]:
         masters = {id(p): m for p, m in self.pairs}
         return {n: masters.get(id(p), p).detach().float() for n, p in self.model.named_parameters(remove_duplicate=False)}
+
+
+def _padded(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    return torch.cat([flat, flat.new_zeros(-flat.numel() % BLOCK)])
+
+
+def _int8_moments(m: torch.Tensor):
+    n = -(-m.numel() // BLOCK) * BLOCK
+    return tuple((torch.zeros(n, dtype=torch.uint8), torch.zeros(n // BLOCK)) for _ in range(2))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

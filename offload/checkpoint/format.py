@@ -289,7 +289,7 @@ _TOP = {"world_size": int, "zero_stage": int, "precision": str, "step_count": in
         "last_grad_norm": (int, float, type(None)), "pending_update": (dict, type(None)), "saved_at": (int, float),
         "config": dict, "extra": dict, "rng": dict, "files": dict, "tensors": dict, "buffers": dict}
 _RANGE = {"begin": int, "end": int, "file": str, "offset": int, "nbytes": int, "crc32": int}
-_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad", "weight")
+_KINDS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax", "grad", "weight")
 
 
 def _structure_problem(m: dict) -> str | None:

@@ -14,11 +14,12 @@ from torch import nn
 
 from offload.checkpoint import format as fmt
 from offload.checkpoint.format import CheckpointError
-from offload.checkpoint.saving import CONFIG_KEYS, STATES, run_id
+from offload.checkpoint.saving import CONFIG_KEYS, SCALES, STATES, run_id
+from offload.kernels.quant8 import BLOCK
 from offload.checkpoint.state_dict import param_names, state_entries
 from offload.plan.config import Config
 from offload.plan.units import Unit
-from offload.state.homes import write_slots
+from offload.state.homes import slot_pieces, unit_buffers, write_slots
 from offload.state.optim import OptimState
 from offload.state.residency import WeightHandle
 from offload.state.runtime import Runtime
@@ -96,7 +97,12 @@ def _load_unit(rt: Runtime, w: WeightHandle, st: OptimState | None, entries: dic
     if st is not None:
         if accumulator:
             st.grad_dtype = torch.float32  # the accumulator's own dtype (see offload.step.accumulator.accumulate)
-        for kind in (*STATES, *("grad",) * accumulator):
+        for kind in st.state_kinds if st.int8 else ():  # codes and scales as stored
+            for b, e, t in unit_buffers(rt, w, st, kind, write=True, keep=False):
+                for s in st.slots:
+                    for name, view, lo, hi in slot_pieces(st, kind, b, e, t, s):
+                        (source(name, "weight") if name == "master" else source(name))(view, s, lo, hi)
+        for kind in (*(() if st.int8 else STATES), *("grad",) * accumulator):
             write_slots(rt, w, st, kind, st.slots, source(kind, "weight") if kind == "master" else source(kind),
                         keep=False)
         st.slot_steps = [entries[s.offset][1].get("step", 0) for s in st.slots]
@@ -116,6 +122,11 @@ def _check_config(cfg: Config, manifest: dict, ckpt: str) -> None:
     if manifest["pending_update"] is not None and not cfg.delayed_update:
         raise CheckpointError(f"delayed_update=False: the checkpoint {ckpt} holds a delayed update not applied "
                               "yet; resume with delayed_update: true")
+    states = theirs.get("optimizer", {}).get("states", "fp32")
+    if states != cfg.optimizer.states:
+        raise CheckpointError(f"optimizer.states={cfg.optimizer.states!r}: the checkpoint {ckpt} holds {states} "
+                              f"moments, and they are not converted; resume with optimizer.states {states!r} "
+                              f"(--optimizer-states {states})")
     gas = theirs["gradient_accumulation_steps"]
     if manifest["micro_step"] and ours["gradient_accumulation_steps"] != gas:
         raise CheckpointError(f"gradient_accumulation_steps={ours['gradient_accumulation_steps']}: the checkpoint "
@@ -142,9 +153,10 @@ def _match_parameters(model: nn.Module, units: list[Unit], manifest: dict, ckpt:
             entry = tensors[name]
             if list(entry["shape"]) != list(s.shape):
                 errors.append(f"{name}: shape {tuple(entry['shape'])} in the checkpoint, {tuple(s.shape)} here")
-            for kind in ("master", "exp_avg", "exp_avg_sq", "grad", "weight"):
+            for kind in (*STATES, *SCALES, "grad", "weight"):
                 if kind in entry:
-                    errors += fmt.check_ranges(f"{name} {kind}", entry[kind], s.numel, manifest["files"])
+                    numel = -(-s.numel // BLOCK) if kind in SCALES else s.numel
+                    errors += fmt.check_ranges(f"{name} {kind}", entry[kind], numel, manifest["files"])
             if s.numel and "master" not in entry and "weight" not in entry:
                 errors.append(f"{name}: neither master nor weight in the checkpoint")
             plan[(unit.index, s.offset)] = (name, entry)

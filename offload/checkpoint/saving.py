@@ -20,7 +20,7 @@ from offload.checkpoint import format as fmt
 from offload.checkpoint.format import CheckpointError
 from offload.checkpoint.state_dict import param_names, state_entries
 from offload.plan.config import Config
-from offload.state.homes import unit_buffers
+from offload.state.homes import slot_pieces, unit_buffers
 
 # [Note: what a checkpoint holds]
 # Per parameter, by name: its fp32 master, exp_avg and exp_avg_sq and its own Adam step count (trainable),
@@ -47,6 +47,7 @@ from offload.state.homes import unit_buffers
 # machine, or a shared filesystem). RNG states are per rank; a rank the checkpoint has none for keeps its own.
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
+SCALES = ("exp_avg_absmax", "exp_avg_sq_absmax")  # int8 moments' block scales ([Note: int8 optimizer states])
 # Compared on load: a difference is named in a warning (precision must match: it is an error)
 CONFIG_KEYS = ("optimizer", "gradient_accumulation_steps", "gradient_clipping", "loss_scale", "lr_schedule",
                "delayed_update", "zero_stage")
@@ -130,12 +131,12 @@ def merge(parts: list[dict]) -> dict:
     tensors = json.loads(json.dumps(parts[0]["tensors"]))
     for part in parts[1:]:
         for name, entry in part["tensors"].items():
-            for kind in (*STATES, "grad", "weight"):  # weight: stage 3's frozen chunks
+            for kind in (*STATES, *SCALES, "grad", "weight"):  # weight: stage 3's frozen chunks
                 if kind in entry:
                     where = tensors[name].setdefault(kind, {"dtype": entry[kind]["dtype"], "ranges": []})
                     where["ranges"] += entry[kind]["ranges"]
     for entry in tensors.values():
-        for kind in (*STATES, "grad", "weight"):
+        for kind in (*STATES, *SCALES, "grad", "weight"):
             if kind in entry:
                 entry[kind]["ranges"].sort(key=lambda r: r["begin"])
     return {"tensors": tensors, "buffers": parts[0]["buffers"],
@@ -231,20 +232,18 @@ def _save_parameters(engine, out: fmt.DataFile, accumulator: bool, states: bool 
                     meta["has_grad"] = s.offset in got
     for unit in reversed(engine.units):
         st, entry = engine.states[unit.index], entries[unit.index]
-        kinds = (*STATES, *("grad",) * accumulator) if st is not None and states else ()
+        kinds = (*st.state_kinds, *("grad",) * accumulator) if st is not None and states else ()
         if (weights or engine.weights[unit.index].partitioned) and any(not s.trainable for s in unit.slots):
             kinds = (*kinds, "weight")
         for kind in kinds:
             slots = [s for s in unit.slots if s.trainable == (kind != "weight")]
             for b, e, t in unit_buffers(engine.rt, engine.weights[unit.index], st, kind, staging=staging):
                 for s in slots:
-                    lo, hi = max(b, s.offset), min(e, s.offset + s.numel)
-                    if lo < hi:
-                        piece = t[lo - b:hi - b]
+                    for name, piece, lo, hi in slot_pieces(st, kind, b, e, t, s):
                         if kind == "grad":
                             piece = piece.float()  # a one-micro-step accumulator may hold the compute dtype
-                        where = entry[s.offset].setdefault(kind, {"dtype": fmt.dtype_name(piece.dtype), "ranges": []})
-                        where["ranges"].append(out.write(piece, lo - s.offset, hi - s.offset))
+                        where = entry[s.offset].setdefault(name, {"dtype": fmt.dtype_name(piece.dtype), "ranges": []})
+                        where["ranges"].append(out.write(piece, lo, hi))
         if saved is not None:
             saved(unit.index)
     return tensors

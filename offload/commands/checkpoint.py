@@ -41,6 +41,7 @@ def summary(ckpt: str, manifest: dict) -> dict:
     numel = {n: _numel(e["shape"]) for n, e in manifest["tensors"].items()}
     return {"path": ckpt, "format_version": manifest["format_version"], "world_size": manifest["world_size"],
             "zero_stage": manifest["zero_stage"], "precision": manifest["precision"],
+            "optimizer_states": manifest["config"].get("optimizer", {}).get("states", "fp32"),
             "step_count": manifest["step_count"], "micro_step": manifest["micro_step"],
             "loss_scale": manifest["loss_scale"], "skipped_steps": manifest["skipped_steps"],
             "parameters": len(numel), "trainable": sum(e["trainable"] for e in tensors),
@@ -62,7 +63,8 @@ def run_inspect(args) -> int:
                if info["pending_update"] else f"the gradients of {info['micro_step']} micro-step(s)"
                if info["accumulator"] else "nothing")
     lines = [f"checkpoint  {path} (format {info['format_version']}, saved {saved})",
-             f"run         {info['precision']}, world size {info['world_size']}, ZeRO stage {info['zero_stage']}",
+             f"run         {info['precision']}, world size {info['world_size']}, ZeRO stage {info['zero_stage']}, "
+             f"{info['optimizer_states']} moments",
              f"step        {info['step_count']} (micro-step {info['micro_step']}); loss scale {info['loss_scale']:g}, "
              f"{info['skipped_steps']} skipped",
              f"tensors     {info['parameters']} parameters ({info['trainable']} trainable), {info['elements']:,} "

@@ -11,7 +11,7 @@ import torch
 from offload import estimate as est
 from offload.lora import target_names
 from offload.plan.chunks import planned_chunk_bytes
-from offload.plan.config import Config
+from offload.plan.config import MASTER_CHOICES, STATE_CHOICES, Config, load_config
 from offload.plan.precision import resolve_precision
 
 # `offload train`'s placement when no flag or config file names one (offload/recipe.py, resolve)
@@ -71,6 +71,10 @@ def register(subparsers) -> None:
                         "head counted at its record's bytes in every tier (nf4: double quantization, blocksize 64, "
                         "about 4.13 bits a parameter; int8: 1 byte and a fp32 scale per row); the embedding, lm_head "
                         "and norms stay at the compute dtype")
+    p.add_argument("--optimizer-states", default="fp32", choices=STATE_CHOICES,
+                   help="Adam's moments: fp32 (default) or int8 (a byte each and a fp32 scale per 256 elements)")
+    p.add_argument("--master", default="fp32", choices=MASTER_CHOICES,
+                   help="the master weights: fp32 (default); split is not built yet and is refused")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -152,6 +156,8 @@ def run(args) -> int:
         raise ValueError(f"--resident-units={args.resident_units}, --activation-bytes={args.activation_bytes}: "
                          f"need at least 1 resident unit and non-negative bytes")
     _check_activation_flags(args)
+    if args.master != "fp32":
+        load_config({"precision": args.precision, "optimizer": {"master": args.master}})  # says why it is refused
     placement_given = args.offload_param is not None or args.offload_optimizer is not None
     args.offload_param, args.offload_optimizer = args.offload_param or "none", args.offload_optimizer or "none"
     choice = resolve_precision(args.precision)  # as the engine would resolve it on this host
@@ -160,7 +166,7 @@ def run(args) -> int:
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     result = est.estimate(shape, dp=args.dp, stage=args.stage, offload_param=args.offload_param,
                           offload_optimizer=args.offload_optimizer, precision=args.precision,
-                          hbm_units=args.resident_units, activations=_activation_parts(model, args, device_type),
+                          states=args.optimizer_states, hbm_units=args.resident_units, activations=_activation_parts(model, args, device_type),
                           device_type=device_type,
                           chunk_bytes=planned_chunk_bytes(Config().chunk_bytes, shape.largest_unit_numel))
     result["precision_reason"] = choice.line()
@@ -198,4 +204,5 @@ def _engine_plan(model, args) -> dict:
         "offload_activations": {"device": args.offload_activations}}
     return engine_plan(model, {"precision": args.precision, "offload_param": {"device": args.offload_param},
                                "offload_optimizer": {"device": args.offload_optimizer}, "nvme_path": ".",
+                               "optimizer": {"states": args.optimizer_states},
                                **activations})

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 # the kernels (cpu_adam.cpp, with the module's bindings) and torch's CPU allocator on the CPU backend
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_adam.cpp", "host_alloc.cpp"))
 LIBRARY_NAME = "offload_cpu_adam"  # the extension module (TORCH_EXTENSION_NAME) and its library, <LIBRARY_NAME>.so
-_CFLAGS = ("-O3",)
+_CFLAGS = ("-O3", "-ffp-contract=off")  # no fused multiply-add but where written (the int8 step: [Note: the int8 step])
 _BACKENDS = ("auto", "compiled", "torch")
 _ISAS = ("scalar", "avx2", "avx512", "avx512bf16")  # index = the kernel's ISA code (avx512bf16: AVX-512
 # plus vcvtneps2bf16 for the bf16 weight output)

@@ -17,7 +17,9 @@ from offload.integrations import deepspeed
 from offload.plan.settings import CHUNK_ALIGN_BYTES, build, fail, read_settings_file
 
 DEVICES = ("none", "cpu", "nvme")
-PRECISION_CHOICES = ("auto", "bf16", "fp16", "fp32")  # offload.plan.precision.CHOICES, without importing torch here
+PRECISION_CHOICES = ("auto", "bf16", "fp16", "fp32")
+STATE_CHOICES = ("fp32", "int8")   # optimizer.states
+MASTER_CHOICES = ("fp32", "split")  # optimizer.master  # offload.plan.precision.CHOICES, without importing torch here
 
 
 
@@ -28,10 +30,16 @@ class OptimizerConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    states: str = "fp32"   # "int8": blockwise 8-bit exp_avg and exp_avg_sq ([Note: int8 optimizer states])
+    master: str = "fp32"   # "split" is not built yet (refused with why)
 
     def validate(self, path: str) -> None:
         if self.type not in ("adamw", "adam"):
             fail(f"{path}.type", self.type, "unknown optimizer", 'use "adamw" or "adam"')
+        if self.states not in STATE_CHOICES:
+            fail(f"{path}.states", self.states, "unknown optimizer states", f"use one of {list(STATE_CHOICES)}")
+        if self.master not in MASTER_CHOICES:
+            fail(f"{path}.master", self.master, "unknown master", f"use one of {list(MASTER_CHOICES)}")
         if not self.lr >= 0:
             fail(f"{path}.lr", self.lr, "must be >= 0", "pass a non-negative learning rate")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
@@ -201,6 +209,12 @@ class Config:
             fail("gradient_clipping", self.gradient_clipping, "must be >= 0", "use 0 to disable clipping")
         if self.zero_stage not in (0, 1, 2, 3):
             fail("zero_stage", self.zero_stage, "must be 0, 1, 2 or 3", "see docs/zero.md")
+        if self.optimizer.master == "split":
+            if self.precision not in ("bf16", "auto"):
+                fail("optimizer.master", "split", f"is the bf16 weight plus a 16-bit remainder, and precision is "
+                      f"{self.precision!r}: there is no bf16 weight to split from", 'use precision "bf16" or master "fp32"')
+            fail("optimizer.master", "split", "is not built in this version (issue 50: only optimizer.states int8 is)",
+                  'use master "fp32"')
         if self.delayed_update and self.gradient_accumulation_steps > 1:
             fail("delayed_update", True, f"needs gradient_accumulation_steps 1 (got {self.gradient_accumulation_steps}): "
                   "the delayed update lands during the next backward, inside the next accumulation window",

@@ -32,6 +32,8 @@ from offload.scheduler.trace import ExecutionTrace
 TIERS = ("hbm", "dram", "nvme")
 OFFLOAD_TIER = {"none": "hbm", "cpu": "dram", "nvme": "nvme"}  # offload_param/offload_optimizer device -> tier
 STATE_KINDS = 4    # fp32 master, exp_avg, exp_avg_sq, gradient (of a unit, or one chunk of each in a window)
+BLOCK = 256        # int8 moments: elements a block with one fp32 absmax ([Note: int8 optimizer states])
+PAGE = 4096        # the pool rounds each buffer up to it (offload.swap.buffers)
 SWAP_SLACK_BYTES = 64 << 10  # beside the swap data: the run directory's owner file, allocation granularity
 READ_AHEAD = 2     # chunks of one nvme fetch in flight (offload.state.residency)
 OPTIMIZER_READ_AHEAD = 2  # windows the optimizer pipeline reads ahead of the one it steps (offload.step.windows)
@@ -51,8 +53,34 @@ class Knobs:
 MINIMUM = Knobs(prefetch_units=0, reuse_distance=0, reuse_bytes=0, read_ahead=False, grad_units=1)
 
 
+def state_bytes(numel: int, states: str = "fp32", small_numel: int = 0, grad: bool = True) -> int:
+    """Bytes of the optimizer states of `numel` trained elements: the fp32 master and the moments (fp32, or
+    int8 codes with a fp32 absmax per block of each; `small_numel` of them, in parameters under 4096
+    elements, keep fp32 moments), and with `grad` the fp32 gradient accumulator."""
+    if states == "fp32":
+        return (12 + 4 * grad) * numel
+    return (6 + 4 * grad) * numel + 8 * (numel // BLOCK) + 8 * small_numel
+
+
+def window_chunks(states: str, chunk_bytes: int) -> int:
+    """Pool chunks one window of nvme states can take: 4 (fp32 master, moments, gradient), or with int8
+    moments the master, the gradient, the codes and scales (one chunk where moment_offsets fits them) and at
+    worst (small parameters in the window) their fp32 m and v."""
+    if states == "fp32":
+        return STATE_KINDS
+    return 4 + (1 if moment_offsets(chunk_bytes // 4, chunk_bytes) else 3)
+
+
+def moment_offsets(numel: int, chunk_bytes: int) -> tuple[int, int, int] | None:
+    """Byte offsets of a window's int8 codes of m, of v and of their scales in one pool chunk, each at a page
+    (the swap reads and writes them in place); None where they do not fit one chunk."""
+    page = -(-numel // PAGE) * PAGE
+    return (0, page, 2 * page) if 2 * page + 8 * (numel // BLOCK) <= chunk_bytes else None
+
+
 def pool_chunks(w_home: str, s_home: str, device_type: str, read_ahead: bool,
-                hbm_trained: bool | None = None, trains: bool = True) -> tuple[int, str]:
+                hbm_trained: bool | None = None, trains: bool = True, states: str = "fp32",
+                chunk_bytes: int = 0) -> tuple[int, str]:
     """Chunks in the dram pool, and the formula. hbm_trained: whether a trained unit's weights live in hbm
     (default: w_home is hbm); the resident rest (final norms) does whatever w_home is. trains: False for a
     model with no trainable parameter (a frozen reference model): nothing is stepped, so no optimizer window."""
@@ -67,7 +95,7 @@ def pool_chunks(w_home: str, s_home: str, device_type: str, read_ahead: bool,
     # checked after the step that read them (they stay out of a live dram copy until then).
     hbm_trained = w_home == "hbm" if hbm_trained is None else hbm_trained
     new_w = 1 if s_home == "nvme" or w_home == "nvme" or (hbm_trained and device_type != "cpu") else 0
-    per_window = (STATE_KINDS if s_home == "nvme" else 0) + new_w
+    per_window = (window_chunks(states, chunk_bytes) if s_home == "nvme" else 0) + new_w
     # nvme states: the window stepped and those read ahead; else only new weights pass through: the window
     # stepped and the one written behind
     windows = (1 + OPTIMIZER_READ_AHEAD if s_home == "nvme" else 2) if read_ahead else 1
@@ -88,7 +116,7 @@ def grad_reserve(trainable_numels: list[int], itemsize: int, knobs: Knobs) -> in
 def runtime_parts(fetched_numels: list[int], trainable_numels: list[int], itemsize: int, w_home: str,
                   s_home: str, device_type: str, chunk_bytes: int, knobs: Knobs, order: list[int] | None = None,
                   numels: list[int] | None = None, trainables: list[int] | None = None,
-                  hbm_trained: bool | None = None) -> list[dict]:
+                  hbm_trained: bool | None = None, states: str = "fp32") -> list[dict]:
     """The runtime's parts per tier: [{"name", "tier", "bytes", "formula"}].
     fetched_numels: the numel of every unit whose weights are fetched into hbm (none when w_home is hbm);
     trainable_numels: every unit's trainable numel. With the model's units known (`order`: the unit
@@ -111,7 +139,8 @@ def runtime_parts(fetched_numels: list[int], trainable_numels: list[int], itemsi
             f"{knobs.prefetch_units} prefetched, reuse_distance {knobs.reuse_distance}, reuse_bytes "
             f"{knobs.reuse_bytes}, each unit's gradients ({itemsize} B/param) in flight until the largest "
             f"{knobs.grad_units} fill the reserve")
-        return _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs, hbm_trained, any(trainable_numels))
+        return _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs, hbm_trained,
+                           any(trainable_numels), states)
     if w_home != "hbm":
         near = max(0, knobs.reuse_distance)
         k = 1 + knobs.prefetch_units + near
@@ -121,11 +150,12 @@ def runtime_parts(fetched_numels: list[int], trainable_numels: list[int], itemsi
         kept = min(knobs.reuse_bytes, sum(fetched_numels) * itemsize - window)
         add("weights kept for reuse", "hbm", max(0, kept), "reuse_bytes, at most the other fetched weights")
     add("gradients in flight", "hbm", reserve, f"the largest {knobs.grad_units} trainable units x {itemsize} B")
-    return _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs, hbm_trained, any(trainable_numels))
+    return _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs, hbm_trained,
+                           any(trainable_numels), states)
 
 
-def _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs, hbm_trained, trains) -> list[dict]:
-    count, formula = pool_chunks(w_home, s_home, device_type, knobs.read_ahead, hbm_trained, trains)
+def _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs, hbm_trained, trains, states) -> list[dict]:
+    count, formula = pool_chunks(w_home, s_home, device_type, knobs.read_ahead, hbm_trained, trains, states, chunk_bytes)
     add("chunk pool", "dram", count * chunk_bytes, f"({formula}) chunks x chunk_bytes {chunk_bytes}")
     if w_home == "nvme" or (s_home == "nvme" and trains):
         add("swap run directory", "nvme", SWAP_SLACK_BYTES, "its owner file and the data file's allocation slack")

@@ -23,7 +23,7 @@ from offload.plan.config import load_config
 from offload.plan.memory import (
     MINIMUM,
     OFFLOAD_TIER,
-    STATE_KINDS,
+    state_bytes,
     TIERS,
     Knobs,
     free_holds,
@@ -158,13 +158,14 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     states = {"hbm": 0, "dram": 0, "nvme": 0}
     rows = []
     # An nvme gradient accumulator exists only when the step does not follow each gradient at once.
-    kinds = STATE_KINDS - (s_home == "nvme" and every_step_overlapped(cfg, sharded))
+    grad = not (s_home == "nvme" and every_step_overlapped(cfg, sharded))
     for u in units:
         states[weight_home[u.index]] += owned_numel(weight_chunks(u.numel, u.trainable_numel, chunk_bytes // 4),
                                                     weight_owners.get(u.index), rank) * itemsize
         if u.trainable_numel:
-            states[state_home[u.index]] += kinds * 4 * owned_numel(chunk_spans(u.trainable_numel, chunk_bytes // 4),
-                                                                   owners.get(u.index), rank)
+            owned = owned_numel(chunk_spans(u.trainable_numel, chunk_bytes // 4), owners.get(u.index), rank)
+            small = small_numel(u) * owned // u.trainable_numel  # over ranks: its share, as an estimate
+            states[state_home[u.index]] += state_bytes(owned, cfg.optimizer.states, small, grad)
         rows.append((u.name, u.numel, weight_home[u.index], state_home.get(u.index, "-")))
     default_hbm, default_dram = _default_budgets(device)
     p = Placement(weight_home, state_home, dict(states), cfg.budgets.hbm_bytes or default_hbm,
@@ -193,7 +194,8 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
 
     def plan(knobs: Knobs, shape: tuple[int, int] | None = p.activation_shape) -> tuple[list[dict], dict[str, int]]:
         parts = runtime_parts(fetched, trainable, itemsize, fetch_home, s_home, device.type, p.chunk_bytes, knobs,
-                              order, [u.numel for u in units], [u.trainable_numel for u in units], hbm_trained)
+                              order, [u.numel for u in units], [u.trainable_numel for u in units], hbm_trained,
+                              cfg.optimizer.states)
         if world > 1 and not sharded and itemsize < 4:  # offload.step.gradients.average_over_ranks
             largest = max((s.numel for u in units for s in u.slots if s.trainable), default=0)
             parts.append({"name": "gradient all-reduce buffer", "tier": "hbm", "bytes": largest * 4,
@@ -211,7 +213,7 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     p.parts, p.need = plan(p.knobs)
     p.grad_reserve = grad_reserve(trainable, itemsize, p.knobs)
     p.pool_chunks = pool_chunks(fetch_home, s_home, device.type, p.knobs.read_ahead, hbm_trained,
-                                bool(trainable))[0] + 2 * sharded
+                                bool(trainable), cfg.optimizer.states, chunk_bytes)[0] + 2 * sharded
     # reuse_bytes derived from the room the rest leaves; with nothing trainable no backward uses them again
     if cfg.reuse_bytes is None and trainable:
         p.knobs = replace(p.knobs, reuse_bytes=reuse_allowance(fetched, itemsize, p, device))
@@ -255,7 +257,7 @@ def check_states_in_hbm(units: list[Unit], cfg, device: torch.device) -> None:
     if device.type == "cuda":
         raise PlacementError(f"{where}: optimizer states in GPU memory beside offloaded weights have never run on "
                              "CUDA; set offload_optimizer to cpu (the trained parameters' states in host memory)")
-    nbytes = sum(STATE_KINDS * 4 * u.trainable_numel for u in units)
+    nbytes = sum(state_bytes(u.trainable_numel, cfg.optimizer.states, small_numel(u)) for u in units)
     budget = cfg.budgets.hbm_bytes
     if budget and nbytes > budget:
         trained = sum(s.numel for u in units for s in u.slots if s.trainable)
@@ -263,6 +265,14 @@ def check_states_in_hbm(units: list[Unit], cfg, device: torch.device) -> None:
                              f"({nbytes / 2**30:.2f} GiB: fp32 master, moments and gradient) but budgets.hbm_bytes is "
                              f"{budget}; set offload_optimizer to cpu or nvme, train fewer parameters (a smaller "
                              "--lora rank or fewer --lora-targets), or raise budgets.hbm_bytes")
+
+
+def small_numel(unit: Unit) -> int:
+    """The elements of `unit`'s trainable prefix in parameters under 4096 elements (to the next one's start),
+    whose moments stay fp32 with optimizer.states int8 ([Note: int8 optimizer states])."""
+    slots = sorted((s for s in unit.slots if s.trainable), key=lambda s: s.offset)
+    ends = [s.offset for s in slots[1:]] + [unit.trainable_numel]
+    return sum(end - s.offset for s, end in zip(slots, ends) if s.numel < 4096)
 
 
 def deferred_units(units, cfg, weight_home: dict, state_home: dict, sharded: bool, order) -> tuple:

@@ -22,11 +22,14 @@ from offload.plan import quantized
 # [Note: the flat layout]
 # Each unit has one flat buffer per dtype: trainable parameters first, then frozen ones, so that the
 # optimizer states (fp32 master, exp_avg, exp_avg_sq, gradient) cover the contiguous prefix
-# [0, trainable_numel). Every parameter starts at a multiple of ALIGN_NUMEL elements, and both the
-# trainable prefix and the whole buffer are padded to ALIGN_NUMEL x world_size, so a later ZeRO stage can
-# cut each buffer into `world_size` equal shards that each start 4 KiB-aligned in bf16 and fp32.
+# [0, trainable_numel). A trainable parameter starts at a multiple of TRAINABLE_ALIGN_NUMEL elements (one
+# block of int8 moments: [Note: int8 optimizer states] in offload/kernels/quant8.py), a frozen one at a
+# multiple of 32, and both the trainable prefix and the whole buffer are padded to ALIGN_NUMEL x
+# world_size, so a later ZeRO stage can cut each buffer into `world_size` equal shards that each start
+# 4 KiB-aligned in bf16 and fp32.
 
 ALIGN_NUMEL = 2048  # 4 KiB of bf16, 8 KiB of fp32
+TRAINABLE_ALIGN_NUMEL = 256
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 REST = "<rest>"
 
@@ -151,17 +154,17 @@ def _layout(index: int, name: str, module, params: list[tuple[str, nn.Parameter]
     slots: list[Slot] = []
     offset = 0
 
-    def place(group) -> None:
+    def place(group, align: int) -> None:
         nonlocal offset
         for pname, p in group:
             rec = records.get(p)
             numel = p.numel() if rec is None else -(-rec.nbytes // itemsize)  # a record: its bytes as elements
             slots.append(Slot(pname, p, offset, numel, p.shape, p.requires_grad, rec))
-            offset = _round_up(offset + numel, 32)
+            offset = _round_up(offset + numel, align)
 
-    place([np for np in params if np[1].requires_grad])
+    place([np for np in params if np[1].requires_grad], TRAINABLE_ALIGN_NUMEL)
     trainable_numel = offset = _round_up(offset, pad)
-    place([np for np in params if not np[1].requires_grad])
+    place([np for np in params if not np[1].requires_grad], 32)
     return Unit(index, name, module, slots, _round_up(max(offset, 1), pad), trainable_numel)
 
 

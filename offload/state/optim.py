@@ -5,6 +5,10 @@ gradient accumulator. Their home is hbm, dram or nvme. The step runs over window
 elements (offload.plan.chunks): resident states are viewed in place; nvme states are staged window by window
 through pool chunks (one swap key per kind and chunk), the step reading window j+1 ahead while CPU Adam
 updates window j and window j-1 is written back, so the optimizer's dram is a few chunks at any model size.
+With optimizer.states "int8" ([Note: int8 optimizer states] in offload/kernels/quant8.py) a window's
+moments are codes and scales instead: exp_avg and exp_avg_sq one byte an element, "absmax" the fp32 scales
+of both (m's blocks, then v's), and "small_m", "small_v" the fp32 m and v of the elements of small parameters in it
+(layout(i) says what window i holds); they are read, stepped and written as such in every tier.
 What fills the accumulator (and over ranks reduce-scatters into it) is the gradient path's:
 offload.step.accumulator; what checks the swap digests of a step is the step's: offload.step.windows.
 """
@@ -15,13 +19,16 @@ import time
 
 import torch
 
+from offload.kernels.quant8 import BLOCK
 from offload.plan.chunks import chunk_key, chunk_spans, copy_spans, packed
 from offload.plan.units import Unit
+from offload.state import moments
 from offload.state.residency import R, _Handle
 from offload.state.runtime import Runtime
 
 KINDS = ("master", "exp_avg", "exp_avg_sq", "grad")
 STATES = KINDS[:3]  # what a read-ahead loads: the gradient may not be final yet
+INT8_KINDS = ("master", "exp_avg", "exp_avg_sq", "absmax", "small_m", "small_v")  # a window's states, int8 moments
 
 
 class StagedWindow(_Handle):
@@ -35,6 +42,7 @@ class StagedWindow(_Handle):
         self.nbytes = 0                         # bytes of the reads in flight
         self.t0 = 0.0
         self.unverified: set[str] = set()       # kinds read without the store's check, until the step's
+        self.base: torch.Tensor | None = None   # int8 moments: the one chunk their codes and scales share
         self.digests: dict[str, tuple] = {}     # kind -> block digests of the updated state, for store()
 
     def reading(self) -> None:
@@ -65,14 +73,27 @@ class StagedWindow(_Handle):
                 pass
         self.tickets = []
         for kind in list(self.t):
-            staging.release(self.t.pop(kind))
+            self.release(kind, staging)
+        if self.base is not None:  # taken before any of its views was (a load that failed at its start)
+            staging.release(self.base)
+            self.base = None
         self.unverified.clear()
         self.digests.clear()
         self.to_home()
 
+    def release(self, kind: str, staging) -> None:
+        """`kind`'s chunk back to `staging`; the codes and scales sharing one go back with the last of them."""
+        t = self.t.pop(kind)
+        if self.base is None or kind not in moments.SHARED:
+            staging.release(t)
+        elif not any(k in self.t for k in moments.SHARED):
+            staging.release(self.base)
+            self.base = None
+
 
 class OptimState(_Handle):
-    """One unit's fp32 states. Resident (hbm/dram) states are allocated once; nvme ones are staged by window."""
+    """One unit's states (fp32, or int8 moments). Resident (hbm/dram) states are allocated once; nvme ones are
+    staged by window."""
 
     def __init__(self, unit: Unit, home: str, rt: Runtime):
         super().__init__(f"{unit.name}/optim", home)
@@ -104,9 +125,37 @@ class OptimState(_Handle):
         self._slot_at = {s.offset: i for i, s in enumerate(self.slots)}
         self.got_grad: set[int] = set()           # slot indices with a gradient in this window
         self.hashed = home == "nvme" and rt.store.checksum
+        self.int8 = rt.settings.optimizer.states == "int8"
+        self.state_kinds = INT8_KINDS if self.int8 else STATES  # a window's states, the gradient aside
+        # int8: per window, (begin, end, offset in small_m/small_v) of its small parameters' elements
+        self.small = [moments.small_ranges(self.slots, self.numel, b, e, unit.name) if self.int8 else []
+                      for b, e in self.chunks]
+        self.window_at = {b: i for i, (b, _) in enumerate(self.chunks)}
+        self.kspans: dict[str, dict[int, slice]] = {}  # resident homes: kind -> owned window -> where in its flat
         if home != "nvme":
-            for kind in KINDS:
-                self.t[kind] = rt.tiers.empty(home, self.local_numel, torch.float32, f"{unit.name} {kind}").zero_()
+            for kind in (*self.state_kinds, "grad"):
+                spans, total = {}, 0
+                for i in self.mine:
+                    numel = self.layout(i).get(kind, (0,))[0]
+                    spans[i], total = slice(total, total + numel), total + numel
+                self.kspans[kind] = spans
+                dtype = torch.uint8 if self.int8 and kind in STATES[1:] else torch.float32
+                self.t[kind] = moments.blank(self.int8, kind, rt.tiers.empty(home, total, dtype, f"{unit.name} {kind}"))
+
+    # -- layout -------------------------------------------------------------------------------------
+    def layout(self, i: int) -> dict[str, tuple[int, torch.dtype]]:
+        """kind -> (numel, dtype) of window i: its states, then its gradient (small_m, small_v only where it has
+        small parameters' elements); none is larger than the window's fp32 master (a pool chunk)."""
+        b, e = self.chunks[i]
+        n = e - b
+        if not self.int8:
+            return {**{k: (n, torch.float32) for k in STATES}, "grad": (n, self.grad_dtype)}
+        side = sum(hi - lo for lo, hi, _ in self.small[i])
+        out = {"master": (n, torch.float32), "exp_avg": (n, torch.uint8), "exp_avg_sq": (n, torch.uint8),
+               "absmax": (2 * (n // BLOCK), torch.float32)}
+        if side:
+            out["small_m"] = out["small_v"] = (side, torch.float32)
+        return {**out, "grad": (n, self.grad_dtype)}
 
     def key(self, kind: str, i: int) -> str:
         return chunk_key(self.unit.key(kind, self.rt.rank), i)
@@ -120,15 +169,16 @@ class OptimState(_Handle):
         return self._staged[i]
 
     def span(self, i: int) -> slice:
-        """Where owned window i lies in the resident flats."""
+        """Where owned window i lies in the resident flats of the master and the gradient."""
         b, e = self.chunks[i]
         return slice(self._local[i], self._local[i] + e - b)
 
     def view(self, i: int) -> dict[str, torch.Tensor]:
-        """Window i's master/exp_avg/exp_avg_sq (after wait_loaded(i))."""
+        """Window i's states, kind -> tensor (after wait_loaded(i)): master, exp_avg, exp_avg_sq (and with int8
+        moments absmax, small_m, small_v)."""
         if self.home != "nvme":
-            return {k: self.t[k][self.span(i)] for k in STATES}
-        return self._staged[i].t
+            return {k: self.t[k][self.kspans[k][i]] for k in self.layout(i) if k != "grad"}
+        return {k: t for k, t in self._staged[i].t.items() if k != "grad"}
 
     def grad(self, i: int) -> torch.Tensor:
         """Window i's gradient as the step reads it: the fp32 accumulator, or (one micro-step, low
@@ -193,24 +243,29 @@ class OptimState(_Handle):
 
     # -- nvme staging -------------------------------------------------------------------------------
     def load(self, i: int, kinds=KINDS) -> None:
-        """Starts reading window i's `kinds` into pool chunks (missing keys read as zeros)."""
+        """Starts reading window i's states, and its gradient if "grad" is in `kinds`, into pool chunks
+        (missing keys read as zeros)."""
         if self.home != "nvme" or self._staged[i].state is not R.NVME:
             return
-        w, (b, e) = self._staged[i], self.chunks[i]
+        w, layout = self._staged[i], self.layout(i)
         try:
             w.nbytes = 0
-            for kind in kinds:
-                dtype = self.grad_dtype if kind == "grad" else torch.float32  # see offload.step.accumulator
-                buf = w.t[kind] = self.rt.staging.acquire(e - b, dtype, f"{self.unit.name} {kind}")
+            w.base, shared = moments.shared_views(self.rt.staging, layout, self.int8, self.unit.name)
+            for kind, (numel, dtype) in layout.items():  # the gradient's dtype: see offload.step.accumulator
+                if kind == "grad" and kind not in kinds:
+                    continue
+                buf = w.t[kind] = shared.get(kind)
+                if buf is None:
+                    buf = w.t[kind] = self.rt.staging.acquire(numel, dtype, f"{self.unit.name} {kind}")
                 key = self.key(kind, i)
-                if key in self.rt.store:  # exp_avg/exp_avg_sq start as zeros, unwritten
-                    verify = not self.hashed or kind not in STATES
+                if key in self.rt.store:  # the moments start as zeros, unwritten
+                    verify = not self.hashed or kind == "grad"
                     w.tickets.append(self.rt.store.read(key, into=buf, verify=verify))
                     w.nbytes += buf.numel() * buf.element_size()
                     if not verify:
                         w.unverified.add(kind)
                 else:
-                    buf.zero_()
+                    moments.blank(self.int8, kind, buf)
         except BaseException:
             w.drop(self.rt.staging)
             raise
@@ -231,16 +286,19 @@ class OptimState(_Handle):
         self.rt.telemetry.link("nvme_to_dram", w.nbytes, time.perf_counter() - w.t0)
         w.to_dram()
 
-    def store(self, i: int, kinds=STATES) -> None:
-        """Starts writing window i's `kinds` back (write-behind); its other chunks return to the pool."""
+    def store(self, i: int, kinds=None) -> None:
+        """Starts writing window i's `kinds` (default: its states) back (write-behind); its other chunks
+        return to the pool."""
         if self.home != "nvme":
             return
+        kinds = [k for k in self.layout(i) if k != "grad"] if kinds is None else kinds
         w = self._staged[i]
         if w.unverified:  # an invariant, not user input: unchecked bytes must never be written back
             raise RuntimeError(f"{w.name}: {sorted(w.unverified)} read unverified and not checked by a step")
         for kind in [k for k in w.t if k not in kinds]:
-            self.rt.staging.release(w.t.pop(kind))
+            w.release(kind, self.rt.staging)
         w.tickets = []
+        w.nbytes = sum(w.t[k].numel() * w.t[k].element_size() for k in kinds)
         for kind in kinds:  # one by one: if a write raises, those already in flight are settled by drop
             w.tickets.append(self.rt.store.write(self.key(kind, i), w.t[kind], digests=w.digests.pop(kind, None)))
         w.writing()
@@ -252,8 +310,7 @@ class OptimState(_Handle):
         try:
             for t in w.tickets:
                 t.wait()
-            self.rt.telemetry.link("dram_to_nvme", 4 * (self.chunks[i][1] - self.chunks[i][0]) * len(w.tickets),
-                                    time.perf_counter() - w.t0)
+            self.rt.telemetry.link("dram_to_nvme", w.nbytes, time.perf_counter() - w.t0)
         finally:
             w.drop(self.rt.staging)
 

@@ -20,10 +20,13 @@ import time
 import torch
 from torch.profiler import record_function
 
+from offload.kernels import adam8
 from offload.kernels.cpu_adam import StepDigests, adam_step
+from offload.kernels.quant8 import BLOCK
 from offload.plan.memory import OPTIMIZER_READ_AHEAD as READ_AHEAD
 from offload.plan.units import Unit
-from offload.state.optim import KINDS, STATES, OptimState
+from offload.state import moments
+from offload.state.optim import KINDS, OptimState
 from offload.state.runtime import Runtime
 from offload.swap.integrity import digest_bounds, tensor_digests
 
@@ -173,12 +176,16 @@ def _adam_runs(rt: Runtime, st: OptimState, i: int, out: torch.Tensor, check: Wi
     step_fn = adam_step if t["master"].device.type == "cpu" else _device_adam_step
     grad = st.grad(i)
 
-    def adam(b: int, e: int, step: int, **digests):
-        return step_fn(t["master"][b:e], grad[b:e], t["exp_avg"][b:e], t["exp_avg_sq"][b:e], step=step, lr=lr,
+    def adam(b: int, e: int, step: int, m=None, v=None, **digests):
+        m = t["exp_avg"][b:e] if m is None else m
+        v = t["exp_avg_sq"][b:e] if v is None else v
+        return step_fn(t["master"][b:e], grad[b:e], m, v, step=step, lr=lr,
                        beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
                        adamw=o.type == "adamw", grad_scale=grad_scale, out=out[b:e] if lowp else None, **digests)
 
     runs, n = st.runs(i), t["master"].numel()
+    if st.int8:
+        return _adam8_runs(st, i, t, grad, out if lowp else None, check, runs, adam, lr, grad_scale)
     if len(runs) == 1 and runs[0][:2] == (0, n):
         return adam(*runs[0], **({} if bounds is None else {"digest_bounds": bounds}))
     before = None if bounds is None else check.hash()
@@ -186,6 +193,29 @@ def _adam_runs(rt: Runtime, st: OptimState, i: int, out: torch.Tensor, check: Wi
         out.copy_(t["master"])  # skipped slots keep their weights
     for run in runs:
         adam(*run)
+    return None if before is None else StepDigests(before, check.hash())
+
+
+def _adam8_runs(st: OptimState, i: int, t: dict, grad: torch.Tensor, out, check: WindowCheck, runs, adam,
+                lr: float, grad_scale: float) -> StepDigests | None:
+    """Window i with int8 moments ([Note: int8 optimizer states]): each run's 8-bit blocks through the int8
+    step over their codes and scales, its small parameters' elements through the fp32 step over their small_m
+    and small_v; digests (with swap checksums) hashed beside the step."""
+    o, n = st.rt.settings.optimizer, t["master"].numel()
+    before = check.hash() if check.bounds is not None else None
+    if out is not None and not (len(runs) == 1 and runs[0][:2] == (0, n)):
+        out.copy_(t["master"])  # skipped slots keep their weights
+    nb = n // BLOCK
+    for b, e, step in runs:
+        for lo, hi, side in moments.segments(st.small[i], b, e):
+            if side is not None:  # fp32 moments of small parameters
+                adam(lo, hi, step, m=t["small_m"][side:side + hi - lo], v=t["small_v"][side:side + hi - lo])
+                continue
+            bl, bh = lo // BLOCK, hi // BLOCK
+            adam8.adam8_step(t["master"][lo:hi], grad[lo:hi], t["exp_avg"][lo:hi], t["absmax"][bl:bh],
+                             t["exp_avg_sq"][lo:hi], t["absmax"][nb + bl:nb + bh], step=step, lr=lr, beta1=o.betas[0],
+                             beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay, adamw=o.type == "adamw",
+                             grad_scale=grad_scale, out=None if out is None else out[lo:hi])
     return None if before is None else StepDigests(before, check.hash())
 
 
@@ -200,7 +230,8 @@ class WindowCheck:
     def __init__(self, st: OptimState, i: int):
         b, e = st.chunks[i]
         self.st, self.i = st, i
-        self.bounds = _digest_bounds(e - b, st.rt.store.block_bytes) if st.hashed else None
+        self.bounds = _digest_bounds(e - b, 4, st.rt.store.block_bytes) if st.hashed else None  # fp32 states'
+        self.kinds = [k for k in st.layout(i) if k != "grad"]
         self._home = self._scratch = None
 
     def output(self, home: torch.Tensor, live: bool) -> torch.Tensor:
@@ -213,9 +244,9 @@ class WindowCheck:
         return self._scratch
 
     def hash(self) -> tuple[tuple[int, ...], ...]:
-        """Swap digests of the window's staged master/exp_avg/exp_avg_sq (when the step cannot hash them)."""
-        t = self.st.view(self.i)
-        return tuple(tensor_digests(t[k], self.bounds) for k in STATES)
+        """Swap digests of the window's staged states, one tuple a kind (when the step cannot hash them)."""
+        t, block = self.st.view(self.i), self.st.rt.store.block_bytes
+        return tuple(tensor_digests(t[k], _digest_bounds(t[k].numel(), t[k].element_size(), block)) for k in self.kinds)
 
     def verify(self, digests: StepDigests | None) -> None:
         """Raises SwapCorruptionError if what was read differs from what was written; keeps the new states'
@@ -223,10 +254,10 @@ class WindowCheck:
         if self.bounds is None:
             return
         st, staged = self.st, self.st.staged(self.i)
-        for kind, before in zip(STATES, digests.before):
+        for kind, before in zip(self.kinds, digests.before):
             if kind in staged.unverified:
                 st.rt.store.check_digests(st.key(kind, self.i), before)
-        staged.checked(dict(zip(STATES, digests.after)))
+        staged.checked(dict(zip(self.kinds, digests.after)))
 
     def keep(self) -> None:
         """The checked new weights into the live home."""
@@ -240,9 +271,10 @@ class WindowCheck:
 
 
 @functools.lru_cache(maxsize=64)
-def _digest_bounds(numel: int, block_bytes: int) -> tuple[int, ...]:
-    """Element bounds of a window's swap digests (fp32 states in a store of `block_bytes` blocks)."""
-    return tuple(digest_bounds(numel, 4, block_bytes))
+def _digest_bounds(numel: int, itemsize: int, block_bytes: int) -> tuple[int, ...]:
+    """Element bounds of the swap digests of a window's state (`itemsize`-byte elements, a store of
+    `block_bytes` blocks)."""
+    return tuple(digest_bounds(numel, itemsize, block_bytes))
 
 
 def _device_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, adamw,

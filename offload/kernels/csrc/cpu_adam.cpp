@@ -11,7 +11,8 @@
 // regions we use only intrinsics and functions defined in the region (no std:: templates), so no
 // out-of-line copy of a shared inline function can be emitted with AVX-512 code in it. The AVX-512
 // region's target includes avx512bf16 for one intrinsic (vcvtneps2bf16), used only by the
-// `adam_range_ne` instantiations, which only the avx512bf16 level (a CPU reporting it) dispatches to.
+// `adam_range_ne` and `adam8_range<G, BF16, true>` instantiations, which only the avx512bf16 level (a CPU
+// reporting it) dispatches to.
 //
 // [Note: matching torch bit for bit where it matters]
 // The math mirrors torch's fused CPU Adam (lerp for exp_avg, sqrt(v)/sqrt(bc2)+eps, AdamW decay applied
@@ -29,6 +30,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <mutex>
 #include <set>
@@ -72,6 +74,53 @@ struct Ptrs {
 using AdamFn = void (*)(const Ptrs&, const Coeffs&, int64_t, int64_t);
 using SqFn = double (*)(const void*, int64_t, int64_t);
 using DigestFn = void (*)(const float*, int64_t, int64_t, uint64_t&, uint64_t&);
+
+// [Note: the int8 step]
+// quant8.adam8_step, compiled ([Note: int8 optimizer states] in offload/kernels/quant8.py): per block of
+// kBlock elements, one pass dequantizes m and v (map value x block absmax), does the reference's fp32
+// operations in its order, each rounded on its own (separate multiplies and adds: the library is built with
+// -ffp-contract=off so the compiler fuses none either), writes the weight, keeps the block's new m and v
+// in a local buffer for their absmax, then writes their codes. Same bits as the reference (tested).
+constexpr int64_t kBlock = 256;          // elements per absmax (quant8.BLOCK)
+constexpr int64_t kLutNumel = 1 << 16;  // buckets: the top 16 bits of an fp32
+
+// The int8 step's constants, each computed in double and rounded to fp32 once (quant8.coefficients).
+struct Coeffs8 {
+  float beta1, beta1_c, beta2, beta2_c, neg_step_size, inv_bc2_sqrt, eps;
+  float decay;      // AdamW: param * (1 - lr * wd) first (1 for Adam)
+  float l2;         // Adam: g + param * wd (0 for AdamW)
+  float inv_scale;  // g * (1 / grad_scale)
+  bool scaled;
+};
+
+// [Note: nearest code by bucket]
+// x = value / absmax in [-1, 1] takes the code of the nearest map value, ties to the lower: the number of
+// midpoints strictly below x (quant8.codes_of's searchsorted). Bucketed by its top 16 bits (sign,
+// exponent, 7 mantissa bits), no bucket holds more than one midpoint of either map (checked where the
+// tables are built: offload.kernels.adam8.kernel_tables), so the code is c, the midpoints below the
+// bucket's smallest value, plus one if x lies above the bucket's midpoint. That midpoint shares x's top 16
+// bits, so comparing the low 16 bits decides (reversed for negatives, larger bits meaning smaller values):
+// lut[bucket] = c << 16 | t, t the midpoint's low 16 bits (xor 0xFFFF when negative; 0xFFFF when the
+// bucket has none), and code = c + ((low 16 bits of x, xor 0xFFFF when negative) > t). One table read a
+// value, no search: two reads (c, then a table of midpoints at c to compare x with) took 1.4x the time of
+// the whole step in a cache-resident micro-benchmark on the AMD EPYC (Zen, family 23) build host.
+struct Tables8 {
+  const float* map[2];     // 256 sorted values each: [0] signed (m), [1] unsigned (v)
+  const uint32_t* lut[2];  // kLutNumel entries each
+};
+
+struct Ptrs8 {
+  float* p;
+  const void* g;
+  uint8_t *mc, *vc;  // codes
+  float *ma, *va;    // block absmax
+  void* out;
+  bool stream_out;   // see [Note: streaming the weight output]
+  Tables8 t;
+};
+
+using Adam8Fn = void (*)(const Ptrs8&, const Coeffs8&, int64_t, int64_t);
+using Quant8Fn = void (*)(const float*, uint8_t*, float*, const uint32_t*, int64_t, int64_t);
 
 // ---------------------------------------------------------------- scalar (any CPU; also AVX2 tails)
 // std::fma where the vector kernels fuse, so every path rounds alike (it is a libm call on CPUs without
@@ -143,6 +192,66 @@ double sq_range(const void* g, int64_t begin, int64_t end) {
     s = sum;                                                                                          \
     x = acc;                                                                                          \
   }
+
+
+// ---- int8 states ([Note: the int8 step], [Note: nearest code by bucket])
+
+inline uint8_t code_of(float x, const uint32_t* lut) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint32_t e = lut[bits >> 16];
+  const uint32_t low = (bits ^ (bits >> 31 ? 0xFFFFu : 0u)) & 0xFFFFu;
+  return static_cast<uint8_t>((e >> 16) + (low > (e & 0xFFFFu)));
+}
+
+// Codes of the block x[0, kBlock) / absmax; a zero block gets the zero's code (quant8.codes_of).
+inline void quantize_block(const float* x, float absmax, const uint32_t* lut, uint8_t* codes) {
+  const bool zero = !(absmax > 0.f);
+  for (int64_t j = 0; j < kBlock; ++j) codes[j] = code_of(zero ? 0.f : x[j] / absmax, lut);
+}
+
+inline float block_absmax(const float* x) {
+  float r = 0.f;
+  for (int64_t j = 0; j < kBlock; ++j) r = std::max(r, std::fabs(x[j]));
+  return r;
+}
+
+// Blocks [begin, end) of x quantized alone (the tests' look at the step's quantization).
+inline void quantize_range(const float* x, uint8_t* codes, float* absmax, const uint32_t* lut,
+                           int64_t begin, int64_t end) {
+  for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
+    absmax[b0 / kBlock] = block_absmax(x + b0);
+    quantize_block(x + b0, absmax[b0 / kBlock], lut, codes + b0);
+  }
+}
+
+template <int G, int O>
+void adam8_range(const Ptrs8& a, const Coeffs8& c, int64_t begin, int64_t end) {
+  float mb[kBlock], vb[kBlock];  // the block's new m and v, until their absmax is known
+  for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
+    const int64_t blk = b0 / kBlock;
+    const float m_abs = a.ma[blk], v_abs = a.va[blk];
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const int64_t i = b0 + j;
+      float g = load_grad<G>(a.g, i);
+      if (c.scaled) g = g * c.inv_scale;
+      float p = a.p[i] * c.decay;
+      if (c.l2 != 0.f) g = g + p * c.l2;
+      const float m = a.t.map[0][a.mc[i]] * m_abs * c.beta1 + g * c.beta1_c;
+      const float v = a.t.map[1][a.vc[i]] * v_abs * c.beta2 + g * g * c.beta2_c;
+      const float denom = std::sqrt(v) * c.inv_bc2_sqrt + c.eps;
+      p = p + m / denom * c.neg_step_size;
+      a.p[i] = p;
+      store_out<O>(a.out, i, p);
+      mb[j] = m;
+      vb[j] = v;
+    }
+    a.ma[blk] = block_absmax(mb);
+    a.va[blk] = block_absmax(vb);
+    quantize_block(mb, a.ma[blk], a.t.lut[0], a.mc + b0);
+    quantize_block(vb, a.va[blk], a.t.lut[1], a.vc + b0);
+  }
+}
 
 OFFLOAD_DEFINE_DIGEST_RANGE
 
@@ -325,6 +434,91 @@ double sq_range(const void* g, int64_t begin, int64_t end) {
   return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
 }
 
+// ---- int8 states ([Note: the int8 step], [Note: nearest code by bucket])
+
+struct K8 {
+  __m512 beta1, beta1_c, beta2, beta2_c, neg_step_size, inv_bc2_sqrt, eps, decay, l2, inv_scale;
+  bool scaled, has_l2;
+};
+
+inline K8 broadcast8(const Coeffs8& c) {
+  return K8{_mm512_set1_ps(c.beta1), _mm512_set1_ps(c.beta1_c), _mm512_set1_ps(c.beta2), _mm512_set1_ps(c.beta2_c),
+            _mm512_set1_ps(c.neg_step_size), _mm512_set1_ps(c.inv_bc2_sqrt), _mm512_set1_ps(c.eps),
+            _mm512_set1_ps(c.decay), _mm512_set1_ps(c.l2), _mm512_set1_ps(c.inv_scale), c.scaled, c.l2 != 0.f};
+}
+
+// The 16 codes at `codes` as fp32 values times the block's absmax.
+inline __m512 dequant16(const uint8_t* codes, const float* map, __m512 absmax) {
+  const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)codes));
+  return _mm512_mul_ps(_mm512_i32gather_ps(idx, map, 4), absmax);
+}
+
+inline __m128i codes16(__m512 x, const uint32_t* lut) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(bits, 16), lut, 4);
+  const __m512i ffff = _mm512_set1_epi32(0xFFFF);
+  const __m512i low = _mm512_and_si512(_mm512_xor_si512(bits, _mm512_srai_epi32(bits, 31)), ffff);
+  const __mmask16 above = _mm512_cmpgt_epi32_mask(low, _mm512_and_si512(e, ffff));
+  const __m512i c = _mm512_srli_epi32(e, 16);
+  return _mm512_cvtusepi32_epi8(_mm512_mask_add_epi32(c, above, c, _mm512_set1_epi32(1)));
+}
+
+inline void quantize_block(const float* x, float absmax, const uint32_t* lut, uint8_t* codes) {
+  const __m512 am = _mm512_set1_ps(absmax);
+  const bool zero = !(absmax > 0.f);
+  for (int64_t j = 0; j < kBlock; j += 16) {
+    const __m512 s = zero ? _mm512_setzero_ps() : _mm512_div_ps(_mm512_loadu_ps(x + j), am);
+    _mm_storeu_si128((__m128i*)(codes + j), codes16(s, lut));
+  }
+}
+
+inline void quantize_range(const float* x, uint8_t* codes, float* absmax, const uint32_t* lut,
+                           int64_t begin, int64_t end) {
+  for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t j = 0; j < kBlock; j += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(x + b0 + j)));
+    absmax[b0 / kBlock] = _mm512_reduce_max_ps(mx);
+    quantize_block(x + b0, absmax[b0 / kBlock], lut, codes + b0);
+  }
+}
+
+template <int G, int O, bool kNe>
+void adam8_range(const Ptrs8& a, const Coeffs8& cf, int64_t begin, int64_t end) {
+  const K8 c = broadcast8(cf);
+  const Ptrs8 r = a;  // locals: see K
+  alignas(64) float mb[kBlock], vb[kBlock];
+  for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
+    const int64_t blk = b0 / kBlock;
+    const __m512 m_abs = _mm512_set1_ps(r.ma[blk]), v_abs = _mm512_set1_ps(r.va[blk]);
+    __m512 m_max = _mm512_setzero_ps(), v_max = _mm512_setzero_ps();
+    for (int64_t j = 0; j < kBlock; j += 16) {
+      const int64_t i = b0 + j;
+      __m512 g = load_grad<G, false>(r.g, i, 0xFFFF);
+      if (c.scaled) g = _mm512_mul_ps(g, c.inv_scale);
+      __m512 p = _mm512_mul_ps(_mm512_loadu_ps(r.p + i), c.decay);
+      if (c.has_l2) g = _mm512_add_ps(g, _mm512_mul_ps(p, c.l2));
+      const __m512 m = _mm512_add_ps(_mm512_mul_ps(dequant16(r.mc + i, r.t.map[0], m_abs), c.beta1),
+                                     _mm512_mul_ps(g, c.beta1_c));
+      const __m512 v = _mm512_add_ps(_mm512_mul_ps(dequant16(r.vc + i, r.t.map[1], v_abs), c.beta2),
+                                     _mm512_mul_ps(_mm512_mul_ps(g, g), c.beta2_c));
+      const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), c.inv_bc2_sqrt), c.eps);
+      p = _mm512_add_ps(p, _mm512_mul_ps(_mm512_div_ps(m, denom), c.neg_step_size));
+      _mm512_storeu_ps(r.p + i, p);
+      store_out<O, kNe, false>(r.out, i, p, 0xFFFF, r.stream_out);
+      _mm512_store_ps(mb + j, m);
+      _mm512_store_ps(vb + j, v);
+      m_max = _mm512_max_ps(m_max, _mm512_abs_ps(m));
+      v_max = _mm512_max_ps(v_max, _mm512_abs_ps(v));
+    }
+    const float m_new = _mm512_reduce_max_ps(m_max), v_new = _mm512_reduce_max_ps(v_max);
+    r.ma[blk] = m_new;
+    r.va[blk] = v_new;
+    quantize_block(mb, m_new, r.t.lut[0], r.mc + b0);
+    quantize_block(vb, v_new, r.t.lut[1], r.vc + b0);
+  }
+  if (r.stream_out) _mm_sfence();
+}
+
 OFFLOAD_DEFINE_DIGEST_RANGE
 
 }  // namespace avx512
@@ -429,6 +623,104 @@ double sq_range(const void* g, int64_t begin, int64_t end) {
   return total + scalar::sq_range<G>(g, i, end);
 }
 
+// ---- int8 states ([Note: the int8 step], [Note: nearest code by bucket])
+
+struct K8 {
+  __m256 beta1, beta1_c, beta2, beta2_c, neg_step_size, inv_bc2_sqrt, eps, decay, l2, inv_scale;
+  bool scaled, has_l2;
+};
+
+// The 8 codes at `codes` as fp32 values times the block's absmax. Eight scalar loads, not a gather: the
+// step took 1.5 ns/element less so in a micro-benchmark on the AMD EPYC (Zen) build host, whose vgatherdps
+// is microcoded. (The AVX-512 path gathers: not measured, no AVX-512 here.)
+inline __m256 dequant8(const uint8_t* c, const float* map, __m256 absmax) {
+  return _mm256_mul_ps(_mm256_setr_ps(map[c[0]], map[c[1]], map[c[2]], map[c[3]], map[c[4]], map[c[5]], map[c[6]],
+                                      map[c[7]]),
+                       absmax);
+}
+
+inline __m256 abs8(__m256 x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), x); }
+
+inline float hmax8(__m256 x) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+
+// The codes of the 8 lanes of x, one per int32 lane.
+inline __m256i codes8(__m256 x, const uint32_t* lut) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i e = _mm256_i32gather_epi32((const int*)lut, _mm256_srli_epi32(bits, 16), 4);
+  const __m256i ffff = _mm256_set1_epi32(0xFFFF);
+  const __m256i low = _mm256_and_si256(_mm256_xor_si256(bits, _mm256_srai_epi32(bits, 31)), ffff);
+  const __m256i above = _mm256_cmpgt_epi32(low, _mm256_and_si256(e, ffff));  // true lanes are -1
+  return _mm256_sub_epi32(_mm256_srli_epi32(e, 16), above);
+}
+
+inline void quantize_block(const float* x, float absmax, const uint32_t* lut, uint8_t* codes) {
+  const __m256 am = _mm256_set1_ps(absmax);
+  const bool zero = !(absmax > 0.f);
+  __m256i c[4];
+  for (int64_t j = 0; j < kBlock; j += 32) {
+    for (int k = 0; k < 4; ++k)
+      c[k] = codes8(zero ? _mm256_setzero_ps() : _mm256_div_ps(_mm256_loadu_ps(x + j + 8 * k), am), lut);
+    // The packs work within 128-bit halves: dwords come out as c0 c1 c2 c3 (low halves of each), then
+    // the high halves; one permute puts the 32 bytes in order.
+    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+    _mm256_storeu_si256((__m256i*)(codes + j), _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+}
+
+inline void quantize_range(const float* x, uint8_t* codes, float* absmax, const uint32_t* lut,
+                           int64_t begin, int64_t end) {
+  for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
+    __m256 mx = _mm256_setzero_ps();
+    for (int64_t j = 0; j < kBlock; j += 8) mx = _mm256_max_ps(mx, abs8(_mm256_loadu_ps(x + b0 + j)));
+    absmax[b0 / kBlock] = hmax8(mx);
+    quantize_block(x + b0, absmax[b0 / kBlock], lut, codes + b0);
+  }
+}
+
+template <int G, int O>
+void adam8_range(const Ptrs8& a, const Coeffs8& cf, int64_t begin, int64_t end) {
+  const K8 c{_mm256_set1_ps(cf.beta1), _mm256_set1_ps(cf.beta1_c), _mm256_set1_ps(cf.beta2),
+             _mm256_set1_ps(cf.beta2_c), _mm256_set1_ps(cf.neg_step_size), _mm256_set1_ps(cf.inv_bc2_sqrt),
+             _mm256_set1_ps(cf.eps), _mm256_set1_ps(cf.decay), _mm256_set1_ps(cf.l2), _mm256_set1_ps(cf.inv_scale),
+             cf.scaled, cf.l2 != 0.f};
+  const Ptrs8 r = a;  // locals: see avx512::K
+  alignas(32) float mb[kBlock], vb[kBlock];
+  for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
+    const int64_t blk = b0 / kBlock;
+    const __m256 m_abs = _mm256_set1_ps(r.ma[blk]), v_abs = _mm256_set1_ps(r.va[blk]);
+    __m256 m_max = _mm256_setzero_ps(), v_max = _mm256_setzero_ps();
+    for (int64_t j = 0; j < kBlock; j += 8) {
+      const int64_t i = b0 + j;
+      __m256 g = load_grad<G>(r.g, i);
+      if (c.scaled) g = _mm256_mul_ps(g, c.inv_scale);
+      __m256 p = _mm256_mul_ps(_mm256_loadu_ps(r.p + i), c.decay);
+      if (c.has_l2) g = _mm256_add_ps(g, _mm256_mul_ps(p, c.l2));
+      const __m256 m = _mm256_add_ps(_mm256_mul_ps(dequant8(r.mc + i, r.t.map[0], m_abs), c.beta1),
+                                     _mm256_mul_ps(g, c.beta1_c));
+      const __m256 v = _mm256_add_ps(_mm256_mul_ps(dequant8(r.vc + i, r.t.map[1], v_abs), c.beta2),
+                                     _mm256_mul_ps(_mm256_mul_ps(g, g), c.beta2_c));
+      const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), c.inv_bc2_sqrt), c.eps);
+      p = _mm256_add_ps(p, _mm256_mul_ps(_mm256_div_ps(m, denom), c.neg_step_size));
+      _mm256_storeu_ps(r.p + i, p);
+      store_out<O>(r.out, i, p, r.stream_out);
+      _mm256_store_ps(mb + j, m);
+      _mm256_store_ps(vb + j, v);
+      m_max = _mm256_max_ps(m_max, abs8(m));
+      v_max = _mm256_max_ps(v_max, abs8(v));
+    }
+    const float m_new = hmax8(m_max), v_new = hmax8(v_max);
+    r.ma[blk] = m_new;
+    r.va[blk] = v_new;
+    quantize_block(mb, m_new, r.t.lut[0], r.mc + b0);
+    quantize_block(vb, v_new, r.t.lut[1], r.vc + b0);
+  }
+  if (r.stream_out) _mm_sfence();
+}
+
 OFFLOAD_DEFINE_DIGEST_RANGE
 
 }  // namespace avx2
@@ -498,6 +790,37 @@ DigestFn pick_digest(int isa) {
   if (isa == AVX2) return avx2::digest_range;
 #endif
   return scalar::digest_range;
+}
+
+template <int G, int O>
+Adam8Fn pick_adam8_isa(int isa) {
+#ifdef OFFLOAD_X86
+  if (isa == AVX512BF16) return avx512::adam8_range<G, O, (O == BF16)>;
+  if (isa == AVX512) return avx512::adam8_range<G, O, false>;
+  if (isa == AVX2) return avx2::adam8_range<G, O>;
+#endif
+  return scalar::adam8_range<G, O>;
+}
+
+template <int G>
+Adam8Fn pick_adam8_out(int isa, int o) {
+  if (o == BF16) return pick_adam8_isa<G, BF16>(isa);
+  if (o == F16) return pick_adam8_isa<G, F16>(isa);
+  return pick_adam8_isa<G, NONE>(isa);
+}
+
+Adam8Fn pick_adam8(int isa, int g, int o) {
+  if (g == BF16) return pick_adam8_out<BF16>(isa, o);
+  if (g == F16) return pick_adam8_out<F16>(isa, o);
+  return pick_adam8_out<F32>(isa, o);
+}
+
+Quant8Fn pick_quant8(int isa) {
+#ifdef OFFLOAD_X86
+  if (isa >= AVX512) return avx512::quantize_range;
+  if (isa == AVX2) return avx2::quantize_range;
+#endif
+  return scalar::quantize_range;
 }
 
 SqFn pick_sq(int isa, int g) {
@@ -679,6 +1002,100 @@ at::Tensor adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::
   return result;
 }
 
+static_assert(kChunkNumel % kBlock == 0, "a chunk must hold whole int8 blocks");
+
+// The tables as offload.kernels.adam8.kernel_tables builds them: maps (2, 256) fp32 and luts
+// (2, kLutNumel) int32. Codes are bytes and buckets 16 bits, so no content can make a read go out of
+// bounds: wrong tables give wrong codes.
+Tables8 check_tables(const std::vector<at::Tensor>& tables) {
+  auto fits = [](const at::Tensor& t, at::ScalarType dtype, int64_t cols) {
+    return t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == dtype && t.dim() == 2 && t.size(0) == 2 &&
+           t.size(1) == cols;
+  };
+  TORCH_CHECK(tables.size() == 2 && fits(tables[0], at::kFloat, 256) && fits(tables[1], at::kInt, kLutNumel),
+              "offload adam8: tables must be offload.kernels.adam8.kernel_tables() (maps, luts)");
+  Tables8 t;
+  for (int s = 0; s < 2; ++s) {
+    t.map[s] = tables[0].data_ptr<float>() + s * 256;
+    t.lut[s] = reinterpret_cast<const uint32_t*>(tables[1].data_ptr<int32_t>()) + s * kLutNumel;
+  }
+  return t;
+}
+
+void check_int8_state(const at::Tensor& codes, const at::Tensor& absmax, const char* name, int64_t numel) {
+  check_flat(codes, name, numel);
+  check_flat(absmax, name, numel / kBlock);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && absmax.scalar_type() == at::kFloat, "offload adam8: ", name,
+              " codes must be uint8 and its absmax float32");
+}
+
+Coeffs8 adam8_coeffs(int64_t step, double lr, double beta1, double beta2, double eps, double wd, bool adamw,
+                     double grad_scale) {
+  Coeffs8 c;
+  c.beta1 = static_cast<float>(beta1);
+  c.beta1_c = static_cast<float>(1.0 - beta1);
+  c.beta2 = static_cast<float>(beta2);
+  c.beta2_c = static_cast<float>(1.0 - beta2);
+  c.neg_step_size = static_cast<float>(-lr / (1.0 - std::pow(beta1, static_cast<double>(step))));
+  c.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))));
+  c.eps = static_cast<float>(eps);
+  c.decay = adamw ? static_cast<float>(1.0 - lr * wd) : 1.f;
+  c.l2 = adamw ? 0.f : static_cast<float>(wd);
+  c.inv_scale = static_cast<float>(1.0 / grad_scale);
+  c.scaled = grad_scale != 1.0;
+  return c;
+}
+
+// The int8 step ([Note: the int8 step]): param fp32, grad fp32/bf16/fp16 and the uint8 codes of m and v
+// hold numel elements, a multiple of kBlock; m_absmax and v_absmax (fp32) one per block; `out` (bf16/fp16)
+// gets the new weight. Chunks start at multiples of kChunkNumel, so at block starts.
+void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor m_codes, at::Tensor m_absmax, at::Tensor v_codes,
+                at::Tensor v_absmax, c10::optional<at::Tensor> out, std::vector<at::Tensor> tables, int64_t step,
+                double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
+                double grad_scale, int64_t num_threads, int64_t isa) {
+  const int64_t numel = param.numel();
+  TORCH_CHECK(numel % kBlock == 0, "offload adam8: param has ", numel, " elements, not a multiple of ", kBlock,
+              "; give whole blocks (see [Note: int8 optimizer states])");
+  check_flat(param, "param", numel);
+  check_flat(grad, "grad", numel);
+  TORCH_CHECK(param.scalar_type() == at::kFloat, "offload adam8: param must be float32");
+  check_int8_state(m_codes, m_absmax, "m", numel);
+  check_int8_state(v_codes, v_absmax, "v", numel);
+  TORCH_CHECK(step >= 1, "offload adam8: step must be >= 1, got ", step);
+  int o = NONE;
+  void* out_ptr = nullptr;
+  if (out.has_value()) {
+    check_flat(*out, "out", numel);
+    o = dtype_code(*out);
+    TORCH_CHECK(o != F32, "offload adam8: out must be bfloat16 or float16");
+    out_ptr = out->data_ptr();
+  }
+  const Tables8 t = check_tables(tables);
+  const int resolved = resolve_isa(isa);
+  const Adam8Fn fn = pick_adam8(resolved, dtype_code(grad), o);
+  const Coeffs8 c = adam8_coeffs(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale);
+  const uintptr_t align = resolved >= AVX512 ? 64 : 32;  // as adam_step's streaming stores
+  const bool stream_out = resolved != SCALAR && out_ptr != nullptr && numel >= kStreamOutNumel &&
+                          reinterpret_cast<uintptr_t>(out_ptr) % align == 0;
+  const Ptrs8 a{param.data_ptr<float>(), grad.data_ptr(), m_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(),
+                m_absmax.data_ptr<float>(), v_absmax.data_ptr<float>(), out_ptr, stream_out, t};
+  for_each_chunk(numel, num_threads, [&](int64_t, int64_t b, int64_t e) { fn(a, c, b, e); });
+}
+
+// For tests: the step's quantization alone, of fp32 `x` into `codes` and `absmax` with map `which`
+// (0 signed, 1 unsigned), at instruction set `isa`.
+void quantize8(at::Tensor x, at::Tensor codes, at::Tensor absmax, int64_t which, std::vector<at::Tensor> tables,
+               int64_t isa) {
+  const int64_t numel = x.numel();
+  TORCH_CHECK(numel % kBlock == 0 && x.scalar_type() == at::kFloat && (which == 0 || which == 1),
+              "offload quantize8: x must be float32 in whole blocks of ", kBlock, ", which 0 or 1");
+  check_flat(x, "x", numel);
+  check_int8_state(codes, absmax, "x", numel);
+  const Tables8 t = check_tables(tables);
+  pick_quant8(resolve_isa(isa))(x.data_ptr<float>(), codes.data_ptr<uint8_t>(), absmax.data_ptr<float>(),
+                                t.lut[which], 0, numel);
+}
+
 double grad_sq_sum(at::Tensor grad, int64_t num_threads, int64_t isa) {
   const int64_t numel = grad.numel();
   check_flat(grad, "grad", numel);
@@ -726,6 +1143,8 @@ void bind_host_alloc(pybind11::module_& m);  // host_alloc.cpp: torch's CPU allo
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("adam_step", &adam_step, py::call_guard<py::gil_scoped_release>());
+  m.def("adam8_step", &adam8_step, py::call_guard<py::gil_scoped_release>());
+  m.def("quantize8", &quantize8, py::call_guard<py::gil_scoped_release>());
   m.def("grad_sq_sum", &grad_sq_sum, py::call_guard<py::gil_scoped_release>());
   m.def("threads_used", &threads_used, py::call_guard<py::gil_scoped_release>());
   m.def("word_digest", &word_digest, py::call_guard<py::gil_scoped_release>());

@@ -1,0 +1,124 @@
+"""Fidelity of int8 optimizer states (issue 50): the `small` preset trained on the bundled corpus with fp32 and
+with int8 moments side by side, the same batches in the same order, each step of one beside the same step of
+the other (so drift on a shared machine hits both alike). Prints the loss curve (the mean over each stretch of
+--every steps), the held-out loss at the end, the final ratio (goal: within 1%), and with --plot a figure.
+
+    python bench/int8_states.py [--model small] [--steps 300] [--every 25] [--optimizer cpu|nvme] [--plot F] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MODES = ("fp32", "int8")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="small", help="a preset")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--every", type=int, default=25, help="steps a row of the loss table averages")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--optimizer", default="cpu", choices=("cpu", "nvme"), help="where the states live")
+    ap.add_argument("--precision", default="auto")
+    ap.add_argument("--dir", default=None, help="swap goes under it (default: a temporary directory)")
+    ap.add_argument("--plot", default=None, metavar="PNG")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    base = tempfile.mkdtemp(prefix="int8-bench-", dir=args.dir)
+    try:
+        report = run(args, base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(f"{args.model}, {args.batch} x {args.seq}, lr {args.lr}, {args.steps} steps, states in "
+          f"{args.optimizer}, {report['precision']}: training loss, mean over each {args.every} steps")
+    print(f"  {'steps':>9s} {'fp32':>8s} {'int8':>8s} {'int8/fp32':>10s}")
+    for (a, b), f, q in zip(report["stretches"], report["curve"]["fp32"], report["curve"]["int8"]):
+        print(f"  {a:4d}-{b:<4d} {f:8.4f} {q:8.4f} {q / f:10.4f}")
+    ev = report["eval_loss"]
+    print(f"  held-out loss after {args.steps} steps: fp32 {ev['fp32']:.4f}, int8 {ev['int8']:.4f} "
+          f"({ev['int8'] / ev['fp32']:.4f}x); step time int8/fp32 {report['step_ratio']:.2f}x")
+    if args.plot:
+        plot(report, args.plot)
+    if args.json:
+        print(json.dumps({k: v for k, v in report.items() if k != "losses"}))
+
+
+def run(args, base: str) -> dict:
+    import torch
+
+    import offload
+    from offload.data import BatchSampler, load_tokens, split_tokens
+    from offload.models import build_model, loss_of
+
+    train_tokens, val_tokens = split_tokens(load_tokens())
+    sampler = BatchSampler(train_tokens, args.batch, args.seq, seed=0)
+    held = BatchSampler(val_tokens, args.batch, args.seq, seed=1)
+    engines, losses, times = {}, {m: [] for m in MODES}, {m: [] for m in MODES}
+    for mode in MODES:
+        cfg = {"precision": args.precision, "offload_param": {"device": "cpu"},
+               "offload_optimizer": {"device": args.optimizer}, "nvme_path": os.path.join(base, mode),
+               "gradient_clipping": 1.0, "optimizer": {"lr": args.lr, "states": mode},
+               "lr_schedule": {"warmup_steps": 10}}
+        engines[mode] = offload.initialize(build_model(args.model, seed=0), cfg)
+    try:
+        for i in range(args.steps):
+            ids, labels = sampler.batch(i)
+            for mode, engine in engines.items():
+                t = time.perf_counter()
+                loss = loss_of(engine(ids, labels=labels))
+                engine.backward(loss)
+                engine.step()
+                times[mode].append(time.perf_counter() - t)
+                losses[mode].append(loss.item())
+            if (i + 1) % args.every == 0:
+                print(f"step {i + 1}: " + ", ".join(f"{m} {statistics.mean(losses[m][-args.every:]):.4f} "
+                                                    f"({statistics.median(times[m][-args.every:]):.2f} s)"
+                                                    for m in MODES), file=sys.stderr, flush=True)
+        evals = {}
+        with torch.no_grad():
+            for mode, engine in engines.items():
+                evals[mode] = statistics.mean(loss_of(engine(*held.batch(k)[:1], labels=held.batch(k)[1])).item()
+                                              for k in range(8))
+        precision = engines["fp32"].cfg.precision
+    finally:
+        for engine in engines.values():
+            engine.close()
+    stretches = [(a, min(a + args.every, args.steps)) for a in range(0, args.steps, args.every)]
+    curve = {m: [statistics.mean(losses[m][a:b]) for a, b in stretches] for m in MODES}
+    return {"model": args.model, "steps": args.steps, "precision": precision, "optimizer": args.optimizer,
+            "stretches": stretches, "curve": curve, "losses": losses, "eval_loss": evals,
+            "final_ratio": curve["int8"][-1] / curve["fp32"][-1],
+            "step_ratio": statistics.median(times["int8"][2:]) / statistics.median(times["fp32"][2:])}
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode in MODES:
+        ax.plot(range(1, report["steps"] + 1), report["losses"][mode], label=f"{mode} states", lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"{report['model']}: int8 against fp32 optimizer states")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
