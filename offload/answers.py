@@ -20,20 +20,20 @@ from offload.data import ByteTokenizer, Encoder, render, tokenize
 DEFAULT_SAMPLE_TOKENS = 48
 
 
-def read_prompts(path: str) -> list[str]:
-    """The prompts of a .txt file, one a line (blank lines skipped)."""
+def read_prompts(path: str, flag: str = "--sample-prompts") -> list[str]:
+    """The prompts of a .txt file, one a line (blank lines skipped); errors name `flag`."""
     if not path.endswith(".txt"):
-        raise ValueError(f"--sample-prompts={path}: not a .txt file; give a UTF-8 text file of prompts, one a line")
+        raise ValueError(f"{flag}={path}: not a .txt file; give a UTF-8 text file of prompts, one a line")
     if not os.path.isfile(path):
-        raise FileNotFoundError(2, "prompts file not found; pass --sample-prompts with a local .txt file, one "
+        raise FileNotFoundError(2, f"prompts file not found; pass {flag} with a local .txt file, one "
                                    "prompt a line", path)
     try:
         with open(path, encoding="utf-8") as f:
             prompts = [line.strip() for line in f if line.strip()]
     except UnicodeDecodeError as e:
-        raise ValueError(f"--sample-prompts={path}: not UTF-8 ({e.reason}); convert the file") from e
+        raise ValueError(f"{flag}={path}: not UTF-8 ({e.reason}); convert the file") from e
     if not prompts:
-        raise ValueError(f"--sample-prompts={path}: no prompts in it; write one prompt a line")
+        raise ValueError(f"{flag}={path}: no prompts in it; write one prompt a line")
     return prompts
 
 

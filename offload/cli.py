@@ -14,6 +14,7 @@ _COMMAND_MODULES = (
     "offload.commands.nvme",
     "offload.commands.estimate",
     "offload.commands.train",
+    "offload.commands.generate",
     "offload.commands.checkpoint",
     "offload.commands.doctor",
 )
@@ -32,6 +33,7 @@ examples:
   offload bench nvme --dir /mnt/nvme --size 4G  how fast the drive swaps
   offload train --save-every 50 --resume        checkpoints, continued after a crash
   offload checkpoint export checkpoints ./hf    the latest checkpoint as a HF directory
+  offload generate --model ./hf --prompt "Hi" --offload-param nvme   complete prompts, weights on NVMe
   offload doctor                                what this host runs fast, and what to fix"""
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import difflib
 import os
+import warnings
 
 import torch
 
@@ -413,3 +414,47 @@ def save_merged(engine, info: dict, lora: dict, directory: str, dtype: torch.dty
     items = merged_items(engine.state_items(), lora["alpha"] / lora["r"], dtype, transposed_layers(engine.module))
     return write_run_directory(engine, items, info, directory, dtype)
 
+
+
+class AdapterWeights:
+    """The weights source of a saved LoRA adapter on a HF directory's base (`offload generate --adapter`): base
+    tensors from `source` under their own names, the adapters' from the adapter directory's
+    adapter_model.safetensors, where peft saves them without the adapter's name."""
+
+    def __init__(self, source, directory: str):
+        from safetensors import safe_open
+
+        self.source, self.path = source, os.path.join(directory, "adapter_model.safetensors")
+        if not os.path.isfile(self.path):
+            raise FileNotFoundError(2, "no adapter_model.safetensors: pass --adapter a directory peft or "
+                                       "`offload train --lora ... --save` wrote", self.path)
+        self._file = safe_open(self.path, framework="pt", device="cpu")
+        self._keys = set(self._file.keys())
+
+    @classmethod
+    def wrap(cls, model: torch.nn.Module, source, directory: str):
+        """(the peft model of the adapter `directory` around `model` on the meta device, its weights source)."""
+        if not os.path.isfile(os.path.join(directory, "adapter_config.json")):
+            raise FileNotFoundError(2, "no adapter_config.json: pass --adapter a LoRA adapter directory", directory)
+        peft = peft_module()
+        config = peft.PeftConfig.from_pretrained(directory)
+        try:
+            with warnings.catch_warnings():  # its base's path differs from the model's (built on meta): expected
+                warnings.filterwarnings("ignore", message="The PEFT config's `base_model_name_or_path`")
+                wrapped = peft.get_peft_model(model, config)
+        except ValueError as e:  # its target modules are not in this model
+            raise ValueError(f"--adapter={directory}: does not fit the model ({str(e).splitlines()[0]}); pass the "
+                             "model it was trained on") from e
+        return wrapped, cls(source, directory)
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if ".lora_" not in name:
+            return self.source(base_name(name))
+        parts = name.split(".")
+        key = ".".join(p for i, p in enumerate(parts) if i == 0 or not parts[i - 1].startswith("lora_"))
+        if key not in self._keys:
+            raise ValueError(f"{self.path}: has no {key}; the adapter does not match the model (--model)")
+        return self._file.get_tensor(key)
+
+    def close(self) -> None:
+        self.source.close()

@@ -90,3 +90,17 @@ def chat_tokenizer(directory=None, template: bool = True):
     if directory is not None:
         fast.save_pretrained(directory)
     return fast
+
+
+def save_chat_llama(directory):
+    """A 2-layer Llama (hidden 32, 128 positions) from seed 0 saved into `directory` with chat_tokenizer's
+    ChatML tokenizer, whose EOS it ends with; the tokenizer is returned."""
+    import transformers
+
+    tok = chat_tokenizer(directory)
+    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return tok

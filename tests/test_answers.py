@@ -15,7 +15,7 @@ from offload.answers import Answers, prompt_ids, read_prompts
 from offload.cli import main
 from offload.data import IGNORE, ByteTokenizer, Encoder, render, tokenize
 from offload.models import build_model
-from tests.hf_util import EXAMPLES, chat_tokenizer
+from tests.hf_util import EXAMPLES, chat_tokenizer, save_chat_llama
 
 RECORDS = {"messages": {"messages": [{"role": "user", "content": "What is the capital of France?"},
                                      {"role": "assistant", "content": "Paris."}]},
@@ -113,12 +113,7 @@ def test_a_hugging_face_model_answers_as_its_generate_does_one_prompt_at_a_time(
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
     model_dir = tmp_path / "llama"
-    tok = chat_tokenizer(model_dir)
-    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                      eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
+    tok = save_chat_llama(model_dir)
     prompts = ["What is the capital of France?", "Hello"]  # of different lengths: the batch is padded
     caplog.set_level(logging.WARNING, logger="offload")
     report = training.train({"model": str(model_dir), "steps": 1, "batch_size": 2, "seq_len": 96, "precision": "fp32",
