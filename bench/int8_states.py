@@ -2,8 +2,11 @@
 with int8 moments side by side, the same batches in the same order, each step of one beside the same step of
 the other (so drift on a shared machine hits both alike). Prints the loss curve (the mean over each stretch of
 --every steps), the held-out loss at the end, the final ratio (goal: within 1%), and with --plot a figure.
+--plain adds the same training in plain PyTorch in memory with torch's AdamW and with bitsandbytes' AdamW8bit
+(its CPU backend; min_8bit_size 4096, blocks of 256): whether a difference is the 8-bit method's or ours.
 
-    python bench/int8_states.py [--model small] [--steps 300] [--every 25] [--optimizer cpu|nvme] [--plot F] [--json]
+    python bench/int8_states.py [--model small] [--steps 300] [--every 25] [--optimizer cpu|nvme] [--plain]
+                                [--plot F] [--json]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODES = ("fp32", "int8")
+PLAIN = ("torch AdamW", "bnb AdamW8bit")
 
 
 def main() -> None:
@@ -33,6 +37,7 @@ def main() -> None:
     ap.add_argument("--optimizer", default="cpu", choices=("cpu", "nvme"), help="where the states live")
     ap.add_argument("--precision", default="auto")
     ap.add_argument("--dir", default=None, help="swap goes under it (default: a temporary directory)")
+    ap.add_argument("--plain", action="store_true", help="also torch's AdamW and bitsandbytes' AdamW8bit in memory")
     ap.add_argument("--plot", default=None, metavar="PNG")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -43,12 +48,14 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     print(f"{args.model}, {args.batch} x {args.seq}, lr {args.lr}, {args.steps} steps, states in "
           f"{args.optimizer}, {report['precision']}: training loss, mean over each {args.every} steps")
-    print(f"  {'steps':>9s} {'fp32':>8s} {'int8':>8s} {'int8/fp32':>10s}")
-    for (a, b), f, q in zip(report["stretches"], report["curve"]["fp32"], report["curve"]["int8"]):
-        print(f"  {a:4d}-{b:<4d} {f:8.4f} {q:8.4f} {q / f:10.4f}")
+    rows = [m for m in (*MODES, *PLAIN) if m in report["curve"]]
+    print(f"  {'steps':>9s} " + " ".join(f"{m:>13s}" for m in rows) + f" {'int8/fp32':>10s}")
+    for k, (a, b) in enumerate(report["stretches"]):
+        c = report["curve"]
+        print(f"  {a:4d}-{b:<4d} " + " ".join(f"{c[m][k]:13.4f}" for m in rows) + f" {c['int8'][k] / c['fp32'][k]:10.4f}")
     ev = report["eval_loss"]
-    print(f"  held-out loss after {args.steps} steps: fp32 {ev['fp32']:.4f}, int8 {ev['int8']:.4f} "
-          f"({ev['int8'] / ev['fp32']:.4f}x); step time int8/fp32 {report['step_ratio']:.2f}x")
+    print(f"  held-out loss after {args.steps} steps: " + ", ".join(f"{m} {ev[m]:.4f}" for m in rows)
+          + f" (int8/fp32 {ev['int8'] / ev['fp32']:.4f}x); step time int8/fp32 {report['step_ratio']:.2f}x")
     if args.plot:
         plot(report, args.plot)
     if args.json:
@@ -65,7 +72,8 @@ def run(args, base: str) -> dict:
     train_tokens, val_tokens = split_tokens(load_tokens())
     sampler = BatchSampler(train_tokens, args.batch, args.seq, seed=0)
     held = BatchSampler(val_tokens, args.batch, args.seq, seed=1)
-    engines, losses, times = {}, {m: [] for m in MODES}, {m: [] for m in MODES}
+    engines, losses, times = {}, {m: [] for m in (*MODES, *PLAIN)}, {m: [] for m in MODES}
+    plain = plain_loops(args) if args.plain else {}
     for mode in MODES:
         cfg = {"precision": args.precision, "offload_param": {"device": "cpu"},
                "offload_optimizer": {"device": args.optimizer}, "nvme_path": os.path.join(base, mode),
@@ -82,13 +90,15 @@ def run(args, base: str) -> dict:
                 engine.step()
                 times[mode].append(time.perf_counter() - t)
                 losses[mode].append(loss.item())
+            for mode, step in plain.items():
+                losses[mode].append(step(i, ids, labels))
             if (i + 1) % args.every == 0:
                 print(f"step {i + 1}: " + ", ".join(f"{m} {statistics.mean(losses[m][-args.every:]):.4f} "
                                                     f"({statistics.median(times[m][-args.every:]):.2f} s)"
                                                     for m in MODES), file=sys.stderr, flush=True)
         evals = {}
         with torch.no_grad():
-            for mode, engine in engines.items():
+            for mode, engine in [*engines.items(), *((m, s.model) for m, s in plain.items())]:
                 evals[mode] = statistics.mean(loss_of(engine(*held.batch(k)[:1], labels=held.batch(k)[1])).item()
                                               for k in range(8))
         precision = engines["fp32"].cfg.precision
@@ -96,11 +106,45 @@ def run(args, base: str) -> dict:
         for engine in engines.values():
             engine.close()
     stretches = [(a, min(a + args.every, args.steps)) for a in range(0, args.steps, args.every)]
-    curve = {m: [statistics.mean(losses[m][a:b]) for a, b in stretches] for m in MODES}
+    curve = {m: [statistics.mean(losses[m][a:b]) for a, b in stretches] for m in losses if losses[m]}
     return {"model": args.model, "steps": args.steps, "precision": precision, "optimizer": args.optimizer,
             "stretches": stretches, "curve": curve, "losses": losses, "eval_loss": evals,
             "final_ratio": curve["int8"][-1] / curve["fp32"][-1],
-            "step_ratio": statistics.median(times["int8"][2:]) / statistics.median(times["fp32"][2:])}
+            # the first step records the trace: left out
+            "step_ratio": statistics.median(times["int8"][1:]) / statistics.median(times["fp32"][1:])}
+
+
+def plain_loops(args) -> dict:
+    """mode -> step(i, ids, labels) -> loss: the model in memory, fp32, the engine's clipping (1.0) and schedule
+    (10 warm-up steps, then constant), torch's AdamW or bitsandbytes' AdamW8bit; step.model is the model."""
+    import torch
+
+    from offload.models import build_model, loss_of
+    from offload.plan.config import LRScheduleConfig
+    from offload.step.scale import lr_factor
+
+    out = {}
+    for mode in PLAIN:
+        model = build_model(args.model, seed=0)
+        if mode == "torch AdamW":
+            opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, foreach=False)
+        else:
+            import bitsandbytes
+
+            opt = bitsandbytes.optim.AdamW8bit(model.parameters(), lr=args.lr, weight_decay=0.0)
+
+        def step(i, ids, labels, model=model, opt=opt):
+            for group in opt.param_groups:
+                group["lr"] = args.lr * lr_factor(LRScheduleConfig(warmup_steps=10), i)
+            loss = loss_of(model(ids, labels=labels))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+        step.model = model
+        out[mode] = step
+    return out
 
 
 def plot(report: dict, path: str) -> None:
@@ -110,8 +154,10 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for mode in MODES:
-        ax.plot(range(1, report["steps"] + 1), report["losses"][mode], label=f"{mode} states", lw=0.8)
+    for mode in report["losses"]:
+        if report["losses"][mode]:
+            ax.plot(range(1, report["steps"] + 1), report["losses"][mode], lw=0.8,
+                    label=mode if mode in PLAIN else f"ours, {mode} states")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title(f"{report['model']}: int8 against fp32 optimizer states")

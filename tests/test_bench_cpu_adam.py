@@ -21,3 +21,6 @@ def test_cpu_adam_bench_json():
     assert "roofline (paired copy / 28 B)" in out.stdout
     assert r["ours_digests_gparams_s"] > 0 and r["separate_hashes_s"] > 0 and r["digests_in_step_vs_ours"] > 0
     assert "swap digests of p/m/v in the step" in out.stdout
+    assert r["int8_gparams_s"] > 0 and r["int8_roofline_gparams_s"] > r["roofline_gparams_s"]  # fewer bytes
+    assert r["int8_vs_fp32"] == r["int8_gparams_s"] / r["ours_gparams_s"] and "int8 states (16.06 B/param)" in out.stdout
+    assert "bnb_adamw8bit_casts_gparams_s" in r

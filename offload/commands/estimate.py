@@ -166,7 +166,8 @@ def run(args) -> int:
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     result = est.estimate(shape, dp=args.dp, stage=args.stage, offload_param=args.offload_param,
                           offload_optimizer=args.offload_optimizer, precision=args.precision,
-                          states=args.optimizer_states, hbm_units=args.resident_units, activations=_activation_parts(model, args, device_type),
+                          states=args.optimizer_states, hbm_units=args.resident_units,
+                          activations=_activation_parts(model, args, device_type),
                           device_type=device_type,
                           chunk_bytes=planned_chunk_bytes(Config().chunk_bytes, shape.largest_unit_numel))
     result["precision_reason"] = choice.line()

@@ -17,9 +17,9 @@ from offload.integrations import deepspeed
 from offload.plan.settings import CHUNK_ALIGN_BYTES, build, fail, read_settings_file
 
 DEVICES = ("none", "cpu", "nvme")
-PRECISION_CHOICES = ("auto", "bf16", "fp16", "fp32")
+PRECISION_CHOICES = ("auto", "bf16", "fp16", "fp32")  # offload.plan.precision.CHOICES, without importing torch here
 STATE_CHOICES = ("fp32", "int8")   # optimizer.states
-MASTER_CHOICES = ("fp32", "split")  # optimizer.master  # offload.plan.precision.CHOICES, without importing torch here
+MASTER_CHOICES = ("fp32", "split")  # optimizer.master
 
 
 
