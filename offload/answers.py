@@ -75,15 +75,16 @@ class Answers:
         return self.encoder.hf.decode(ids, skip_special_tokens=True)
 
     @torch.no_grad()
-    def answer(self, engine, step: int) -> list[dict]:
-        """[{"step", "prompt", "answer"}] for each prompt, the model in eval mode (train mode again after)."""
+    def answer(self, engine, step: int, streamer=None) -> list[dict]:
+        """[{"step", "prompt", "answer"}] for each prompt, the model in eval mode (train mode again after).
+        streamer: a transformers streamer generate() gives each new batch of tokens (a Hugging Face model)."""
         engine.flush()  # a delayed update still pending would leave the weights a step behind
         model = engine.module
         base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # peft's
         engine.eval()
         try:
             if callable(getattr(base, "can_generate", None)):  # a transformers model: its generate()
-                new = self._generate(engine, base)
+                new = self._generate(engine, base, streamer)
             else:  # a preset
                 new = [self._greedy(engine, ids, base.config.max_seq_len) for ids in self.ids]
         finally:
@@ -96,7 +97,7 @@ class Answers:
         ends = [] if ends is None else list(ends) if isinstance(ends, (list, tuple)) else [ends]
         return {self.encoder.eos_id, *ends} - {None}
 
-    def _generate(self, engine, model) -> list[list[int]]:
+    def _generate(self, engine, model, streamer=None) -> list[list[int]]:
         """The new ids of each prompt (to its first end of sequence, left out): the prompts in one batch, left-padded.
         Each of generate()'s forwards starts a step of the engine's trace, as a forward through the engine does, so
         it replays the forward's start of the recorded trace (prefetched) instead of leaving the trace at the end
@@ -109,7 +110,7 @@ class Answers:
         try:
             out = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=self.max_new_tokens, do_sample=False,
                                  num_beams=1, use_cache=True, pad_token_id=self.encoder.pad_id,
-                                 eos_token_id=sorted(ends))
+                                 eos_token_id=sorted(ends), streamer=streamer)
         finally:
             hook.remove()
         return [_until(row[width:].tolist(), ends) for row in out]

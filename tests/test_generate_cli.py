@@ -44,7 +44,9 @@ def test_generate_with_an_adapter_from_nvme_answers_as_peft_in_memory(model_and_
     argv = ["generate", "--model", str(model_dir), "--adapter", str(adapter_dir), "--max-new-tokens", "8",
             "--offload-param", "nvme", "--nvme-path", str(tmp_path / "swap"), "--json"]
     assert main([*argv, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1]]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "\r  token 1/8 (" in captured.err  # the progress line, a decode step at a time
     summary = json.loads(out.strip().splitlines()[-1])
     expected = expected_answers(tuned, tok, 8)
     assert [a["answer"] for a in summary["answers"]] == expected and any(expected)

@@ -55,7 +55,7 @@ def run(args) -> int:
           f"weights in {cfg.offload_param.device}", file=sys.stderr, flush=True)
     with offload.initialize(model, cfg, weights=weights) as engine:
         t0 = time.perf_counter()
-        out = answers.answer(engine, step=0)
+        out = answers.answer(engine, step=0, streamer=_Progress(args.max_new_tokens))
         seconds = time.perf_counter() - t0
     new = sum(len(answers.encoder.encode(a["answer"])) for a in out)
     for a in out:
@@ -68,6 +68,24 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(summary))
     return 0
+
+
+class _Progress:
+    """The progress line: generate() hands a streamer the prompts, then each decode step's new tokens."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, -1, time.perf_counter()
+
+    def put(self, value) -> None:
+        self.done += 1  # the first call is the prompts
+        if self.done:
+            rate = self.done / (time.perf_counter() - self.t0)
+            print(f"\r  token {self.done}/{self.total} ({rate:.2f} decode steps/s)", end="", file=sys.stderr, flush=True)
+        else:
+            self.t0 = time.perf_counter()
+
+    def end(self) -> None:
+        print(file=sys.stderr, flush=True)
 
 
 def _build(name: str, adapter: str | None):

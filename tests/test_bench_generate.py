@@ -1,0 +1,27 @@
+"""bench/generate.py runs (the tiny preset, one small batch) and prints the JSON the API names; every mode's
+greedy tokens equal transformers' in memory."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "generate.py"
+
+
+def test_generate_bench_json(tmp_path):
+    pytest.importorskip("accelerate")
+    out = subprocess.run([sys.executable, str(BENCH), "--model", "tiny", "--batch", "2", "--prompt-tokens", "8",
+                          "--new-tokens", "4", "--io-size", "64M", "--dir", str(tmp_path), "--json"],
+                         capture_output=True, text=True, timeout=600, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    (row,) = r["rows"]
+    assert {k: r[k] for k in row} == row  # the contract's keys at the top too (the last batch's)
+    for key in ("batch", "prompt_tokens", "new_tokens", "in_memory_tok_s", "dram_tok_s", "nvme_tok_s",
+                "accelerate_tok_s", "deepspeed_tok_s", "link_bound_tok_s"):
+        assert key in row
+    assert (row["batch"], row["prompt_tokens"], row["new_tokens"]) == (2, 8, 4) and row["deepspeed_tok_s"] is None
+    assert row["same_tokens"] == {"dram": True, "nvme": True, "accelerate": True}
+    assert row["nvme_tok_s"] > 0 and row["link_bound_tok_s"] > 0 and r["swap_read_gbps"] > 0
