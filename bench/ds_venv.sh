@@ -12,12 +12,15 @@
 #                        built with no ops: DeepSpeed JIT-builds CPUAdam and async_io on first use (ninja, g++)
 #   numpy psutil pyyaml ninja tqdm   what our `offload` package imports: ds_e2e.py imports it from this
 #                        checkout through PYTHONPATH (bench/e2e.py's worker_env), it is not installed here
+#   transformers safetensors         ds_generate.py's model (bench/generate.py's ZeRO-Inference column), the
+#                        transformers version of our own venv (TRANSFORMERS_VERSION to change it)
 # and, from Debian, libaio-dev: the header DeepSpeed's async_io op (its NVMe offload) compiles against.
 set -euo pipefail
 
 DIR="${1:-/work/dsvenv}"
 PYTHON="${PYTHON:-python3}"
 DEEPSPEED_VERSION="${DEEPSPEED_VERSION:-0.19.8}"
+TRANSFORMERS_VERSION="${TRANSFORMERS_VERSION:-5.25.0}"
 
 if [ ! -e /usr/include/libaio.h ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -33,7 +36,7 @@ fi
 PIP=("$DIR/bin/python" -m pip install --quiet)
 "${PIP[@]}" --upgrade pip setuptools wheel
 "${PIP[@]}" torch==2.13.0
-"${PIP[@]}" numpy psutil pyyaml ninja tqdm
+"${PIP[@]}" numpy psutil pyyaml ninja tqdm "transformers==$TRANSFORMERS_VERSION" safetensors
 # No build isolation: DeepSpeed's setup.py imports the torch installed above; DS_BUILD_OPS=0 leaves its
 # C++ ops to the JIT, DS_ACCELERATOR=cpu the CPU accelerator the benches run it on.
 DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "${PIP[@]}" --no-build-isolation "deepspeed==$DEEPSPEED_VERSION"

@@ -1,14 +1,18 @@
 """Generation from offloaded weights (issue 51): tokens per second side by side in one run, greedy, the same
 random prompts (--prompt-tokens each) and exactly --new-tokens new tokens each, per batch size: transformers'
-generate() with the model in memory (the floor on a CPU), ours with the weights in dram and on nvme (the model
-wrapped by the engine, its own generate()), and accelerate's disk offload (from_pretrained with a device_map
-whose CPU budget sends the layers to --dir's offload folder). DeepSpeed ZeRO-Inference: not run here (null).
-link_bound_tok_s: batch x the swap's read bandwidth (measured in the run, `offload bench nvme`) over the weights'
-bytes, the rate if every decode step read every weight once at that bandwidth. same_tokens: each mode's tokens
-equal the in-memory ones.
+generate() with the model in memory (the floor on a CPU), ours (the model wrapped by the engine, its own
+generate(): offload.step.generation) with the weights in dram (read in place on the CPU backend) and on nvme
+with an hbm budget of --budget for weights (the KV cache's bytes on top: accelerate does not count them either),
+ours on nvme with the default budget (nvme_resident: every unit fits, read once per call), and accelerate's disk
+offload (from_pretrained with a device_map whose CPU budget, --budget, sends the rest to --dir's offload folder),
+and DeepSpeed ZeRO-Inference (ZeRO-3, offload_param nvme, --budget bytes of live parameters: bench/ds_generate.py
+in the venv of bench/ds_venv.sh; null where there is none). link_bound_tok_s: batch x the swap's read bandwidth (measured in
+the run, `offload bench nvme`) over the weights' bytes, the rate if every decode step read every weight once at
+that bandwidth. nvme_read_per_token_gb: what ours on nvme read per decode step at --budget. same_tokens: each
+mode's tokens equal the in-memory ones.
 
     python bench/generate.py [--model bench-200m|1b|smollm2|DIR] [--batch 1 8 32] [--prompt-tokens 32]
-                             [--new-tokens 64] [--dir DIR] [--io-size 1G] [--json]
+                             [--new-tokens 64] [--budget SIZE] [--dir DIR] [--io-size 1G] [--ds-python PY] [--json]
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import iobound  # noqa: E402  (bench/iobound.py)
+from e2e import default_ds_python, worker_env  # noqa: E402  (bench/e2e.py)
 
-MODES = ("in_memory", "dram", "nvme", "accelerate")
+MODES = ("in_memory", "dram", "nvme", "nvme_resident", "accelerate")
+COLUMNS = (*MODES, "deepspeed")
 
 
 def main() -> None:
@@ -36,6 +42,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--dir", default=None, help="swap, offload folder and the model go under it (default: temporary)")
     ap.add_argument("--io-size", default="1G", help="bytes of the swap read measurement")
+    ap.add_argument("--budget", default=None, help="the accelerator's bytes for weights, ours and accelerate's "
+                                                   "(default: a quarter of the weights)")
+    ap.add_argument("--ds-python", default=default_ds_python(),
+                    help="python of a venv with DeepSpeed (bench/ds_venv.sh), for the deepspeed column")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="generate-bench-", dir=args.dir)
@@ -45,11 +55,14 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     print(f"{args.model} ({info['params'] / 1e6:.0f}M parameters, {info['weight_bytes'] / 1e9:.2f} GB of weights), "
           f"{args.prompt_tokens} prompt + {args.new_tokens} new tokens, greedy, tokens/s (x in-memory):")
-    print(f"  {'batch':>5s} " + " ".join(f"{m:>18s}" for m in MODES) + f" {'link bound':>11s}  same tokens")
+    print(f"  budget for weights: {info['budget_bytes'] / 1e9:.2f} GB (nvme, accelerate)")
+    print(f"  {'batch':>5s} " + " ".join(f"{m:>18s}" for m in COLUMNS) + f" {'link bound':>11s} {'nvme GB/tok':>11s}"
+          "  same tokens")
     for r in rows:
-        cells = [f"{r[m + '_tok_s']:8.1f} ({r[m + '_tok_s'] / r['in_memory_tok_s']:5.2f}x)" for m in MODES]
-        print(f"  {r['batch']:5d} " + " ".join(f"{c:>18s}" for c in cells) + f" {r['link_bound_tok_s']:11.1f}  "
-              + ", ".join(m for m in MODES[1:] if r["same_tokens"][m]))
+        cells = [f"{r[m + '_tok_s']:8.1f} ({r[m + '_tok_s'] / r['in_memory_tok_s']:5.2f}x)"
+                 if r[m + "_tok_s"] is not None else "-" for m in COLUMNS]
+        print(f"  {r['batch']:5d} " + " ".join(f"{c:>18s}" for c in cells) + f" {r['link_bound_tok_s']:11.1f} "
+              f"{r['nvme_read_per_token_gb']:11.3f}  " + ", ".join(m for m in r["same_tokens"] if r["same_tokens"][m]))
     if args.json:
         print(json.dumps({**rows[-1], "model": args.model, **info, "rows": rows}))  # API.md's keys: the last batch's
 
@@ -64,23 +77,51 @@ def run(args, base: str) -> tuple[list[dict], dict]:
     bw = iobound.measure_swap(os.path.join(base, "io"), parse_size(args.io_size), {})
     with open(os.path.join(directory, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    rows = []
-    for batch in args.batch:
-        prompts = torch.randint(1, min(vocab, 1000), (batch, args.prompt_tokens),
-                                generator=torch.Generator().manual_seed(batch))
-        row, tokens = {"batch": batch, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}, {}
-        for mode in MODES:
-            tokens[mode], seconds = generate(mode, directory, prompts, args.new_tokens, base)
-            row[f"{mode}_tok_s"] = batch * args.new_tokens / seconds
-        row["deepspeed_tok_s"] = None
-        row["same_tokens"] = {m: bool(torch.equal(tokens[m], tokens["in_memory"])) for m in MODES[1:]}
-        rows.append(row)
     weight_bytes = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)
                        if f.endswith(".safetensors"))
+    budget = parse_size(args.budget) if args.budget else weight_bytes // 4
+    rows, prompt_sets = [], {}
+    for batch in args.batch:
+        prompts = prompt_sets[batch] = torch.randint(1, min(vocab, 1000), (batch, args.prompt_tokens),
+                                                     generator=torch.Generator().manual_seed(batch))
+        row, tokens = {"batch": batch, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}, {}
+        for mode in MODES:
+            tokens[mode], seconds, read = generate(mode, directory, prompts, args.new_tokens, base, budget)
+            row[f"{mode}_tok_s"] = batch * args.new_tokens / seconds
+            if mode == "nvme":
+                row["nvme_read_per_token_gb"] = read / args.new_tokens / 1e9
+        row["deepspeed_tok_s"] = None
+        row["same_tokens"] = {m: bool(torch.equal(tokens[m], tokens["in_memory"])) for m in MODES[1:]}
+        row["in_memory_tokens"] = tokens["in_memory"]
+        rows.append(row)
+    info = {"deepspeed_version": None}
+    if args.ds_python:
+        for row, ds in zip(rows, deepspeed(args, directory, prompt_sets, budget, base)):
+            row["deepspeed_tok_s"] = row["batch"] * args.new_tokens / ds["seconds"]
+            row["same_tokens"]["deepspeed"] = ds["tokens"] == row["in_memory_tokens"].tolist()
+            info["deepspeed_version"] = ds["deepspeed_version"]
+    for row in rows:
+        del row["in_memory_tokens"]
     for row in rows:
         row["link_bound_tok_s"] = row["batch"] * bw["swap_read_gbps"] * 1e9 / weight_bytes
     params = sum(p.numel() for p in load(directory).parameters())
-    return rows, {"params": params, "weight_bytes": weight_bytes, **bw}
+    return rows, {"params": params, "weight_bytes": weight_bytes, "budget_bytes": budget, **info, **bw}
+
+
+def deepspeed(args, directory: str, prompt_sets: dict, budget: int, base: str) -> list[dict]:
+    """bench/ds_generate.py's line per batch, run in the DeepSpeed venv."""
+    import subprocess
+
+    path = os.path.join(base, "prompts.json")
+    with open(path, "w") as f:
+        json.dump({b: p.tolist() for b, p in prompt_sets.items()}, f)
+    cmd = [args.ds_python, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_generate.py"),
+           "--model", directory, "--prompts", path, "--new-tokens", str(args.new_tokens), "--budget", str(budget),
+           "--dir", base]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=worker_env())
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in proc.stdout.strip().splitlines()]
 
 
 def model_dir(name: str, base: str) -> str:
@@ -111,8 +152,9 @@ def load(directory: str, **kw):
     return transformers.AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32, **kw).eval()
 
 
-def generate(mode: str, directory: str, prompts, new_tokens: int, base: str):
-    """(the new tokens, seconds) of one greedy generate() of `prompts` in `mode`."""
+def generate(mode: str, directory: str, prompts, new_tokens: int, base: str, budget: int):
+    """(the new tokens, seconds, bytes read from nvme) of one greedy generate() of `prompts` in `mode`, after an
+    untimed one of 2 new tokens (first-call costs; the engine's generation trace)."""
     import torch
 
     kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "num_beams": 1,
@@ -120,28 +162,36 @@ def generate(mode: str, directory: str, prompts, new_tokens: int, base: str):
     mask = torch.ones_like(prompts)
     if mode in ("in_memory", "accelerate"):
         model = load(directory) if mode == "in_memory" else load(
-            directory, device_map="auto", max_memory={"cpu": "64MB"}, offload_folder=os.path.join(base, "offload"))
-        return timed(model, prompts, mask, kw)
+            directory, device_map="auto", max_memory={"cpu": budget}, offload_folder=os.path.join(base, "offload"))
+        return (*timed(model, prompts, mask, kw), 0)
     import offload
     from offload.integrations.hf_io import SafetensorsWeights
     from offload.models import build_model
+
+    from offload.step.generation import kv_bytes
 
     model = build_model(directory, device="meta")
     model.requires_grad_(False)
     cfg = {"precision": "fp32", "offload_param": {"device": "cpu" if mode == "dram" else "nvme"},
            "offload_optimizer": {"device": "cpu"}, "nvme_path": os.path.join(base, "swap")}
+    if mode == "nvme":  # --budget for weights, and the KV cache of this batch beside it
+        kv = kv_bytes(model.config, prompts.shape[0], prompts.shape[1] + new_tokens, 4)
+        cfg["budgets"] = {"hbm_bytes": budget + kv}
     with offload.initialize(model, cfg, weights=SafetensorsWeights(directory, model=model)) as engine:
         engine.eval()
-        return timed(engine.module, prompts, mask, kw)
+        timed(engine.module, prompts, mask, {**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+        read = engine.stats()["links"]["nvme_to_dram"]["bytes"]
+        out, seconds = timed(engine.module, prompts, mask, kw, warm=False)
+        return out, seconds, engine.stats()["links"]["nvme_to_dram"]["bytes"] - read
 
 
-def timed(model, prompts, mask, kw: dict):
-    """(new tokens, seconds) of generate(), after an untimed one of 2 new tokens (first-call costs, and the
-    engine's trace of a forward)."""
+def timed(model, prompts, mask, kw: dict, warm: bool = True):
+    """(new tokens, seconds) of generate(), after an untimed one of 2 new tokens if `warm`."""
     import torch
 
     with torch.no_grad():
-        model.generate(input_ids=prompts, attention_mask=mask, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+        if warm:
+            model.generate(input_ids=prompts, attention_mask=mask, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
         t = time.perf_counter()
         out = model.generate(input_ids=prompts, attention_mask=mask, **kw)
         seconds = time.perf_counter() - t
@@ -150,3 +200,50 @@ def timed(model, prompts, mask, kw: dict):
 
 if __name__ == "__main__":
     main()
+
+
+def device_decode(device, h2d_gbps: float | None, base: str, preset: str = "bench-200m", batch: int = 32,
+                  prompt_tokens: int = 32, new_tokens: int = 64) -> dict:
+    """bench/gpu_check.py's decode case: `preset` (transformers' Llama, fp32) with its weights in pinned dram and
+    an hbm budget of a quarter of them beside the KV cache, greedy generate() of `batch` prompts on `device`. The
+    bound: batch x the plain pinned H2D copy's GB/s (`h2d_gbps`, measured in the same run) over the bytes each
+    decode step moved (the engine's dram_to_hbm count over the new tokens); goal: >= 0.85 of it. same_tokens:
+    the tokens equal transformers' generate() with the model whole on the device."""
+    import torch
+
+    import offload
+    from offload.integrations.hf_io import SafetensorsWeights
+    from offload.models import build_model
+    from offload.step.generation import kv_bytes
+
+    directory = model_dir(preset, base)
+    model = build_model(directory, device="meta").requires_grad_(False)
+    prompts = torch.randint(1, min(model.config.vocab_size, 300), (batch, prompt_tokens),
+                            generator=torch.Generator().manual_seed(batch)).to(device)
+    mask = torch.ones_like(prompts)
+    kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "num_beams": 1,
+          "pad_token_id": 0}
+    expected, in_memory_s = timed(load(directory).to(device), prompts, mask, kw)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    cfg = {"precision": "fp32", "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"},
+           "budgets": {"hbm_bytes": weights // 4 + kv_bytes(model.config, batch, prompt_tokens + new_tokens, 4)}}
+    with offload.initialize(model, cfg, weights=SafetensorsWeights(directory, model=model)) as engine:
+        engine.eval()
+        timed(engine.module, prompts, mask, {**kw, "max_new_tokens": 2, "min_new_tokens": 2}, warm=False)
+        moved = engine.stats()["links"]["dram_to_hbm"]["bytes"]
+        out, seconds = timed(engine.module, prompts, mask, kw, warm=False)
+        per_step = (engine.stats()["links"]["dram_to_hbm"]["bytes"] - moved) / new_tokens
+    tok_s = batch * new_tokens / seconds
+    bound = batch * h2d_gbps * 1e9 / per_step if h2d_gbps and per_step else None
+    return {"model": preset, "batch": batch, "tok_s": tok_s, "in_memory_tok_s": batch * new_tokens / in_memory_s,
+            "moved_per_step_gb": per_step / 1e9, "bound_tok_s": bound,
+            "of_bound": tok_s / bound if bound else None, "ok": bound is None or tok_s >= 0.85 * bound,
+            "same_tokens": bool(torch.equal(out, expected))}
+
+
+def decode_line(r: dict) -> str:
+    """device_decode's result in one line."""
+    bound = f"{r['bound_tok_s']:.0f} tok/s bound ({r['of_bound']:.2f} of it)" if r["bound_tok_s"] else "no bound"
+    return (f"decode, {r['model']} batch {r['batch']}, weights in dram: {r['tok_s']:.1f} tok/s (in memory "
+            f"{r['in_memory_tok_s']:.1f}), {r['moved_per_step_gb']:.3f} GB a step, {bound}; "
+            f"same tokens as in memory: {r['same_tokens']}")

@@ -3,7 +3,8 @@ modes beside a plain in-memory torch loop, and a table: step time against the in
 share, the H2D / D2H rates the engine achieved against a plain pinned copy measured in the same run, and
 the hbm peak. Modes: bf16 with weights in hbm / dram / nvme, without overlap_step, with delayed_update
 and clipping, with activation checkpointing, fp16 with loss scaling, int8 optimizer states on nvme (not yet
-run on a GPU); the presets tie their embedding.
+run on a GPU); the presets tie their embedding. Decode (bench/generate.py's device_decode, not yet run on a GPU):
+generate() at batch 32 with the weights in pinned dram against the pinned H2D bound.
 
     python bench/gpu_check.py [--device cuda:0] [--preset bench-200m] [--batch 4] [--seq 512] [--steps 3]
                               [--dir DIR] [--ranks-steps 4] [--no-ranks] [--json]
@@ -423,6 +424,8 @@ def main() -> None:
     ap.add_argument("--long-preset", default="1b", help="its model: 1b (TinyLlama-1.1B's shape) or a preset")
     ap.add_argument("--long-seq", type=int, default=16384, help="its sequence length (default %(default)s)")
     ap.add_argument("--long-steps", type=int, default=2, help="its timed steps, after one warm-up")
+    ap.add_argument("--decode-batch", type=int, default=32, help="the decode case's batch (default %(default)s)")
+    ap.add_argument("--decode-tokens", type=int, default=64, help="its new tokens (default %(default)s)")
     ap.add_argument("--out", default="gpu-check.json", help="the JSON result is written here (default %(default)s)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -456,6 +459,10 @@ def main() -> None:
               f"{fmt(r['h2d_gbps'])} {fmt(r['d2h_gbps'])} {r['hbm_peak_gb']:7.2f}")
     if pin["h2d_gbps"]:
         print(f"plain pinned copies in the same run: h2d {pin['h2d_gbps']:.1f} GB/s, d2h {pin['d2h_gbps']:.1f} GB/s")
+    import generate  # bench/generate.py, beside this script
+    result["decode"] = generate.device_decode(device, pin["h2d_gbps"], args.dir, args.preset, args.decode_batch,
+                                              new_tokens=args.decode_tokens)  # issue 51: goal 0.85 of the bound
+    print(generate.decode_line(result["decode"]))
     result["parity"] = par = parity(args, device)
     print(f"fp32 parity against the CPU build ({args.parity_preset}, {args.parity_steps} steps, rtol {PARITY_RTOL:g}): "
           + ", ".join(f"{k} {v['max_rel_diff']:.1e}{'' if v['ok'] else ' FAILED'}" for k, v in par.items()))

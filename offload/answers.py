@@ -98,21 +98,15 @@ class Answers:
         return {self.encoder.eos_id, *ends} - {None}
 
     def _generate(self, engine, model, streamer=None) -> list[list[int]]:
-        """The new ids of each prompt (to its first end of sequence, left out): the prompts in one batch, left-padded.
-        Each of generate()'s forwards starts a step of the engine's trace, as a forward through the engine does, so
-        it replays the forward's start of the recorded trace (prefetched) instead of leaving the trace at the end
-        of the last training step (a warning, and fetches on demand)."""
+        """The new ids of each prompt (to its first end of sequence, left out): the prompts in one batch, left-padded,
+        through the engine's generate() ([Note: generation] in offload.step.generation)."""
         width = max(len(ids) for ids in self.ids)
         x = torch.tensor([[self.encoder.pad_id] * (width - len(ids)) + ids for ids in self.ids], device=engine.device)
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in self.ids], device=engine.device)
         ends = self._ends(model)
-        hook = model.register_forward_pre_hook(lambda *_: engine.pipeline.trace.begin_step())  # as engine.forward
-        try:
-            out = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=self.max_new_tokens, do_sample=False,
-                                 num_beams=1, use_cache=True, pad_token_id=self.encoder.pad_id,
-                                 eos_token_id=sorted(ends), streamer=streamer)
-        finally:
-            hook.remove()
+        out = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=self.max_new_tokens, do_sample=False,
+                             num_beams=1, use_cache=True, pad_token_id=self.encoder.pad_id,
+                             eos_token_id=sorted(ends), streamer=streamer)
         return [_until(row[width:].tolist(), ends) for row in out]
 
     def _greedy(self, engine, ids: list[int], max_seq_len: int) -> list[int]:

@@ -41,6 +41,7 @@ from offload.state.residency import WeightHandle
 from offload.state.runtime import Runtime
 from offload.step import hooks
 from offload.step.activations import Checkpointing, UnitInputs, no_cache
+from offload.step.generation import serve_generate
 from offload.step.pipeline import EngineClosed, Phase, StepPipeline
 from offload.step.prefetch import agreed_policy
 from offload.swap.buffers import map_large_allocations
@@ -124,7 +125,8 @@ class Engine(nn.Module):
         self._checkpointing = (Checkpointing(self.units, self.unit_inputs, lambda: self.pipeline.in_backward)
                                if cfg.activation_checkpointing else None)
         self._guards = state_dicts.guard_module(model)  # model.state_dict() would read placeholders
-        self._unserve = _serve_save_pretrained(self, model)
+        unserve = [_serve_save_pretrained(self, model), serve_generate(self, model)]
+        self._unserve = lambda: [undo() for undo in unserve]
         log.info("%s", self.placement.describe())
         # On stderr, where a user sees it: a training script's logging may show no INFO. Over ranks rank 0
         # prints it alone (the others' differ only in their own budgets; their logs have it at INFO).

@@ -101,3 +101,25 @@ class ExecutionTrace:
     @property
     def replaying(self) -> bool:
         return self.recorded is not None and not self._diverged
+
+
+class CyclicTrace(ExecutionTrace):
+    """A trace whose steps repeat one order: the units due next, and a unit's next use, run on into the next step
+    ([Note: generation] in offload.step.generation)."""
+
+    def observe(self, unit: int, backward: bool = False) -> list[int]:
+        repeat = self._last == (unit, backward)
+        ahead = super().observe(unit, backward)
+        if repeat or not self.replaying or len(ahead) >= self.lookahead:
+            return ahead
+        return ahead + self.recorded[:self.lookahead - len(ahead)]
+
+    def next_use_distance(self, unit: int) -> int | None:
+        """As ExecutionTrace's, on into the next step; while recording (the first forward, or one that diverged):
+        the events recorded so far, as the next step uses the unit again after about as many."""
+        if not self.replaying:
+            return len(self._current)
+        distance = super().next_use_distance(unit)
+        if distance is None and unit in self.recorded:
+            return len(self.recorded) - self._pos + self.recorded.index(unit)
+        return distance

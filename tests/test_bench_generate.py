@@ -1,5 +1,6 @@
 """bench/generate.py runs (the tiny preset, one small batch) and prints the JSON the API names; every mode's
-greedy tokens equal transformers' in memory."""
+greedy tokens equal transformers' in memory; ours on nvme at under half the weights' bytes reads about the
+weights once a token."""
 
 import json
 import subprocess
@@ -14,7 +15,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "generate.py"
 def test_generate_bench_json(tmp_path):
     pytest.importorskip("accelerate")
     out = subprocess.run([sys.executable, str(BENCH), "--model", "tiny", "--batch", "2", "--prompt-tokens", "8",
-                          "--new-tokens", "4", "--io-size", "64M", "--dir", str(tmp_path), "--json"],
+                          "--new-tokens", "4", "--io-size", "64M", "--budget", "1500000", "--dir", str(tmp_path), "--json"],
                          capture_output=True, text=True, timeout=600, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     (row,) = r["rows"]
@@ -23,5 +24,8 @@ def test_generate_bench_json(tmp_path):
                 "accelerate_tok_s", "deepspeed_tok_s", "link_bound_tok_s"):
         assert key in row
     assert (row["batch"], row["prompt_tokens"], row["new_tokens"]) == (2, 8, 4) and row["deepspeed_tok_s"] is None
-    assert row["same_tokens"] == {"dram": True, "nvme": True, "accelerate": True}
+    assert row["same_tokens"] == {"dram": True, "nvme": True, "nvme_resident": True, "accelerate": True}
     assert row["nvme_tok_s"] > 0 and row["link_bound_tok_s"] > 0 and r["swap_read_gbps"] > 0
+    # under half the weights' bytes for weights: most units stream, each read about once a token
+    assert r["budget_bytes"] == 1500000 < r["weight_bytes"] // 2
+    assert 0.5 * r["weight_bytes"] < row["nvme_read_per_token_gb"] * 1e9 < 1.5 * r["weight_bytes"]

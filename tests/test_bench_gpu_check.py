@@ -20,7 +20,7 @@ def test_gpu_check_smoke_run_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_check.py"), "--device", "cpu",
                            "--preset", "tiny", "--batch", "1", "--seq", "32", "--steps", "1", "--no-tests",
                            "--parity-steps", "2", "--ranks-steps", "2", "--long-preset", "tiny", "--long-seq", "128",
-                           "--long-steps", "1",
+                           "--long-steps", "1", "--decode-batch", "2", "--decode-tokens", "4",
                            "--dir", str(tmp_path / "swap"), "--out", str(tmp_path / "out.json"), "--json"],
                           capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": REPO}, timeout=300)
@@ -59,6 +59,10 @@ def test_gpu_check_smoke_run_on_cpu(tmp_path):
         assert all((x is not None) == gathered for x in r["all_gather_exposed_s"]), (case, r)
     assert "2 gloo ranks on cpu against one process in rank order" in proc.stdout
     assert "stage3 none/nvme" in proc.stdout and "FAILED" not in proc.stdout
+    decode = result["decode"]  # generate() at a quarter of the weights in hbm: the tokens of the model in memory
+    assert decode["same_tokens"] and decode["ok"] and decode["bound_tok_s"] is None
+    assert decode["moved_per_step_gb"] == 0  # on the CPU backend dram is read in place
+    assert "decode, tiny batch 2, weights in dram" in proc.stdout
     with open(tmp_path / "out.json") as f:
         assert json.load(f) == result  # the JSON file holds what --json printed
 

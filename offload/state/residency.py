@@ -41,6 +41,7 @@ TRANSITIONS = {
     (R.HBM, R.DRAM), (R.HBM, R.NVME),          # release: drop the hbm copy, the home copy stays
     (R.DRAM, R.DRAM_TO_NVME), (R.DRAM_TO_NVME, R.NVME),
     (R.NVME_TO_HBM, R.NVME), (R.DRAM_TO_HBM, R.DRAM),  # a fetch abandoned after a failure (reset)
+    (R.DRAM, R.HBM),                           # read in place: the parameters view the home (WeightHandle.in_place)
 }
 HOME_STATE = {"hbm": R.HBM, "dram": R.DRAM, "nvme": R.NVME}
 
@@ -112,6 +113,7 @@ class WeightHandle(_Handle):
         self.update = None         # completion of this unit's deferred step, which the next fetch waits for ([Note: split step])
         self._accumulators = None  # the parameters' AccumulateGrad nodes, held (refs())
         self._lent = None          # the pool buffer under the hbm copy ([Note: reused host memory for hbm] in offload.state.tiers)
+        self.in_place = False      # a fetch points the parameters at the dram home itself (in_place_ok)
         if home != "hbm":
             self._free_hbm()
             self.detach()
@@ -183,6 +185,12 @@ class WeightHandle(_Handle):
         """Starts moving the weights towards hbm (partitioned: this rank's chunks), after the unit's deferred
         step if one is queued (on the reader thread: the caller does not wait); idempotent."""
         if self.state not in (R.NVME, R.DRAM):
+            return
+        if self.in_place and self.state is R.DRAM and self.update is None:
+            self.writer.wait_for_write()
+            for s in self.unit.slots:
+                s.attach(self.dram)
+            self._set(R.HBM, R.DRAM)
             return
         update, self.update = self.update, None
         if self.state is R.NVME:
@@ -282,6 +290,13 @@ class WeightHandle(_Handle):
             self.gather.finish(t0)
         self.attach()
         self._set(R.HBM, self.state)
+
+    def in_place_ok(self) -> bool:
+        """Whether a fetch may read the home in place rather than copy it: a dram home in host memory (the CPU
+        backend) holding the whole unit in the compute dtype, i.e. laid out as the hbm copy would be. Only while
+        nothing writes the home ([Note: generation] in offload.step.generation): a step's new weights would
+        land under the forward that reads them."""
+        return self.home == "dram" and not self.partitioned and self.hbm.device.type == "cpu"
 
     # -- release: hbm -> home -------------------------------------------------------------------------
     def release(self) -> None:

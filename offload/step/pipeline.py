@@ -12,6 +12,7 @@ from torch.profiler import record_function
 from offload.plan.modes import StepMode, step_mode
 from offload.plan.units import Unit
 from offload.scheduler.telemetry import overlap_fraction
+from offload.scheduler.trace import CyclicTrace
 from offload.state.optim import KINDS, STATES
 from offload.state.runtime import Runtime
 from offload.step.gradients import Backward, GradientPath, settle
@@ -100,6 +101,7 @@ class StepPipeline:
 
     def __init__(self, rt: Runtime, units: list[Unit], weights, states, trace, policy, room: int | None = None):
         self.rt, self.units, self.weights, self.states, self.trace = rt, units, weights, states, trace
+        self.generation_trace = CyclicTrace(trace.lookahead)  # [Note: generation] in offload.step.generation
         self.grads = GradientPath(rt, units, states)
         self.deferred = DeferredSteps(rt, units, weights, states, self._deferred_failed)
         self.prefetch = Prefetcher(weights, policy, rt.tiers.acct["hbm"], self.grads.make_room, self.deferred.start,
