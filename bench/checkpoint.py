@@ -3,8 +3,11 @@ engine (weights and optimizer states on nvme), in rounds so that drift on a shar
 
 Each round: a step with no checkpoint (none); a background checkpoint asked, then the steps that run while it
 is written (background: each of them, until it is published); a step followed by a blocking checkpoint
-(blocking: the step plus the save, what training waits). Goal: background <= 1.05 x none. exposed_s: the mean
-time training waited for a background checkpoint (its request, and units the step reached before the saver).
+(blocking: the step plus the save, what training waits); and a step while fio moves the bytes a background save
+moves (beside_io: reading and writing the checkpoint's bytes, each at that size over a plain step's time, O_DIRECT,
+in --dir; null without fio): what the host's compute keeps beside that I/O, the floor of any background save of
+that size. Goal: background <= 1.05 x none. exposed_s: the mean time training waited for a background checkpoint
+(its request, and units the step reached before the saver).
 
     python bench/checkpoint.py [--model bench-200m|3b] [--batch 4] [--seq 512] [--rounds 3] [--dir DIR] [--json]
 """
@@ -40,8 +43,12 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     step = report["step_s"]
     print(f"{args.model}, {args.batch} x {args.seq}, weights and states on nvme, {report['precision']}:")
-    for mode in ("none", "background", "blocking"):
-        print(f"  {mode:10s} step {step[mode]:7.2f} s  ({step[mode] / step['none']:.2f}x none)")
+    for mode in ("none", "background", "blocking", "beside_io"):
+        if step.get(mode) is not None:
+            print(f"  {mode:10s} step {step[mode]:7.2f} s  ({step[mode] / step['none']:.2f}x none)")
+    if step.get("beside_io") is not None:
+        print(f"  beside_io: the step while fio reads and writes {report['checkpoint_bytes'] / 1e9:.2f} GB each over "
+              f"a plain step's time (the bytes of one checkpoint)")
     print(f"  blocking save {report['save_s_blocking']:.2f} s; background: {report['background_s']:.2f} s to publish, "
           f"{report['exposed_s']:.3f} s exposed, over {report['steps_per_background']:.1f} steps")
     if args.json:
@@ -60,7 +67,8 @@ def run(args, base: str) -> dict:
     cfg = {"precision": args.precision, "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"},
            "nvme_path": os.path.join(base, "swap")}
     ck = os.path.join(base, "ck")
-    times = {"none": [], "background": [], "blocking": []}
+    times = {"none": [], "background": [], "blocking": [], "beside_io": []}
+    size = None  # the bytes of one checkpoint, once the first is written
     saves, exposed, published, per_save = [], [], [], []
     with offload.initialize(model, cfg) as engine:
         i = 0
@@ -82,7 +90,8 @@ def run(args, base: str) -> dict:
             while not handle.done():
                 times["background"].append(step())
                 n += 1
-            handle.wait()
+            path = handle.wait()
+            size = size or sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
             per_save.append(n)
             exposed.append(handle.stats()["exposed_s"])
             published.append(handle.stats()["seconds"])
@@ -91,13 +100,39 @@ def run(args, base: str) -> dict:
             engine.save_checkpoint(ck, name=f"bl{i}", keep=1)
             saves.append(time.perf_counter() - t)
             times["blocking"].append(s + saves[-1])
+            if shutil.which("fio"):
+                times["beside_io"].append(beside_io(step, size, statistics.median(times["none"]), base))
         precision = engine.cfg.precision
         params = sum(u.numel for u in engine.units)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(v) if v else None for k, v in times.items()}
     return {"model": args.model, "params": params, "precision": precision, "batch": args.batch, "seq": args.seq,
             "rounds": args.rounds, "step_s": med, "steps": times, "save_s_blocking": statistics.median(saves),
             "exposed_s": statistics.mean(exposed), "background_s": statistics.median(published),
-            "steps_per_background": statistics.mean(per_save), "background_over_none": med["background"] / med["none"]}
+            "steps_per_background": statistics.mean(per_save), "background_over_none": med["background"] / med["none"],
+            "checkpoint_bytes": size}
+
+
+def beside_io(step, nbytes: int, seconds: float, base: str) -> float:
+    """step()'s time while fio reads and writes `nbytes` each (O_DIRECT, libaio, 8 MiB blocks, files under `base`)
+    at nbytes / `seconds` a second, what a background save of `nbytes` moves over one step."""
+    import subprocess
+
+    rate = str(max(int(nbytes / seconds), 1 << 20))
+    size = str(min(nbytes, 1 << 30))
+    jobs = [["fio", f"--name={rw}", f"--filename={os.path.join(base, f'fio-{rw}.dat')}", f"--size={size}",
+             "--bs=8M", "--direct=1", "--ioengine=libaio", "--iodepth=8", f"--rw={rw}"] for rw in ("read", "write")]
+    subprocess.run(jobs[0][:-1] + ["--rw=write"], check=True, capture_output=True)  # the file to read
+    procs = [subprocess.Popen(job + [f"--rate={rate}", "--time_based", "--runtime=3600"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for job in jobs]
+    try:
+        time.sleep(1)
+        return step()
+    finally:  # fio's job processes too (the pattern: this run's files alone)
+        subprocess.run(["pkill", "-9", "-f", os.path.join(base, "fio-")])
+        for p in procs:
+            p.wait()
+        for rw in ("read", "write"):
+            os.remove(os.path.join(base, f"fio-{rw}.dat"))
 
 
 if __name__ == "__main__":

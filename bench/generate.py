@@ -1,18 +1,25 @@
 """Generation from offloaded weights (issue 51): tokens per second side by side in one run, greedy, the same
 random prompts (--prompt-tokens each) and exactly --new-tokens new tokens each, per batch size: transformers'
-generate() with the model in memory (the floor on a CPU), ours (the model wrapped by the engine, its own
-generate(): offload.step.generation) with the weights in dram (read in place on the CPU backend) and on nvme
-with an hbm budget of --budget for weights (the KV cache's bytes on top: accelerate does not count them either),
-ours on nvme with the default budget (nvme_resident: every unit fits, read once per call), and accelerate's disk
-offload (from_pretrained with a device_map whose CPU budget, --budget, sends the rest to --dir's offload folder),
-and DeepSpeed ZeRO-Inference (ZeRO-3, offload_param nvme, --budget bytes of live parameters: bench/ds_generate.py
-in the venv of bench/ds_venv.sh; null where there is none). link_bound_tok_s: batch x the swap's read bandwidth (measured in
-the run, `offload bench nvme`) over the weights' bytes, the rate if every decode step read every weight once at
-that bandwidth. nvme_read_per_token_gb: what ours on nvme read per decode step at --budget. same_tokens: each
+generate() with the model in memory (the floor on a CPU); ours (the model wrapped by the engine, its own
+generate(): offload.step.generation) with the weights in dram (read in place on the CPU backend), on nvme with
+an hbm budget of --budget for weights (the KV cache's bytes on top: the others do not count them either), and
+on nvme with the default budget (nvme_resident: every unit fits, read once a call); accelerate's disk offload
+(from_pretrained with a device_map whose CPU budget, --budget, sends the rest to --dir's offload folder); and
+DeepSpeed ZeRO-Inference (ZeRO-3, offload_param nvme, --budget bytes of live parameters: bench/ds_generate.py
+in the venv of bench/ds_venv.sh; null where there is none).
+link_bound_tok_s: batch x the swap's read bandwidth (measured in the run, `offload bench nvme`) over the
+weights' bytes: the rate if every decode step read every weight once at that bandwidth.
+in_memory_beside_reads: transformers in memory again while fio reads --dir with O_DIRECT at the rate ours read
+in its nvme mode (what the host's compute keeps beside those reads: the ceiling of streaming them; null
+without fio). nvme_read_per_token_gb: what ours on nvme read a decode step at --budget. same_tokens: each
 mode's tokens equal the in-memory ones.
 
     python bench/generate.py [--model bench-200m|1b|smollm2|DIR] [--batch 1 8 32] [--prompt-tokens 32]
-                             [--new-tokens 64] [--budget SIZE] [--dir DIR] [--io-size 1G] [--ds-python PY] [--json]
+                             [--new-tokens 64] [--budget SIZE] [--dir DIR] [--io-size 1G] [--ds-python PY]
+                             [--precision auto|bf16|fp16|fp32] [--json]
+
+Beside them, as every bench (bench/limits.py): precision, matmul_gflops (measured in the run) and
+compute_floor_tok_s = matmul_gflops / (2 x params): a token needs 2 FLOPs a parameter, at any batch.
 """
 
 from __future__ import annotations
@@ -28,10 +35,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import iobound  # noqa: E402  (bench/iobound.py)
+import limits  # noqa: E402  (bench/limits.py)
 from e2e import default_ds_python, worker_env  # noqa: E402  (bench/e2e.py)
 
 MODES = ("in_memory", "dram", "nvme", "nvme_resident", "accelerate")
-COLUMNS = (*MODES, "deepspeed")
+COLUMNS = (*MODES, "deepspeed", "in_memory_beside_reads")
 
 
 def main() -> None:
@@ -46,8 +54,10 @@ def main() -> None:
                                                    "(default: a quarter of the weights)")
     ap.add_argument("--ds-python", default=default_ds_python(),
                     help="python of a venv with DeepSpeed (bench/ds_venv.sh), for the deepspeed column")
+    limits.add_precision_argument(ap)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    args.precision = limits.resolve(args.precision)  # every mode at the same one
     base = tempfile.mkdtemp(prefix="generate-bench-", dir=args.dir)
     try:
         rows, info = run(args, base)
@@ -55,7 +65,9 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     print(f"{args.model} ({info['params'] / 1e6:.0f}M parameters, {info['weight_bytes'] / 1e9:.2f} GB of weights), "
           f"{args.prompt_tokens} prompt + {args.new_tokens} new tokens, greedy, tokens/s (x in-memory):")
-    print(f"  budget for weights: {info['budget_bytes'] / 1e9:.2f} GB (nvme, accelerate)")
+    print(f"  budget for weights: {info['budget_bytes'] / 1e9:.2f} GB (nvme, accelerate, deepspeed)")
+    print(f"  precision {info['precision']}: matmul {info['matmul_gflops']:,.1f} GFLOP/s measured in this run; compute "
+          f"floor {info['compute_floor_tok_s']:.1f} tok/s (2 x params FLOPs a token / matmul)")
     print(f"  {'batch':>5s} " + " ".join(f"{m:>18s}" for m in COLUMNS) + f" {'link bound':>11s} {'nvme GB/tok':>11s}"
           "  same tokens")
     for r in rows:
@@ -86,26 +98,64 @@ def run(args, base: str) -> tuple[list[dict], dict]:
                                                      generator=torch.Generator().manual_seed(batch))
         row, tokens = {"batch": batch, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}, {}
         for mode in MODES:
-            tokens[mode], seconds, read = generate(mode, directory, prompts, args.new_tokens, base, budget)
+            tokens[mode], seconds, read = generate(mode, directory, prompts, args.new_tokens, base, budget,
+                                                   args.precision)
             row[f"{mode}_tok_s"] = batch * args.new_tokens / seconds
             if mode == "nvme":
                 row["nvme_read_per_token_gb"] = read / args.new_tokens / 1e9
+                rate = read / seconds
+        row["in_memory_beside_reads_tok_s"] = beside_reads(directory, prompts, args.new_tokens, rate, base,
+                                                           args.precision)
         row["deepspeed_tok_s"] = None
         row["same_tokens"] = {m: bool(torch.equal(tokens[m], tokens["in_memory"])) for m in MODES[1:]}
         row["in_memory_tokens"] = tokens["in_memory"]
         rows.append(row)
-    info = {"deepspeed_version": None}
+    info = {"deepspeed_version": None, "deepspeed_error": None}
     if args.ds_python:
-        for row, ds in zip(rows, deepspeed(args, directory, prompt_sets, budget, base)):
-            row["deepspeed_tok_s"] = row["batch"] * args.new_tokens / ds["seconds"]
-            row["same_tokens"]["deepspeed"] = ds["tokens"] == row["in_memory_tokens"].tolist()
-            info["deepspeed_version"] = ds["deepspeed_version"]
+        try:
+            for row, ds in zip(rows, deepspeed(args, directory, prompt_sets, budget, base)):
+                row["deepspeed_tok_s"] = row["batch"] * args.new_tokens / ds["seconds"]
+                row["same_tokens"]["deepspeed"] = ds["tokens"] == row["in_memory_tokens"].tolist()
+                info["deepspeed_version"] = ds["deepspeed_version"]
+        except RuntimeError as e:  # its column stays null, the others are kept
+            info["deepspeed_error"] = str(e)[-2000:]
+            print(f"deepspeed: {e}", file=sys.stderr)
     for row in rows:
         del row["in_memory_tokens"]
-    for row in rows:
-        row["link_bound_tok_s"] = row["batch"] * bw["swap_read_gbps"] * 1e9 / weight_bytes
-    params = sum(p.numel() for p in load(directory).parameters())
-    return rows, {"params": params, "weight_bytes": weight_bytes, "budget_bytes": budget, **info, **bw}
+    params = sum(p.numel() for p in load(directory, "fp32").parameters())
+    for row in rows:  # the weights at the precision that runs, read once a decode step
+        itemsize = 4 if args.precision == "fp32" else 2
+        row["link_bound_tok_s"] = row["batch"] * bw["swap_read_gbps"] * 1e9 / (params * itemsize)
+    gflops = limits.matmul_gflops(args.precision)
+    return rows, {"params": params, "weight_bytes": weight_bytes, "budget_bytes": budget, **info, **bw,
+                  "precision": args.precision, "matmul_gflops": gflops,
+                  "compute_floor_tok_s": gflops * 1e9 / (2 * params)}  # 2 FLOPs a parameter a token: no batch beats it
+
+
+def beside_reads(directory: str, prompts, new_tokens: int, rate: float, base: str, precision: str) -> float | None:
+    """Tokens/s of transformers' generate() in memory while fio reads a file under `base` (O_DIRECT, libaio, 8 MiB
+    blocks) at `rate` bytes/s; None where fio is not installed."""
+    import subprocess
+
+    import torch
+
+    if shutil.which("fio") is None:
+        return None
+    job = ["fio", "--name=reads", f"--filename={os.path.join(base, 'fio.dat')}", "--size=1G", "--bs=8M",
+           "--direct=1", "--ioengine=libaio", "--iodepth=8"]
+    subprocess.run([*job, "--rw=write"], check=True, capture_output=True)  # the file to read
+    reader = subprocess.Popen([*job, "--rw=read", f"--rate={int(rate)}", "--time_based", "--runtime=3600"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        time.sleep(2)  # reading
+        kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "num_beams": 1,
+              "pad_token_id": 0}
+        _, seconds = timed(load(directory, precision), prompts, torch.ones_like(prompts), kw)
+    finally:  # fio's job processes too (the pattern: this run's file alone)
+        subprocess.run(["pkill", "-9", "-f", os.path.join(base, "fio.dat")])
+        reader.wait()
+        os.remove(os.path.join(base, "fio.dat"))
+    return prompts.shape[0] * new_tokens / seconds
 
 
 def deepspeed(args, directory: str, prompt_sets: dict, budget: int, base: str) -> list[dict]:
@@ -117,7 +167,7 @@ def deepspeed(args, directory: str, prompt_sets: dict, budget: int, base: str) -
         json.dump({b: p.tolist() for b, p in prompt_sets.items()}, f)
     cmd = [args.ds_python, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_generate.py"),
            "--model", directory, "--prompts", path, "--new-tokens", str(args.new_tokens), "--budget", str(budget),
-           "--dir", base]
+           "--dir", base, "--precision", args.precision]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=worker_env())
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -145,14 +195,15 @@ def model_dir(name: str, base: str) -> str:
     return out
 
 
-def load(directory: str, **kw):
-    import torch
+def load(directory: str, precision: str, **kw):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32, **kw).eval()
+    from offload.plan.precision import DTYPES
+
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[precision], **kw).eval()
 
 
-def generate(mode: str, directory: str, prompts, new_tokens: int, base: str, budget: int):
+def generate(mode: str, directory: str, prompts, new_tokens: int, base: str, budget: int, precision: str):
     """(the new tokens, seconds, bytes read from nvme) of one greedy generate() of `prompts` in `mode`, after an
     untimed one of 2 new tokens (first-call costs; the engine's generation trace)."""
     import torch
@@ -161,8 +212,9 @@ def generate(mode: str, directory: str, prompts, new_tokens: int, base: str, bud
           "pad_token_id": 0}
     mask = torch.ones_like(prompts)
     if mode in ("in_memory", "accelerate"):
-        model = load(directory) if mode == "in_memory" else load(
-            directory, device_map="auto", max_memory={"cpu": budget}, offload_folder=os.path.join(base, "offload"))
+        model = load(directory, precision) if mode == "in_memory" else load(
+            directory, precision, device_map="auto", max_memory={"cpu": budget},
+            offload_folder=os.path.join(base, "offload"))
         return (*timed(model, prompts, mask, kw), 0)
     import offload
     from offload.integrations.hf_io import SafetensorsWeights
@@ -172,10 +224,10 @@ def generate(mode: str, directory: str, prompts, new_tokens: int, base: str, bud
 
     model = build_model(directory, device="meta")
     model.requires_grad_(False)
-    cfg = {"precision": "fp32", "offload_param": {"device": "cpu" if mode == "dram" else "nvme"},
+    cfg = {"precision": precision, "offload_param": {"device": "cpu" if mode == "dram" else "nvme"},
            "offload_optimizer": {"device": "cpu"}, "nvme_path": os.path.join(base, "swap")}
     if mode == "nvme":  # --budget for weights, and the KV cache of this batch beside it
-        kv = kv_bytes(model.config, prompts.shape[0], prompts.shape[1] + new_tokens, 4)
+        kv = kv_bytes(model.config, prompts.shape[0], prompts.shape[1] + new_tokens, 2 if precision != "fp32" else 4)
         cfg["budgets"] = {"hbm_bytes": budget + kv}
     with offload.initialize(model, cfg, weights=SafetensorsWeights(directory, model=model)) as engine:
         engine.eval()
@@ -223,7 +275,7 @@ def device_decode(device, h2d_gbps: float | None, base: str, preset: str = "benc
     mask = torch.ones_like(prompts)
     kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "num_beams": 1,
           "pad_token_id": 0}
-    expected, in_memory_s = timed(load(directory).to(device), prompts, mask, kw)
+    expected, in_memory_s = timed(load(directory, "fp32").to(device), prompts, mask, kw)
     weights = sum(p.numel() * 4 for p in model.parameters())
     cfg = {"precision": "fp32", "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"},
            "budgets": {"hbm_bytes": weights // 4 + kv_bytes(model.config, batch, prompt_tokens + new_tokens, 4)}}

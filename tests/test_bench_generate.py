@@ -3,6 +3,7 @@ greedy tokens equal transformers' in memory; ours on nvme at under half the weig
 weights once a token."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,3 +30,5 @@ def test_generate_bench_json(tmp_path):
     # under half the weights' bytes for weights: most units stream, each read about once a token
     assert r["budget_bytes"] == 1500000 < r["weight_bytes"] // 2
     assert 0.5 * r["weight_bytes"] < row["nvme_read_per_token_gb"] * 1e9 < 1.5 * r["weight_bytes"]
+    beside = row["in_memory_beside_reads_tok_s"]  # in memory again while fio reads at our nvme mode's rate
+    assert beside is None if shutil.which("fio") is None else beside > 0

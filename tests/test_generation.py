@@ -132,7 +132,8 @@ def test_units_that_fit_the_budget_stay_resident_for_the_whole_call(tmp_path):
     assert set(kept_none) == {"nvme"}  # released at the end of the call
     assert torch.equal(got, generate(plain, x, new))
     budget = tight_budget(tmp_path, x, new)
-    with offload.initialize(llama(frozen=True), {**config(tmp_path), "budgets": {"hbm_bytes": budget + streamed(eng) // 2}}) as eng:
+    between = {**config(tmp_path), "budgets": {"hbm_bytes": budget + streamed(eng) // 2}}
+    with offload.initialize(llama(frozen=True), between) as eng:
         eng.eval()
         generate(eng.module, x, 2)
         read = nvme_read(eng)
