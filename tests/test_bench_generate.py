@@ -16,7 +16,8 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "generate.py"
 def test_generate_bench_json(tmp_path):
     pytest.importorskip("accelerate")
     out = subprocess.run([sys.executable, str(BENCH), "--model", "tiny", "--batch", "2", "--prompt-tokens", "8",
-                          "--new-tokens", "4", "--io-size", "64M", "--budget", "1500000", "--dir", str(tmp_path), "--json"],
+                          "--new-tokens", "4", "--io-size", "64M", "--budget", "1500000", "--dir", str(tmp_path), "--json",
+                          "--ds-python", ""],
                          capture_output=True, text=True, timeout=600, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     (row,) = r["rows"]
@@ -32,3 +33,19 @@ def test_generate_bench_json(tmp_path):
     assert 0.5 * r["weight_bytes"] < row["nvme_read_per_token_gb"] * 1e9 < 1.5 * r["weight_bytes"]
     beside = row["in_memory_beside_reads_tok_s"]  # in memory again while fio reads at our nvme mode's rate
     assert beside is None if shutil.which("fio") is None else beside > 0
+
+
+@pytest.mark.slow
+def test_generate_bench_beside_deepspeed_zero_inference(tmp_path):
+    """Where a DeepSpeed venv is (bench/ds_venv.sh): its ZeRO-Inference column gives the in-memory tokens in fp32."""
+    sys.path.insert(0, str(BENCH.parent))
+    from e2e import default_ds_python
+
+    if default_ds_python() is None:
+        pytest.skip("no DeepSpeed venv (bash bench/ds_venv.sh)")
+    out = subprocess.run([sys.executable, str(BENCH), "--model", "bench-200m", "--batch", "2", "--prompt-tokens", "8",
+                          "--new-tokens", "3", "--io-size", "64M", "--dir", str(tmp_path), "--json"],
+                         capture_output=True, text=True, timeout=900, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["deepspeed_error"] is None and r["deepspeed_version"] and r["deepspeed_tok_s"] > 0
+    assert r["same_tokens"]["deepspeed"]

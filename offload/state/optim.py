@@ -254,9 +254,10 @@ class OptimState(_Handle):
             for kind, (numel, dtype) in layout.items():  # the gradient's dtype: see offload.step.accumulator
                 if kind == "grad" and kind not in kinds:
                     continue
-                buf = w.t[kind] = shared.get(kind)
+                buf = shared.get(kind)  # w.t holds chunks only: a stop signal may land inside acquire
                 if buf is None:
-                    buf = w.t[kind] = self.rt.staging.acquire(numel, dtype, f"{self.unit.name} {kind}")
+                    buf = self.rt.staging.acquire(numel, dtype, f"{self.unit.name} {kind}")
+                w.t[kind] = buf
                 key = self.key(kind, i)
                 if key in self.rt.store:  # the moments start as zeros, unwritten
                     verify = not self.hashed or kind == "grad"
