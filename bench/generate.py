@@ -148,8 +148,7 @@ def beside_reads(directory: str, prompts, new_tokens: int, rate: float, base: st
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         time.sleep(2)  # reading
-        kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "num_beams": 1,
-              "pad_token_id": 0}
+        kw = greedy(new_tokens)
         _, seconds = timed(load(directory, precision), prompts, torch.ones_like(prompts), kw)
     finally:  # fio's job processes too (the pattern: this run's file alone)
         subprocess.run(["pkill", "-9", "-f", os.path.join(base, "fio.dat")])
@@ -208,8 +207,7 @@ def generate(mode: str, directory: str, prompts, new_tokens: int, base: str, bud
     untimed one of 2 new tokens (first-call costs; the engine's generation trace)."""
     import torch
 
-    kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "num_beams": 1,
-          "pad_token_id": 0}
+    kw = greedy(new_tokens)
     mask = torch.ones_like(prompts)
     if mode in ("in_memory", "accelerate"):
         model = load(directory, precision) if mode == "in_memory" else load(
@@ -235,6 +233,12 @@ def generate(mode: str, directory: str, prompts, new_tokens: int, base: str, bud
         read = engine.stats()["links"]["nvme_to_dram"]["bytes"]
         out, seconds = timed(engine.module, prompts, mask, kw, warm=False)
         return out, seconds, engine.stats()["links"]["nvme_to_dram"]["bytes"] - read
+
+
+def greedy(new_tokens: int) -> dict:
+    """generate()'s arguments for exactly `new_tokens` greedy tokens, the same in every mode."""
+    return {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "num_beams": 1,
+            "pad_token_id": 0}
 
 
 def timed(model, prompts, mask, kw: dict, warm: bool = True):
@@ -273,8 +277,7 @@ def device_decode(device, h2d_gbps: float | None, base: str, preset: str = "benc
     prompts = torch.randint(1, min(model.config.vocab_size, 300), (batch, prompt_tokens),
                             generator=torch.Generator().manual_seed(batch)).to(device)
     mask = torch.ones_like(prompts)
-    kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "num_beams": 1,
-          "pad_token_id": 0}
+    kw = greedy(new_tokens)
     expected, in_memory_s = timed(load(directory, "fp32").to(device), prompts, mask, kw)
     weights = sum(p.numel() * 4 for p in model.parameters())
     cfg = {"precision": "fp32", "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"},

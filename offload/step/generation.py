@@ -75,7 +75,7 @@ class GenerationSession:
         prefetcher = eng.prefetcher
         prefetcher.release_all()
         self.streamed = [w for w in eng.weights if w is not None and w.home != "hbm" and not w.in_place_ok()]
-        kv, largest, room = self._budget()
+        kv, room = self._budget()
         acct = eng.rt.tiers.acct["hbm"]
         if kv:
             acct.charge(kv, "the KV cache of generate()")
@@ -118,15 +118,15 @@ class GenerationSession:
             if self.charged:
                 eng.rt.tiers.acct["hbm"].refund(self.charged)
 
-    def _budget(self) -> tuple[int, int, int]:
-        """(KV cache bytes, the largest streamed unit's bytes, hbm bytes free) of this call; refuses a call whose
+    def _budget(self) -> tuple[int, int]:
+        """(KV cache bytes, hbm bytes free) of this call; refuses a call whose
         tokens exceed the model's positions or whose KV cache does not fit beside the largest streamed unit."""
         eng = self.engine
         acct = eng.rt.tiers.acct["hbm"]
         room = acct.budget_bytes - acct.used_bytes
         largest = max((w.nbytes for w in self.streamed), default=0)
         if self.shape is None:
-            return 0, largest, room
+            return 0, room
         batch, prompt, tokens = self.shape
         config = getattr(self.model, "config", None)
         positions = getattr(config, "max_position_embeddings", None)
@@ -136,7 +136,7 @@ class GenerationSession:
                              f"(truncate them to {max(positions - (tokens - prompt), 0)}) or lower max_new_tokens")
         one = kv_bytes(config, 1, tokens, eng.cfg.compute_dtype.itemsize) if config is not None else None
         if not one:
-            return 0, largest, room
+            return 0, room
         if one * batch + largest > room:
             fits = max(0, (room - largest) // one)
             what = (f"the largest batch that fits is {fits}" if fits else
@@ -144,7 +144,7 @@ class GenerationSession:
             raise ValueError(f"generate(): a batch of {batch} sequences x {tokens} tokens needs a KV cache of "
                              f"{_gib(one * batch)} in hbm beside the largest streamed unit ({_gib(largest)}), "
                              f"but {_gib(room)} of the hbm budget is free; {what} (or raise budgets.hbm_bytes)")
-        return one * batch, largest, room
+        return one * batch, room
 
 
 def serve_generate(engine, model):
