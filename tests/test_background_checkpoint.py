@@ -17,6 +17,7 @@ import torch
 import offload
 from offload.checkpoint import format as fmt
 from offload.checkpoint.background import BackgroundSaveError
+from offload.checkpoint.datafile import DataFile
 from tests.engine_util import MLP, mlp_batches, train
 from tests.ranks_util import REPO, run_ranks
 
@@ -33,13 +34,13 @@ def cfg(tmp_path, place: str, **extra) -> dict:
 @pytest.fixture
 def slow_writes(monkeypatch):
     """Each write of a checkpoint's data file takes 20 ms longer: a save outlasts the steps after it."""
-    original = fmt.DataFile.write
+    original = DataFile.write
 
     def write(self, t, begin, end):
         time.sleep(0.02)
         return original(self, t, begin, end)
 
-    monkeypatch.setattr(fmt.DataFile, "write", write)
+    monkeypatch.setattr(DataFile, "write", write)
 
 
 @pytest.mark.parametrize("place", list(PLACES))
@@ -88,7 +89,7 @@ def test_a_full_disk_in_the_background_fails_at_the_next_step_and_loses_nothing(
         def full(self, t, begin, end):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(fmt.DataFile, "write", full)
+        monkeypatch.setattr(DataFile, "write", full)
         handle = eng.save_checkpoint(str(tmp_path / "ck"), name="doomed", background=True)
         with pytest.raises(BackgroundSaveError, match=r"the background checkpoint .*doomed failed \(.*No space left on "
                                                       r"device.*\); nothing was published: the previous checkpoint and "
@@ -120,9 +121,9 @@ KILLED = r"""
 import os, signal, sys, time, torch
 sys.path.insert(0, {repo!r})
 import offload
-from offload.checkpoint import format as fmt
+from offload.checkpoint.datafile import DataFile
 from tests.engine_util import MLP, mlp_batches, train
-original = fmt.DataFile.write
+original = DataFile.write
 def write(self, t, begin, end):
     time.sleep(0.05)
     return original(self, t, begin, end)
@@ -132,7 +133,7 @@ data = mlp_batches(3)
 for x, y in data[:2]:
     eng.backward(eng(x, y)); eng.step()
 eng.save_checkpoint({ck!r})
-fmt.DataFile.write = write
+DataFile.write = write
 x, y = data[2]
 eng.backward(eng(x, y)); eng.step()
 eng.save_checkpoint({ck!r}, background=True)

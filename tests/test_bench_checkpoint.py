@@ -10,13 +10,21 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "checkpoint.py"
 
 
-def test_checkpoint_bench_json(tmp_path):
+def _run(tmp_path, *flags) -> tuple[dict, str]:
     out = subprocess.run([sys.executable, str(BENCH), "--model", "tiny", "--batch", "2", "--seq", "32", "--rounds", "1",
-                          "--dir", str(tmp_path), "--json"], capture_output=True, text=True, timeout=600, check=True)
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+                          "--dir", str(tmp_path), "--json", *flags], capture_output=True, text=True, timeout=600,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stdout
+
+
+def test_checkpoint_bench_json(tmp_path):
+    r, stdout = _run(tmp_path)
     step = r["step_s"]
     assert all(step[m] > 0 for m in ("none", "background", "blocking")) and r["save_s_blocking"] > 0
     assert r["background_over_none"] == step["background"] / step["none"] and r["steps_per_background"] >= 1
-    assert r["checkpoint_bytes"] > r["params"] * 4  # the fp32 weights and their states at least
+    assert r["checkpoint_bytes"] > r["params"] * 4 * 2  # the fp32 master and its moments
     assert (step["beside_io"] is None) == (shutil.which("fio") is None)
-    assert "blocking   step" in out.stdout and list(tmp_path.iterdir()) == []  # its temporary directory removed
+    assert "blocking   step" in stdout and list(tmp_path.iterdir()) == []  # its temporary directory removed
+    int8, stdout = _run(tmp_path, "--optimizer-states", "int8")
+    assert int8["optimizer_states"] == "int8" and "int8 optimizer states" in stdout
+    assert int8["checkpoint_bytes"] < r["checkpoint_bytes"]  # one byte a moment where a tensor is large enough

@@ -17,7 +17,9 @@ import pytest
 import torch
 
 import offload
+from offload.checkpoint import datafile
 from offload.checkpoint import format as fmt
+from offload.checkpoint.datafile import DataFile
 from offload.checkpoint.format import CheckpointError
 from offload.cli import main
 from tests.checkpoint_util import config, train
@@ -368,7 +370,7 @@ def _fail_on_call(n: int, fn):
 
 
 INTERRUPTIONS = {  # where a save stops: (object, attribute, failing call)
-    "data write": (fmt.DataFile, "write", 5),
+    "data write": (DataFile, "write", 5),
     "data fsync": (os, "fsync", 1),
     "manifest": (fmt, "_write_synced", 1),
     "directory rename": (os, "rename", 1),
@@ -405,7 +407,7 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint(tmp_path, monkeypatc
 
 KILL_SCRIPT = """
 import os, sys, time, torch, offload
-from offload.checkpoint import format as checkpoint_format
+from offload.checkpoint.datafile import DataFile
 from tests.engine_util import MLP, mlp_batches
 from tests.checkpoint_util import config
 torch.manual_seed(0)
@@ -421,7 +423,7 @@ with offload.initialize(MLP(), cfg) as eng:
         print("saving", flush=True)
         time.sleep(60)
     if sys.argv[3] == "data":
-        checkpoint_format.DataFile.write = stall   # killed while writing the data file
+        DataFile.write = stall   # killed while writing the data file
     else:
         os.rename = stall                    # killed with data and manifest written, before the rename
     eng.save_checkpoint(sys.argv[2])
@@ -628,25 +630,6 @@ def test_offload_train_resume_continues_the_loss_curve(tmp_path, capsys):
     assert hf.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
 
 
-class _FullFile:
-    """A file on a disk that is full: every write raises ENOSPC."""
-
-    def __init__(self, f):
-        self.f = f
-
-    def write(self, data):
-        raise OSError(28, "No space left on device")
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.f.close()
-
-
 @pytest.mark.parametrize("blocking", [True, False])
 def test_offload_train_names_a_failed_save_keeps_the_last_good_checkpoint_and_reports(tmp_path, monkeypatch, capsys,
                                                                                       blocking):
@@ -654,13 +637,14 @@ def test_offload_train_names_a_failed_save_keeps_the_last_good_checkpoint_and_re
     last good checkpoint; the report of the steps done is written (4; in the background the failure is found
     at the end of step 5); exit 2; resuming continues from step 2."""
     d, out = tmp_path / "ckpts", tmp_path / "run"
-    real_create = fmt.create
+    real_write = os.write
 
-    def full_at_step_4(path):
-        f = real_create(path)
-        return _FullFile(f) if f"{os.sep}.tmp-step00000004{os.sep}" in path else f
+    def full_at_step_4(fd, data):  # every write to the step-4 checkpoint's data file: a full disk
+        if f"{os.sep}.tmp-step00000004{os.sep}" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(28, "No space left on device")
+        return real_write(fd, data)
 
-    monkeypatch.setattr(fmt, "create", full_at_step_4)
+    monkeypatch.setattr(datafile.os, "write", full_at_step_4)
     flags = ["train", "--model", "tiny", "--steps", "6", "--batch-size", "2", "--seq-len", "32", "--nvme-path",
              str(tmp_path / "swap"), "--no-progress", "--save-every", "2", "--checkpoint-dir", str(d),
              *(["--save-blocking"] if blocking else [])]

@@ -108,39 +108,6 @@ def data_file_name(rank: int) -> str:
     return f"rank{rank}.bin"
 
 
-class DataFile:
-    """One rank's data file, written front to back; every range gets its crc32."""
-
-    def __init__(self, directory: str, name: str):
-        self.name, self.nbytes, self.path = name, 0, os.path.join(directory, name)
-        self.f = create(self.path)
-
-    def write(self, t: torch.Tensor, begin: int, end: int) -> dict:
-        data = as_bytes(t)
-        try:
-            self.f.write(data)
-        except OSError as e:  # a full disk: say which file and where
-            raise OSError(e.errno, f"{e.strerror or e} (writing {len(data)} bytes at byte {self.nbytes})",
-                          self.path) from e
-        r = {"begin": begin, "end": end, "file": self.name, "offset": self.nbytes, "nbytes": len(data),
-             "crc32": zlib.crc32(data)}
-        self.nbytes += len(data)
-        return r
-
-    def sync(self) -> None:
-        try:
-            self.f.flush()
-            os.fsync(self.f.fileno())
-        except OSError as e:
-            raise OSError(e.errno, f"{e.strerror or e} (flushing {self.nbytes} bytes)", self.path) from e
-
-    def __enter__(self) -> "DataFile":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.f.close()
-
-
 def write_manifest(directory: str, manifest: dict) -> None:
     """manifest.json with its digest ([Note: a manifest that is checked])."""
     manifest = {**manifest, DIGEST: manifest_digest(manifest)}

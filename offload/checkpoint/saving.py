@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from offload.checkpoint import format as fmt
+from offload.checkpoint.datafile import DataFile
 from offload.checkpoint.format import CheckpointError
 from offload.checkpoint.state_dict import param_names, state_entries
 from offload.plan.config import Config
@@ -116,7 +117,7 @@ def save_part(engine, tmp: str, accumulator: bool, held: dict, staging=None, sav
     homes are read through (the runtime's by default); saved(unit index): called as each unit is written,
     in the order the next step updates them (the last unit first)."""
     first = engine.rt.rank == 0
-    with fmt.DataFile(tmp, fmt.data_file_name(engine.rt.rank)) as out:
+    with DataFile(tmp, fmt.data_file_name(engine.rt.rank)) as out:
         tensors = _save_parameters(engine, out, accumulator, states=first or engine.rt.sharded, weights=first,
                                    staging=staging, saved=saved)
         buffers = _save_buffers(held["buffers"], out)
@@ -207,7 +208,7 @@ def _manifest_head(cfg: Config, world: int, model: nn.Module, counters: dict, ac
             "saved_at": time.time(), "config": {k: essentials[k] for k in CONFIG_KEYS}, "extra": extra}
 
 
-def _save_parameters(engine, out: fmt.DataFile, accumulator: bool, states: bool = True, weights: bool = True,
+def _save_parameters(engine, out: DataFile, accumulator: bool, states: bool = True, weights: bool = True,
                      staging=None, saved=None) -> dict:
     """Every parameter's entry, unit by unit (the last first), each of its buffers chunk by chunk ([Note: the
     format]): `states` the optimizer's (the windows this rank holds), `weights` the frozen parameters'."""
@@ -249,7 +250,7 @@ def _save_parameters(engine, out: fmt.DataFile, accumulator: bool, states: bool 
     return tensors
 
 
-def _save_buffers(held: dict, out: fmt.DataFile) -> dict:
+def _save_buffers(held: dict, out: DataFile) -> dict:
     """The model's persistent buffers as snapshot() held them, into `out`: their manifest entries by name."""
     buffers = {}
     for name, b in held.items():

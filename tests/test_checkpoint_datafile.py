@@ -1,0 +1,90 @@
+"""A checkpoint's data file ([Note: direct checkpoint writes]): past the page cache where the file system allows
+it, through it where O_DIRECT is refused, the same bytes and ranges either way."""
+
+from __future__ import annotations
+
+import errno
+import os
+import zlib
+
+import pytest
+import torch
+
+from offload.checkpoint import datafile
+from offload.checkpoint.datafile import DataFile
+
+# ranges of odd sizes and dtypes, one larger than the bounce buffer the tests set (64 KiB)
+PIECES = [torch.arange(1000, dtype=torch.float32), torch.arange(7, dtype=torch.uint8),
+          torch.randn(40_000, generator=torch.Generator().manual_seed(0)), torch.arange(3, dtype=torch.bfloat16),
+          torch.empty(0), torch.ones(4096, dtype=torch.int64)]
+
+
+def _write(directory) -> tuple[DataFile, list[dict]]:
+    with DataFile(str(directory), "rank0.bin") as out:
+        ranges = [out.write(t, 0, t.numel()) for t in PIECES]
+        out.sync()
+    return out, ranges
+
+
+def _check(path, ranges) -> None:
+    data = open(path, "rb").read()
+    assert len(data) == sum(r["nbytes"] for r in ranges)  # no padding left at the end
+    offset = 0
+    for t, r in zip(PIECES, ranges):
+        want = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert (r["offset"], r["nbytes"]) == (offset, len(want))
+        assert data[offset:offset + len(want)] == want and r["crc32"] == zlib.crc32(want)
+        offset += len(want)
+
+
+@pytest.fixture(autouse=True)
+def small_bounce(monkeypatch):
+    monkeypatch.setattr(datafile, "BOUNCE_BYTES", 64 << 10)
+
+
+def test_direct_writes_the_same_bytes(tmp_path):
+    out, ranges = _write(tmp_path)
+    if os.environ.get("OFFLOAD_CI") and not out.direct:
+        pytest.fail(f"O_DIRECT was refused on {tmp_path}: this test is for a file system that takes it")
+    if not out.direct:
+        pytest.skip(f"O_DIRECT is refused on {tmp_path}")
+    _check(tmp_path / "rank0.bin", ranges)
+
+
+def test_through_the_page_cache_where_direct_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(datafile, "_set_direct", lambda fd, on: False)
+    out, ranges = _write(tmp_path)
+    assert not out.direct
+    _check(tmp_path / "rank0.bin", ranges)
+
+
+def test_refused_at_the_first_write(tmp_path, monkeypatch):
+    """A file system that takes the flag but fails the first O_DIRECT write (EINVAL): written buffered."""
+    real_write, calls = os.write, []
+
+    def write(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    flags = []
+    monkeypatch.setattr(datafile, "_set_direct", lambda fd, on: flags.append(on) or on)
+    monkeypatch.setattr(datafile.os, "write", write)
+    out, ranges = _write(tmp_path)
+    assert flags == [True, False] and not out.direct
+    _check(tmp_path / "rank0.bin", ranges)
+
+
+def test_a_full_disk_names_the_file_and_the_byte(tmp_path, monkeypatch):
+    real_write = os.write
+
+    def write(fd, data):
+        if os.fstat(fd).st_size >= 64 << 10:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(datafile.os, "write", write)
+    with pytest.raises(OSError, match=r"No space left on device \(writing \d+ bytes at byte 65536\)") as e:
+        _write(tmp_path)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "rank0.bin")
