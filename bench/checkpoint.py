@@ -124,7 +124,7 @@ def beside_io(step, nbytes: int, seconds: float, base: str) -> float:
     import subprocess
 
     rate = str(max(int(nbytes / seconds), 1 << 20))
-    size = str(min(nbytes, 1 << 30))
+    size = str(min(-(-nbytes // (8 << 20)) * (8 << 20), 1 << 30))  # whole 8 MiB blocks (O_DIRECT, fio's bs)
     jobs = [["fio", f"--name={rw}", f"--filename={os.path.join(base, f'fio-{rw}.dat')}", f"--size={size}",
              "--bs=8M", "--direct=1", "--ioengine=libaio", "--iodepth=8", f"--rw={rw}"] for rw in ("read", "write")]
     subprocess.run(jobs[0][:-1] + ["--rw=write"], check=True, capture_output=True)  # the file to read
