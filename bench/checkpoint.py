@@ -4,9 +4,9 @@ engine (weights and optimizer states on nvme), in rounds so that drift on a shar
 Each round: a step with no checkpoint (none); a background checkpoint asked, then the steps that run while it
 is written (background: each of them, until it is published); a step followed by a blocking checkpoint
 (blocking: the step plus the save, what training waits); and a step while fio moves the bytes a background save
-moves (beside_io: reading and writing the checkpoint's bytes, each at that size over a plain step's time, O_DIRECT,
-in --dir; null without fio): what the host's compute keeps beside that I/O, the floor of any background save of
-that size. Goal: background <= 1.05 x none. exposed_s: the mean time training waited for a background checkpoint
+moves (beside_io: reading the checkpoint's bytes and writing them to a new file, each at that size over a plain
+step's time, O_DIRECT, in --dir; null without fio): what the host's compute and drive keep beside that I/O, the
+floor of any background save of that size. Goal: background <= 1.05 x none. exposed_s: the mean time training waited for a background checkpoint
 (its request, and units the step reached before the saver).
 
     python bench/checkpoint.py [--model bench-200m|3b] [--batch 4] [--seq 512] [--rounds 3] [--dir DIR]
@@ -51,8 +51,11 @@ def main() -> None:
         if step.get(mode) is not None:
             print(f"  {mode:10s} step {step[mode]:7.2f} s  ({step[mode] / step['none']:.2f}x none)")
     if step.get("beside_io") is not None:
-        print(f"  beside_io: the step while fio reads and writes {report['checkpoint_bytes'] / 1e9:.2f} GB each over "
-              f"a plain step's time (the bytes of one checkpoint)")
+        print(f"  beside_io: the step while fio reads {report['checkpoint_bytes'] / 1e9:.2f} GB and writes as much "
+              f"to a new file over a plain step's time (the bytes of one checkpoint)")
+    print(f"  a plain step moves {report['step_nvme_bytes']['read'] / 1e9:.2f} GB from nvme and "
+          f"{report['step_nvme_bytes']['written'] / 1e9:.2f} GB to it; a checkpoint is "
+          f"{report['checkpoint_bytes'] / 1e9:.2f} GB, the blocking save {report['save_gbps_blocking']:.2f} GB/s")
     print(f"  blocking save {report['save_s_blocking']:.2f} s; background: {report['background_s']:.2f} s to publish, "
           f"{report['exposed_s']:.3f} s exposed, over {report['steps_per_background']:.1f} steps")
     if args.json:
@@ -89,6 +92,8 @@ def run(args, base: str) -> dict:
         step(), step()  # the first records the trace, the second settles the pool
         for _ in range(args.rounds):
             times["none"].append(step())
+            links = engine.stats()["last_step"]["links"]
+            step_io = {"read": links["nvme_to_dram"]["bytes"], "written": links["dram_to_nvme"]["bytes"]}
             handle = engine.save_checkpoint(ck, name=f"bg{i}", keep=1, background=True)
             n = 0
             while not handle.done():
@@ -115,21 +120,27 @@ def run(args, base: str) -> dict:
             "rounds": args.rounds, "step_s": med, "steps": times, "save_s_blocking": statistics.median(saves),
             "exposed_s": statistics.mean(exposed), "background_s": statistics.median(published),
             "steps_per_background": statistics.mean(per_save), "background_over_none": med["background"] / med["none"],
-            "checkpoint_bytes": size}
+            "checkpoint_bytes": size, "step_nvme_bytes": step_io,
+            "save_gbps_blocking": size / statistics.median(saves) / 1e9}
 
 
 def beside_io(step, nbytes: int, seconds: float, base: str) -> float:
-    """step()'s time while fio reads and writes `nbytes` each (O_DIRECT, libaio, 8 MiB blocks, files under `base`)
-    at nbytes / `seconds` a second, what a background save of `nbytes` moves over one step."""
+    """step()'s time while fio reads and writes `nbytes` each at nbytes / `seconds` a second (what a background
+    save of `nbytes` moves over one step; O_DIRECT, libaio, 8 MiB blocks, files under `base`). The writes go to a
+    new file, as a checkpoint's do: on some drives (this project's VM) writing new blocks is several times slower
+    than overwriting a file written before, as the swap file is; the reads go over a file of at most 1 GiB."""
     import subprocess
 
     rate = str(max(int(nbytes / seconds), 1 << 20))
-    size = str(min(-(-nbytes // (8 << 20)) * (8 << 20), 1 << 30))  # whole 8 MiB blocks (O_DIRECT, fio's bs)
-    jobs = [["fio", f"--name={rw}", f"--filename={os.path.join(base, f'fio-{rw}.dat')}", f"--size={size}",
-             "--bs=8M", "--direct=1", "--ioengine=libaio", "--iodepth=8", f"--rw={rw}"] for rw in ("read", "write")]
-    subprocess.run(jobs[0][:-1] + ["--rw=write"], check=True, capture_output=True)  # the file to read
-    procs = [subprocess.Popen(job + [f"--rate={rate}", "--time_based", "--runtime=3600"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for job in jobs]
+    size = -(-nbytes // (8 << 20)) * (8 << 20)  # whole 8 MiB blocks (O_DIRECT, fio's bs)
+    common = ["--bs=8M", "--direct=1", "--ioengine=libaio", "--iodepth=8", f"--rate={rate}"]
+    path = {rw: os.path.join(base, f"fio-{rw}.dat") for rw in ("read", "write")}
+    subprocess.run(["fio", "--name=layout", f"--filename={path['read']}", f"--size={min(size, 1 << 30)}", "--bs=8M",
+                    "--direct=1", "--rw=write"], check=True, capture_output=True)  # the file to read
+    jobs = [["fio", "--name=read", f"--filename={path['read']}", f"--size={min(size, 1 << 30)}", "--rw=read",
+             "--time_based", "--runtime=3600", *common],
+            ["fio", "--name=write", f"--filename={path['write']}", f"--size={size}", "--rw=write", *common]]
+    procs = [subprocess.Popen(job, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for job in jobs]
     try:
         time.sleep(1)
         return step()
@@ -137,8 +148,9 @@ def beside_io(step, nbytes: int, seconds: float, base: str) -> float:
         subprocess.run(["pkill", "-9", "-f", os.path.join(base, "fio-")])
         for p in procs:
             p.wait()
-        for rw in ("read", "write"):
-            os.remove(os.path.join(base, f"fio-{rw}.dat"))
+        for f in path.values():
+            if os.path.exists(f):
+                os.remove(f)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ def test_checkpoint_bench_json(tmp_path):
     step = r["step_s"]
     assert all(step[m] > 0 for m in ("none", "background", "blocking")) and r["save_s_blocking"] > 0
     assert r["background_over_none"] == step["background"] / step["none"] and r["steps_per_background"] >= 1
+    assert r["step_nvme_bytes"]["read"] > 0 and r["step_nvme_bytes"]["written"] > 0 and r["save_gbps_blocking"] > 0
     assert r["checkpoint_bytes"] > r["params"] * 4 * 2  # the fp32 master and its moments
     assert (step["beside_io"] is None) == (shutil.which("fio") is None)
     assert "blocking   step" in stdout and list(tmp_path.iterdir()) == []  # its temporary directory removed

@@ -145,6 +145,23 @@ def test_nvme_moves_codes_not_an_expansion(tmp_path):
         assert eng.stats()["last_step"]["links"]["dram_to_nvme"]["bytes"] == want
 
 
+def test_a_disk_too_small_for_fp32_states_names_what_int8_states_need(tmp_path, monkeypatch):
+    """The preflight refuses fp32 states on a disk they do not fit, before anything is written, and says what
+    nvme needs with int8 states: the need of that very plan."""
+    from offload.plan import placement
+
+    with offload.initialize(model(), int8_config(tmp_path, "cpu", "nvme")) as eng:
+        int8_need = eng.placement.need["nvme"]
+    monkeypatch.setattr(placement, "_free_disk", lambda path: int8_need)  # int8 states fit it, fp32 ones do not
+    with pytest.raises(placement.PlacementError, match=rf"nvme needs \d+ bytes .* but the free disk under nvme_path is "
+                       rf"{int8_need} bytes .* \(with int8 optimizer states, optimizer.states: int8 or "
+                       rf"--optimizer-states int8, it needs {int8_need} bytes "):
+        offload.initialize(model(), config(tmp_path / "fp32", "cpu", "nvme", "fp32"))
+    assert all(p.is_dir() for p in (tmp_path / "fp32").rglob("*"))  # no file written (the swap directory made)
+    with offload.initialize(model(), int8_config(tmp_path, "cpu", "nvme")) as eng:
+        assert eng.placement.need["nvme"] == int8_need
+
+
 def test_estimate_counts_int8_moments(capsys):
     """`offload estimate --optimizer-states int8`: K = 4 + 2 + 8/256 bytes a parameter (bf16), per tier."""
     from offload import cli

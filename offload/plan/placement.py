@@ -69,6 +69,7 @@ class Placement:
     trainable_numel: int = 0         # parameters trained (weights + optimizer states + gradient)
     frozen_numel: int = 0            # parameters frozen (weights only: no master, moments or gradient I/O)
     quantized: dict = field(default_factory=dict)  # kind (nf4, fp4, int8) -> [parameters, record bytes]
+    int8_saving: dict = field(default_factory=dict)  # fp32 states: tier -> bytes int8 moments would spare there
     activations: ActivationModel | None = None  # the model's activations by formula (offload.plan.activation_memory)
     activation_shape: tuple[int, int] | None = None  # (batch, seq) the plan counts activations for; None: none
     base_need: dict = field(default_factory=dict)   # need without activations, at the knobs that run
@@ -156,6 +157,7 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     weight_home = {u.index: "hbm" if u.persistent else w_home for u in units}
     state_home = {u.index: s_home for u in units if u.trainable_numel}
     states = {"hbm": 0, "dram": 0, "nvme": 0}
+    saving = dict(states)
     rows = []
     # An nvme gradient accumulator exists only when the step does not follow each gradient at once.
     grad = not (s_home == "nvme" and every_step_overlapped(cfg, sharded))
@@ -166,11 +168,13 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
             owned = owned_numel(chunk_spans(u.trainable_numel, chunk_bytes // 4), owners.get(u.index), rank)
             small = small_numel(u) * owned // u.trainable_numel  # over ranks: its share, as an estimate
             states[state_home[u.index]] += state_bytes(owned, cfg.optimizer.states, small, grad)
+            if cfg.optimizer.states == "fp32":
+                saving[state_home[u.index]] += state_bytes(owned, "fp32", 0, grad) - state_bytes(owned, "int8", small, grad)
         rows.append((u.name, u.numel, weight_home[u.index], state_home.get(u.index, "-")))
     default_hbm, default_dram = _default_budgets(device)
     p = Placement(weight_home, state_home, dict(states), cfg.budgets.hbm_bytes or default_hbm,
                   cfg.budgets.dram_bytes or default_dram, _free_disk(cfg.swap_dir(rank)) if cfg.nvme_path else 0, rows)
-    p.swap_dir, p.precision = cfg.swap_dir(rank), precision
+    p.swap_dir, p.precision, p.int8_saving = cfg.swap_dir(rank), precision, saving
     p.activations = activations
     if activations is not None and activations.dims is not None and cfg.activations.batch is not None:
         p.activation_shape = (cfg.activations.batch, cfg.activations.seq)
@@ -356,7 +360,7 @@ def preflight(p: Placement, device: torch.device, cfg, minimum: dict[str, int]) 
             least = "" if tier == "nvme" else f"; the least it can train with{besides} is {minimum[tier]} bytes " \
                 f"({minimum[tier] / 2**30:.2f} GiB: the largest unit's weights and gradient, one optimizer window)"
             problems.append(f"{tier} needs {p.need[tier]} bytes ({p.need[tier] / 2**30:.2f} GiB){kept} but the "
-                            f"{what} is {budget} bytes ({budget / 2**30:.2f} GiB){least}")
+                            f"{what} is {budget} bytes ({budget / 2**30:.2f} GiB){least}{_int8_hint(p, tier)}")
     host = p.need["dram"] + (p.need["hbm"] if device.type == "cpu" else 0)
     avail = psutil.virtual_memory().available
     if host > avail:
@@ -369,6 +373,16 @@ def preflight(p: Placement, device: torch.device, cfg, minimum: dict[str, int]) 
         raise PlacementError("the model does not fit: " + "; ".join(problems) +
                              "; offload more (offload_param / offload_optimizer = nvme), raise the budgets, "
                              "or use smaller units (units.min_numel) or chunks (chunk_bytes)")
+
+
+def _int8_hint(p: Placement, tier: str) -> str:
+    """What `tier` would need with int8 optimizer states, where the run keeps fp32 ones there."""
+    saving = p.int8_saving.get(tier, 0)
+    if not saving:
+        return ""
+    need = p.need[tier] - saving
+    return (f" (with int8 optimizer states, optimizer.states: int8 or --optimizer-states int8, it needs {need} bytes "
+            f"({need / 2**30:.2f} GiB))")
 
 
 def owned_numel(spans: list[tuple[int, int]], owners: list[int] | None, rank: int) -> int:
