@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -53,6 +54,9 @@ def main() -> None:
     if step.get("beside_io") is not None:
         print(f"  beside_io: the step while fio reads {report['checkpoint_bytes'] / 1e9:.2f} GB and writes as much "
               f"to a new file over a plain step's time (the bytes of one checkpoint)")
+        for moved in report["beside_io_bytes"]:
+            print("    fio moved during the step: " + ", ".join(
+                f"{rw} {v / 1e9:.2f} GB" if v is not None else f"{rw} unknown" for rw, v in moved.items()))
     print(f"  a plain step moves {report['step_nvme_bytes']['read'] / 1e9:.2f} GB from nvme and "
           f"{report['step_nvme_bytes']['written'] / 1e9:.2f} GB to it; a checkpoint is "
           f"{report['checkpoint_bytes'] / 1e9:.2f} GB, the blocking save {report['save_gbps_blocking']:.2f} GB/s")
@@ -76,7 +80,7 @@ def run(args, base: str) -> dict:
     ck = os.path.join(base, "ck")
     times = {"none": [], "background": [], "blocking": [], "beside_io": []}
     size = None  # the bytes of one checkpoint, once the first is written
-    saves, exposed, published, per_save = [], [], [], []
+    saves, exposed, published, per_save, fio_moved = [], [], [], [], []
     with offload.initialize(model, cfg) as engine:
         i = 0
 
@@ -112,7 +116,9 @@ def run(args, base: str) -> dict:
             shutil.rmtree(ck)
             times["blocking"].append(s + saves[-1])
             if shutil.which("fio"):
-                times["beside_io"].append(beside_io(step, size, statistics.median(times["none"]), base))
+                t, moved = beside_io(step, size, statistics.median(times["none"]), base)
+                times["beside_io"].append(t)
+                fio_moved.append(moved)
         precision = engine.cfg.precision
         params = sum(u.numel for u in engine.units)
     med = {k: statistics.median(v) if v else None for k, v in times.items()}
@@ -121,7 +127,8 @@ def run(args, base: str) -> dict:
             "exposed_s": statistics.mean(exposed), "background_s": statistics.median(published),
             "steps_per_background": statistics.mean(per_save), "background_over_none": med["background"] / med["none"],
             "checkpoint_bytes": size, "step_nvme_bytes": step_io,
-            "save_gbps_blocking": size / statistics.median(saves) / 1e9}
+            "save_gbps_blocking": size / statistics.median(saves) / 1e9,
+            "beside_io_bytes": fio_moved}  # the bytes fio read and wrote during each beside_io step
 
 
 def beside_io(step, nbytes: int, seconds: float, base: str) -> float:
@@ -140,11 +147,20 @@ def beside_io(step, nbytes: int, seconds: float, base: str) -> float:
     jobs = [["fio", "--name=read", f"--filename={path['read']}", f"--size={min(size, 1 << 30)}", "--rw=read",
              "--time_based", "--runtime=3600", *common],
             ["fio", "--name=write", f"--filename={path['write']}", f"--size={size}", "--rw=write", *common]]
-    procs = [subprocess.Popen(job, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for job in jobs]
+    procs = [subprocess.Popen(job + ["--output-format=json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True) for job in jobs]
+    moved = {}
     try:
         time.sleep(1)
-        return step()
-    finally:  # fio's job processes too (the pattern: this run's files alone)
+        return step(), moved
+    finally:  # stopped as ^C stops fio: it reports the bytes it moved; then anything left of this run's files
+        for rw, p in zip(("read", "write"), procs):
+            p.send_signal(signal.SIGINT)
+            try:
+                out = p.communicate(timeout=60)[0]  # "fio: terminating on signal 2", then its JSON
+                moved[rw] = json.loads(out[out.index("{"):])["jobs"][0][rw]["io_bytes"]
+            except (subprocess.TimeoutExpired, ValueError, KeyError, IndexError):
+                moved[rw] = None
         subprocess.run(["pkill", "-9", "-f", os.path.join(base, "fio-")])
         for p in procs:
             p.wait()

@@ -25,6 +25,7 @@ def test_checkpoint_bench_json(tmp_path):
     assert r["step_nvme_bytes"]["read"] > 0 and r["step_nvme_bytes"]["written"] > 0 and r["save_gbps_blocking"] > 0
     assert r["checkpoint_bytes"] > r["params"] * 4 * 2  # the fp32 master and its moments
     assert (step["beside_io"] is None) == (shutil.which("fio") is None)
+    assert all(m["write"] > 0 and m["read"] > 0 for m in r["beside_io_bytes"]) and len(r["beside_io_bytes"]) == (step["beside_io"] is not None)
     assert "blocking   step" in stdout and list(tmp_path.iterdir()) == []  # its temporary directory removed
     int8, stdout = _run(tmp_path, "--optimizer-states", "int8")
     assert int8["optimizer_states"] == "int8" and "int8 optimizer states" in stdout
