@@ -163,7 +163,10 @@ def test_over_ranks_each_rank_writes_its_part_and_a_later_step_publishes(tmp_pat
     ckpt = str(tmp_path / "a.ckpt")
     manifest = fmt.read_manifest(fmt.resolve(ckpt))
     assert manifest["step_count"] == 2 and manifest["world_size"] == 2
-    assert [r["background"] for r in a] == [{"published_at": 3}] * 2  # the step after it, agreed by both
+    # Published at a later step boundary, the same one on both ranks: the first at which both had written
+    # their part (3 or 4: a rank's writes may outlast a step of this tiny model).
+    published = [r["background"]["published_at"] for r in a]
+    assert published[0] == published[1] and published[0] in (3, 4), published
     b = run_ranks(2, {**base, "nvme_path": str(tmp_path / "sb"), "_load": ckpt}, str(tmp_path / "b"), 4)
     assert b[0]["losses"] == a[0]["losses"][2:]
     assert json.dumps(b[1]["losses"]) == json.dumps(a[1]["losses"][2:])

@@ -152,9 +152,10 @@ def _assert_falls_back(caplog, reason: str):
 
 
 def test_build_failure_says_what_failed(fresh_kernel_state, monkeypatch, caplog):
-    broken = fresh_kernel_state / "cpu_adam.cpp"
-    broken.write_text("#error deliberately broken source\n")
-    monkeypatch.setattr(cpu_adam, "_SOURCES", (broken, *cpu_adam._SOURCES[1:]))
+    broken = [fresh_kernel_state / path.name for path in cpu_adam._SOURCES]  # all: the build waits for every file
+    for path in broken:
+        path.write_text("#error deliberately broken source\n")
+    monkeypatch.setattr(cpu_adam, "_SOURCES", tuple(broken))
     _assert_falls_back(caplog, "deliberately broken source")
 
 
