@@ -467,6 +467,34 @@ def test_fetched_copies_reuse_pooled_host_memory(tmp_path, monkeypatch, param):
     assert all(torch.equal(runs[True][k], runs[False][k]) for k in runs[True])
 
 
+def test_units_of_two_near_sizes_keep_taking_pooled_memory():
+    """[Note: reused host memory for hbm] bench-200m's first and last units are a decoder layer plus the
+    embedding or the head: a size two units share, a little above the layers'. A layer's fetch that takes one
+    of their cached buffers (SLACK_RATIO) holds more than the plan counts for it; without headroom for that the
+    pool refused the third unit in flight, which then mapped fresh memory (faulted in at kernel speed) on
+    every generated token: a third of the reads of a batch-1 decode."""
+    import torch
+
+    from offload.state import tiers
+
+    if not tiers.STORAGE_SWAP:
+        pytest.skip("this torch lacks UntypedStorage._swap_data_ptr_: hbm storages are resized")
+    layer, edge = 50 * 4096, 52 * 4096
+    t = tiers.Tiers(torch.device("cpu"), 1 << 30, 1 << 30, 1 << 30, pin=False, hbm_pool_bytes=3 * layer,
+                    hbm_pool_sizes=frozenset({layer, edge}))
+    sizes = [edge, layer, layer, layer, edge]  # a forward's units, in order; the next forward follows
+    fresh, in_flight = [], []
+    for k in range(4 * len(sizes)):  # four forwards, three units in flight (the one in use and two ahead)
+        h = torch.empty(0, dtype=torch.uint8)
+        lent = t.give_hbm_memory(h, sizes[k % len(sizes)])
+        fresh.append(lent[1] is not None)
+        in_flight.append((h, lent))
+        if len(in_flight) == 3:
+            t.take_hbm_memory(*in_flight.pop(0))
+    assert not any(fresh[2 * len(sizes):]), fresh  # warm after two forwards
+    t.close()
+
+
 def test_fresh_hbm_memory_faults_in_while_the_reader_is_busy(tmp_path):
     """[Note: reused host memory for hbm] A fetch's fresh hbm copy (a size the pool does not serve) starts
     faulting in when the fetch is issued, on a thread of its own: not behind the reader thread's earlier jobs

@@ -13,7 +13,7 @@ import torch
 
 from offload.scheduler.streams import JobThread
 from offload.swap import BufferPool, PoolExhaustedError, aligned_empty
-from offload.swap.buffers import populate
+from offload.swap.buffers import populate, round_up
 
 # [Note: reused host memory for hbm]
 # On the CPU backend hbm is host memory, and a copy into memory never touched runs at the speed of page
@@ -27,8 +27,10 @@ from offload.swap.buffers import populate
 # takes one just given back) and reuse_bytes (the room the plan leaves for weights kept beyond their
 # use), kept across steps since the next forward takes them again. A fetch whose size has no cached
 # buffer takes one of up to twice its size (a 7b model's embedding and head take a decoder layer's).
-# Used and cached together stay under the planned peak of fetched weights (placement.fetched_peak), as
-# CUDA's caching allocator keeps freed blocks. Any other request gets fresh memory, aligned too and
+# Used and cached together stay under the planned peak of fetched weights (placement.fetched_peak) and one
+# buffer of the largest shared size, as CUDA's caching allocator keeps freed blocks: a unit that took a larger
+# cached buffer than its own holds more than the plan counts for it, and a pool without that headroom refused
+# the next unit in flight, which mapped fresh memory instead (more memory, not less). Any other request gets fresh memory, aligned too and
 # marked for huge pages, faulted in on a thread of its own from the moment the fetch is issued
 # (swap.buffers.populate, off the GIL), beside the reads queued before it; the fetch's reads wait for it
 # (fault_in). On CUDA, and with a torch that lacks
@@ -93,7 +95,8 @@ class Tiers:
         self.reusable = hbm_device.type == "cpu" and STORAGE_SWAP
         # [Note: reused host memory for hbm]; timeout 0: a request that does not fit gets fresh memory
         cached = max(2 * max(hbm_pool_sizes, default=0), reuse_bytes)  # a fetch's next buffer: one given back
-        self.hbm_pool = (BufferPool(hbm_pool_bytes, timeout_s=0.0, max_cached_bytes=cached)
+        headroom = round_up(max(hbm_pool_sizes, default=0))  # a unit holding a larger cached buffer than its own
+        self.hbm_pool = (BufferPool(hbm_pool_bytes + headroom, timeout_s=0.0, max_cached_bytes=cached)
                          if self.reusable and hbm_pool_bytes > 0 else None)
         self.hbm_pool_sizes = hbm_pool_sizes  # nbytes of the fetched units that share their size
         self._faulter: JobThread | None = None  # faults fresh hbm memory in; started by the first that needs it
