@@ -4,9 +4,12 @@ the other (so drift on a shared machine hits both alike). Prints the loss curve 
 --every steps), the held-out loss at the end, the final ratio (goal: within 1%), and with --plot a figure.
 --plain adds the same training in plain PyTorch in memory with torch's AdamW and with bitsandbytes' AdamW8bit
 (its CPU backend; min_8bit_size 4096, blocks of 256): whether a difference is the 8-bit method's or ours.
+--modes picks the runs (fp32 int8 torch bnb8 torch-fused; `--modes torch bnb8`: the plain pair alone, half the
+time). torch-fused is torch's AdamW again with fused=True: the same fp32 math rounded in another order, whose
+distance from the first is the spread of fp32 AdamW itself on this run (what "within 1%" is measured against).
 
     python bench/int8_states.py [--model small] [--steps 300] [--every 25] [--optimizer cpu|nvme] [--plain]
-                                [--plot F] [--json]
+                                [--modes M ...] [--seed 0] [--plot F] [--json]
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODES = ("fp32", "int8")
-PLAIN = ("torch AdamW", "bnb AdamW8bit")
+PLAIN = ("torch AdamW", "bnb AdamW8bit", "torch AdamW fused")
+NAMES = {"fp32": "fp32", "int8": "int8", "torch": PLAIN[0], "bnb8": PLAIN[1], "torch-fused": PLAIN[2]}  # --modes
+RATIOS = (("int8", "fp32", "int8/fp32"), (PLAIN[1], PLAIN[0], "bnb8/torch"),  # printed where both ran
+          (PLAIN[2], PLAIN[0], "fused/torch"))
 
 
 def main() -> None:
@@ -38,9 +44,14 @@ def main() -> None:
     ap.add_argument("--precision", default="auto")
     ap.add_argument("--dir", default=None, help="swap goes under it (default: a temporary directory)")
     ap.add_argument("--plain", action="store_true", help="also torch's AdamW and bitsandbytes' AdamW8bit in memory")
+    ap.add_argument("--modes", nargs="+", choices=tuple(NAMES), default=["fp32", "int8"],
+                    help="the runs: ours with fp32 or int8 states; in memory torch's AdamW (torch-fused: again, "
+                         "fused=True) and bitsandbytes' AdamW8bit")
+    ap.add_argument("--seed", type=int, default=0, help="the model's initial weights and the batches' order")
     ap.add_argument("--plot", default=None, metavar="PNG")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    args.modes = [NAMES[m] for m in NAMES if m in args.modes or (args.plain and m in ("torch", "bnb8"))]
     base = tempfile.mkdtemp(prefix="int8-bench-", dir=args.dir)
     try:
         report = run(args, base)
@@ -48,14 +59,15 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     print(f"{args.model}, {args.batch} x {args.seq}, lr {args.lr}, {args.steps} steps, states in "
           f"{args.optimizer}, {report['precision']}: training loss, mean over each {args.every} steps")
-    rows = [m for m in (*MODES, *PLAIN) if m in report["curve"]]
-    print(f"  {'steps':>9s} " + " ".join(f"{m:>13s}" for m in rows) + f" {'int8/fp32':>10s}")
+    rows, c, ev = args.modes, report["curve"], report["eval_loss"]
+    ratios = [r for r in RATIOS if r[0] in rows and r[1] in rows]
+    print(f"  {'steps':>9s} " + " ".join(f"{m:>13s}" for m in rows) + "".join(f" {r[2]:>10s}" for r in ratios))
     for k, (a, b) in enumerate(report["stretches"]):
-        c = report["curve"]
-        print(f"  {a:4d}-{b:<4d} " + " ".join(f"{c[m][k]:13.4f}" for m in rows) + f" {c['int8'][k] / c['fp32'][k]:10.4f}")
-    ev = report["eval_loss"]
+        print(f"  {a:4d}-{b:<4d} " + " ".join(f"{c[m][k]:13.4f}" for m in rows)
+              + "".join(f" {c[x][k] / c[y][k]:10.4f}" for x, y, _ in ratios))
     print(f"  held-out loss after {args.steps} steps: " + ", ".join(f"{m} {ev[m]:.4f}" for m in rows)
-          + f" (int8/fp32 {ev['int8'] / ev['fp32']:.4f}x); step time int8/fp32 {report['step_ratio']:.2f}x")
+          + "".join(f" ({name} {ev[x] / ev[y]:.4f}x)" for x, y, name in ratios)
+          + (f"; step time int8/fp32 {report['step_ratio']:.2f}x" if report["step_ratio"] else ""))
     if args.plot:
         plot(report, args.plot)
     if args.json:
@@ -70,16 +82,17 @@ def run(args, base: str) -> dict:
     from offload.models import build_model, loss_of
 
     train_tokens, val_tokens = split_tokens(load_tokens())
-    sampler = BatchSampler(train_tokens, args.batch, args.seq, seed=0)
+    sampler = BatchSampler(train_tokens, args.batch, args.seq, seed=args.seed)
     held = BatchSampler(val_tokens, args.batch, args.seq, seed=1)
-    engines, losses, times = {}, {m: [] for m in (*MODES, *PLAIN)}, {m: [] for m in MODES}
-    plain = plain_loops(args) if args.plain else {}
-    for mode in MODES:
+    ours = [m for m in MODES if m in args.modes]
+    engines, losses, times = {}, {m: [] for m in args.modes}, {m: [] for m in ours}
+    plain = plain_loops(args, [m for m in PLAIN if m in args.modes])
+    for mode in ours:
         cfg = {"precision": args.precision, "offload_param": {"device": "cpu"},
                "offload_optimizer": {"device": args.optimizer}, "nvme_path": os.path.join(base, mode),
                "gradient_clipping": 1.0, "optimizer": {"lr": args.lr, "states": mode},
                "lr_schedule": {"warmup_steps": 10}}
-        engines[mode] = offload.initialize(build_model(args.model, seed=0), cfg)
+        engines[mode] = offload.initialize(build_model(args.model, seed=args.seed), cfg)
     try:
         for i in range(args.steps):
             ids, labels = sampler.batch(i)
@@ -93,15 +106,16 @@ def run(args, base: str) -> dict:
             for mode, step in plain.items():
                 losses[mode].append(step(i, ids, labels))
             if (i + 1) % args.every == 0:
-                print(f"step {i + 1}: " + ", ".join(f"{m} {statistics.mean(losses[m][-args.every:]):.4f} "
-                                                    f"({statistics.median(times[m][-args.every:]):.2f} s)"
-                                                    for m in MODES), file=sys.stderr, flush=True)
+                print(f"step {i + 1}: " + ", ".join(
+                    f"{m} {statistics.mean(losses[m][-args.every:]):.4f}"
+                    + (f" ({statistics.median(times[m][-args.every:]):.2f} s)" if m in times else "") for m in losses),
+                    file=sys.stderr, flush=True)
         evals = {}
         with torch.no_grad():
             for mode, engine in [*engines.items(), *((m, s.model) for m, s in plain.items())]:
                 evals[mode] = statistics.mean(loss_of(engine(*held.batch(k)[:1], labels=held.batch(k)[1])).item()
                                               for k in range(8))
-        precision = engines["fp32"].cfg.precision
+        precision = next(iter(engines.values())).cfg.precision if engines else "fp32 (plain)"
     finally:
         for engine in engines.values():
             engine.close()
@@ -109,12 +123,14 @@ def run(args, base: str) -> dict:
     curve = {m: [statistics.mean(losses[m][a:b]) for a, b in stretches] for m in losses if losses[m]}
     return {"model": args.model, "steps": args.steps, "precision": precision, "optimizer": args.optimizer,
             "stretches": stretches, "curve": curve, "losses": losses, "eval_loss": evals,
-            "final_ratio": curve["int8"][-1] / curve["fp32"][-1],
+            "final_ratio": curve["int8"][-1] / curve["fp32"][-1] if len(ours) == 2 else None,
+            "final_ratios": {name: curve[a][-1] / curve[b][-1] for a, b, name in RATIOS if a in curve and b in curve},
             # the first step records the trace: left out
-            "step_ratio": statistics.median(times["int8"][1:]) / statistics.median(times["fp32"][1:])}
+            "step_ratio": statistics.median(times["int8"][1:]) / statistics.median(times["fp32"][1:])
+            if len(ours) == 2 and args.steps > 1 else None}
 
 
-def plain_loops(args) -> dict:
+def plain_loops(args, modes) -> dict:
     """mode -> step(i, ids, labels) -> loss: the model in memory, fp32, the engine's clipping (1.0) and schedule
     (10 warm-up steps, then constant), torch's AdamW or bitsandbytes' AdamW8bit; step.model is the model."""
     import torch
@@ -124,10 +140,11 @@ def plain_loops(args) -> dict:
     from offload.step.scale import lr_factor
 
     out = {}
-    for mode in PLAIN:
-        model = build_model(args.model, seed=0)
-        if mode == "torch AdamW":
-            opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, foreach=False)
+    for mode in modes:
+        model = build_model(args.model, seed=args.seed)
+        if mode in (PLAIN[0], PLAIN[2]):
+            fused = {"fused": True} if mode == PLAIN[2] else {"foreach": False}
+            opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, **fused)
         else:
             import bitsandbytes
 
