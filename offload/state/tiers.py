@@ -30,12 +30,11 @@ from offload.swap.buffers import populate, round_up
 # Used and cached together stay under the planned peak of fetched weights (placement.fetched_peak) and one
 # buffer of the largest shared size, as CUDA's caching allocator keeps freed blocks: a unit that took a larger
 # cached buffer than its own holds more than the plan counts for it, and a pool without that headroom refused
-# the next unit in flight, which mapped fresh memory instead (more memory, not less). Any other request gets fresh memory, aligned too and
-# marked for huge pages, faulted in on a thread of its own from the moment the fetch is issued
-# (swap.buffers.populate, off the GIL), beside the reads queued before it; the fetch's reads wait for it
-# (fault_in). On CUDA, and with a torch that lacks
-# _swap_data_ptr_, storages are resized instead. Figures: bench/RESULTS.md ("reused host memory for hbm"),
-# and docs/design.md "Chunks and budgets".
+# the next unit in flight, which mapped fresh memory instead (more memory, not less). Any other request gets
+# fresh memory, aligned too and marked for huge pages, faulted in on a thread of its own from the moment the
+# fetch is issued (swap.buffers.populate, off the GIL), beside the reads queued before it; the fetch's reads
+# wait for it (fault_in). On CUDA, and with a torch that lacks _swap_data_ptr_, storages are resized instead.
+# Figures: bench/RESULTS.md ("reused host memory for hbm"), and docs/design.md "Chunks and budgets".
 
 STORAGE_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")  # [Note: reused host memory for hbm]
 
