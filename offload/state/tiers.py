@@ -93,9 +93,10 @@ class Tiers:
                      "nvme": Accountant("nvme", nvme_budget)}
         self.reusable = hbm_device.type == "cpu" and STORAGE_SWAP
         # [Note: reused host memory for hbm]; timeout 0: a request that does not fit gets fresh memory
-        cached = max(2 * max(hbm_pool_sizes, default=0), reuse_bytes)  # a fetch's next buffer: one given back
-        headroom = round_up(max(hbm_pool_sizes, default=0))  # a unit holding a larger cached buffer than its own
-        self.hbm_pool = (BufferPool(hbm_pool_bytes + headroom, timeout_s=0.0, max_cached_bytes=cached)
+        largest = max(hbm_pool_sizes, default=0)
+        cached = max(2 * largest, reuse_bytes)  # a fetch's next buffer: one given back
+        # headroom: a unit holding a larger cached buffer than its own
+        self.hbm_pool = (BufferPool(hbm_pool_bytes + round_up(largest), timeout_s=0.0, max_cached_bytes=cached)
                          if self.reusable and hbm_pool_bytes > 0 else None)
         self.hbm_pool_sizes = hbm_pool_sizes  # nbytes of the fetched units that share their size
         self._faulter: JobThread | None = None  # faults fresh hbm memory in; started by the first that needs it
