@@ -2,8 +2,8 @@
 modes beside a plain in-memory torch loop, and a table: step time against the in-memory step, stall
 share, the H2D / D2H rates the engine achieved against a plain pinned copy measured in the same run, and
 the hbm peak. Modes: bf16 with weights in hbm / dram / nvme, without overlap_step, with delayed_update
-and clipping, with activation checkpointing, fp16 with loss scaling, int8 optimizer states on nvme (not yet
-run on a GPU); the presets tie their embedding. Decode (bench/generate.py's device_decode, not yet run on a GPU):
+and clipping, with activation checkpointing, fp16 with loss scaling, int8 optimizer states on nvme, and with a
+split master (neither yet run on a GPU); the presets tie their embedding. Decode (bench/generate.py's device_decode, not yet run on a GPU):
 generate() at batch 32 with the weights in pinned dram against the pinned H2D bound.
 
     python bench/gpu_check.py [--device cuda:0] [--preset bench-200m] [--batch 4] [--seq 512] [--steps 3]
@@ -65,6 +65,8 @@ MODES = {  # name -> (offload_param, offload_optimizer, extra config, checkpoint
     "bf16 cpu/cpu ckpt": ("cpu", "cpu", {}, True),
     "fp16 cpu/cpu": ("cpu", "cpu", {"precision": "fp16"}, False),
     "bf16 nvme/nvme int8 states": ("nvme", "nvme", {"optimizer": {"lr": 1e-4, "states": "int8"}}, False),
+    "bf16 cpu/nvme int8 split master": ("cpu", "nvme", {"optimizer": {"lr": 1e-4, "states": "int8", "master": "split"}},
+                                        False),
 }
 
 

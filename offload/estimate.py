@@ -8,7 +8,7 @@ import dataclasses
 import math
 import os
 
-from offload.plan.config import STATE_CHOICES
+from offload.plan.config import MASTER_CHOICES, STATE_CHOICES
 from offload.plan.memory import OFFLOAD_TIER, TIERS, Knobs, runtime_parts
 
 # [Note: the ledger] is LEDGER, which `offload estimate --help` prints
@@ -20,7 +20,8 @@ the optimizer state (dram or nvme) and, because the step then runs on the CPU, t
 runtime accumulates in fp32 in dram (4 B, not 2). With fp32 precision the weight is its own master:
 4 B weight, 4 B gradient, K = 8 (m, v). With int8 moments (--optimizer-states int8: one byte each
 and a fp32 scale per 256) K = 4 + 2 + 8/256 (bf16) or 2 + 8/256 (fp32), the small parameters' fp32
-moments aside."""
+moments aside. A split master (--master split, bf16: the weight plus a record of 2 + 1/8 bytes) takes
+2.125 B of K's 4."""
 
 # [Note: the runtime]
 # Peak memory is never just the ledger. `runtime_bytes` adds what the runtime itself holds through
@@ -59,13 +60,18 @@ def _check_choice(field: str, value, allowed) -> None:
 
 
 def ledger_terms(stage: int, offload_param: str = "none", offload_optimizer: str = "none",
-                 precision: str = "bf16", dram_grad_bytes: int = 4, states: str = "fp32") -> list[Term]:
+                 precision: str = "bf16", dram_grad_bytes: int = 4, states: str = "fp32",
+                 master: str = "fp32") -> list[Term]:
     """The three ledger terms (weights, gradients, optimizer) for a ZeRO stage and offload choice.
 
     dram_grad_bytes: bytes per gradient element when the optimizer runs on the CPU (4: fp32 accumulation).
-    states: the moments, "fp32" or "int8" ([Note: int8 optimizer states]).
+    states: the moments, "fp32" or "int8" ([Note: int8 optimizer states]); master: "fp32" or "split" (bf16:
+    [Note: split master] in offload/kernels/split.py).
     """
     _check_choice("optimizer states", states, STATE_CHOICES)
+    _check_choice("master", master, MASTER_CHOICES)
+    if master == "split" and precision != "bf16":
+        raise ValueError(f"master=split: the bf16 weight plus a record, and precision is {precision}; use bf16")
     _check_choice("stage", stage, (0, 1, 2, 3))
     _check_choice("offload_param", offload_param, tuple(OFFLOAD_TIER))
     _check_choice("offload_optimizer", offload_optimizer, tuple(OFFLOAD_TIER))
@@ -74,6 +80,8 @@ def ledger_terms(stage: int, offload_param: str = "none", offload_optimizer: str
     k = 8 if precision == "fp32" else 12
     if states == "int8":
         k = k - 8 + 2 + 8 / 256  # m and v: a byte each and a fp32 absmax per block of each
+    if master == "split":
+        k = k - 4 + 2 + 1 / 8  # the master's low half and a tie bit
     opt_tier = OFFLOAD_TIER[offload_optimizer]
     grad_bytes = weight_bytes if opt_tier == "hbm" else dram_grad_bytes   # CPU step: fp32 accumulators
     # The engine keeps each unit's fp32 gradient accumulator beside its optimizer states (dram or nvme), so
@@ -100,7 +108,7 @@ def model_state_bytes(params: int, dp: int, terms: list[Term], trainable: int | 
 
 
 def runtime_bytes(unit_numel: int, terms: list[Term], device_type: str = "cuda", states: str = "fp32",
-                  chunk_bytes: int = 32 << 20, activations: list[dict] = (), hbm_units: int | None = None,
+                  master: str = "fp32", chunk_bytes: int = 32 << 20, activations: list[dict] = (), hbm_units: int | None = None,
                   trainable_unit_numel: int | None = None, unit_bytes: int | None = None) -> dict:
     """The runtime's buffers and working set per rank, on top of the ledger: offload.plan.memory.runtime_parts,
     the function the engine's placement checks, with every unit as large as the largest (unit_numel).
@@ -118,7 +126,7 @@ def runtime_bytes(unit_numel: int, terms: list[Term], device_type: str = "cuda",
     parts = runtime_parts([unit_numel] * n_fetched if w.tier != "hbm" else [], [trained] * knobs.grad_units,
                           w.bytes_per_param, w.tier, opt.tier, device_type, chunk_bytes, knobs,
                           hbm_trained=w.tier == "hbm" or trainable_unit_numel is None,  # all trained: the rest too
-                          states=states)
+                          states=states, master=master)
     if unit_bytes is not None:
         _fetch_bytes(parts, n_fetched, unit_bytes, knobs)
     parts += [dict(p) for p in activations]
@@ -271,15 +279,15 @@ def with_quantized_base(shape: ModelShape, model, kind: str, records: dict) -> M
 
 def estimate(shape: ModelShape, dp: int = 1, stage: int = 0, offload_param: str = "none",
              offload_optimizer: str = "none", precision: str = "bf16", dram_grad_bytes: int = 4,
-             states: str = "fp32", **runtime_kwargs) -> dict:
+             states: str = "fp32", master: str = "fp32", **runtime_kwargs) -> dict:
     """The whole estimate as the JSON of `offload estimate --json`."""
     if dp < 1:
         raise ValueError(f"dp={dp}: must be >= 1 (the number of data-parallel ranks)")
-    terms = ledger_terms(stage, offload_param, offload_optimizer, precision, dram_grad_bytes, states)
+    terms = ledger_terms(stage, offload_param, offload_optimizer, precision, dram_grad_bytes, states, master)
     itemsize, q = terms[0].bytes_per_param, shape.quantized
     model_states = model_state_bytes(shape.params, dp, terms, shape.trainable,
                                      weight_bytes=q.weight_bytes(shape.params, itemsize) if q else None)
-    runtime = runtime_bytes(shape.largest_unit_numel, terms, states=states, trainable_unit_numel=shape.trainable_unit_numel,
+    runtime = runtime_bytes(shape.largest_unit_numel, terms, states=states, master=master, trainable_unit_numel=shape.trainable_unit_numel,
                             unit_bytes=q.unit_bytes(itemsize) if q else None,
                             **runtime_kwargs)  # gathered units are whole: no /D
     per_rank = {k: model_states[k] + runtime[k] for k in model_states}
@@ -291,7 +299,7 @@ def estimate(shape: ModelShape, dp: int = 1, stage: int = 0, offload_param: str 
             "largest_unit_bytes": q.unit_bytes(itemsize) if q else shape.largest_unit_numel * itemsize,
             "source": shape.source,
             "dp": dp, "stage": stage, "offload_param": offload_param, "offload_optimizer": offload_optimizer,
-            "precision": precision, "optimizer_states": states, "K": terms[2].bytes_per_param, "device": runtime_kwargs.get("device_type", "cuda"),
+            "precision": precision, "optimizer_states": states, "master": master, "K": terms[2].bytes_per_param, "device": runtime_kwargs.get("device_type", "cuda"),
             "model_states": model_states, "runtime": runtime, "per_rank": per_rank,
             "all_ranks": {k: v * dp for k, v in per_rank.items()},
             "formula": formula(terms, runtime, frozen=shape.trainable is not None, quantized=q is not None)}

@@ -51,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Adam's moments: fp32 (default) or int8, blockwise 8-bit codes with a fp32 scale per 256 "
                         "(half the optimizer bytes a step moves; docs/training.md)")
     g.add_argument("--master", choices=MASTER_CHOICES, default=None,
-                   help="the fp32 master weights: fp32 (default; split, a bf16 weight plus a 16-bit remainder, is "
-                        "not built yet and is refused)")
+                   help="the master weights: fp32 (default) or split (precision bf16: the bf16 weight plus a "
+                        "record of 2 + 1/8 bytes, bit for bit the fp32 master's training; docs/training.md)")
     g.add_argument("--offload-config", default=None, metavar="PATH", help="a .json/.yaml config; flags override it")
     g.add_argument("--deepspeed", default=None, metavar="PATH",
                    help="a DeepSpeed JSON config, read into ours (docs/deepspeed.md); "

@@ -28,7 +28,7 @@ def test_gpu_check_smoke_run_on_cpu(tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(result["modes"]) == {"bf16 hbm/cpu", "bf16 cpu/cpu", "bf16 nvme/nvme", "bf16 nvme/nvme no overlap",
                                     "bf16 nvme/nvme delayed+clip", "bf16 cpu/cpu ckpt", "fp16 cpu/cpu",
-                                    "bf16 nvme/nvme int8 states"}
+                                    "bf16 nvme/nvme int8 states", "bf16 cpu/nvme int8 split master"}
     first = {m: r["losses"][0] for m, r in result["modes"].items() if m.startswith("bf16")}
     assert len(set(first.values())) == 1, first  # the same model and batch: the same first loss in every bf16 mode
     assert "x in-mem" in proc.stdout

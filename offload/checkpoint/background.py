@@ -19,11 +19,11 @@ from offload.state.tiers import ChunkPool
 # updates them), and the step's update of a unit waits until that unit is written (Runtime.before_update):
 # copy-on-write per unit, where the copy is the write itself. Everything else is taken at the request, in the
 # caller's thread: the counters, the RNG states, the model's buffers. The states are read from their homes
-# by the saver (nvme ones through a one-chunk pool of its own, so that a step holding the runtime's pool
-# never waits for it), written to the same files as a blocking save, and published the same way: `latest`
-# moves only once the whole checkpoint is written and verified. Over ranks each rank writes its part; the
-# manifest is merged and published at a later step boundary once every rank's part is written (an agreement
-# at each step()), or by wait() (every rank calls it). A failure in the saver is raised at the next step(),
+# by the saver (nvme ones through a one-chunk pool of its own, three for a split master, so that a step
+# holding the runtime's pool never waits for it), written to the same files as a blocking save, and published
+# the same way: `latest` moves only once the whole checkpoint is written and verified. Over ranks each rank
+# writes its part; the manifest is merged and published at a later step boundary once every rank's part is
+# written (an agreement at each step()), or by wait() (every rank calls it). A failure in the saver is raised at the next step(),
 # save_checkpoint(), close() or wait(); the previous checkpoint and `latest` stay as they were.
 
 
@@ -59,7 +59,8 @@ class BackgroundSave:
         self._error: str | None = None
         self._closed = False
         try:
-            self._staging = ChunkPool(self.rt.tiers, self.rt.staging.chunk_bytes, 1)
+            split = self.rt.settings.optimizer.master == "split"  # a window's record, its weights, the master
+            self._staging = ChunkPool(self.rt.tiers, self.rt.staging.chunk_bytes, 3 if split else 1)
         except BaseException:
             fmt.abort(self.tmp)
             raise

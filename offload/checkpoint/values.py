@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from offload.plan.chunks import chunk_key
+from offload.state.masters import read_master
 from offload.state.optim import OptimState
 from offload.state.residency import WeightHandle
 from offload.state.runtime import Runtime
@@ -24,7 +25,11 @@ def unit_values(rt: Runtime, w: WeightHandle, st: OptimState | None, frozen: boo
     if not frozen and st is None:
         return
     if st is not None and rt.sharded:
-        master = _gather_master(rt, st)
+        master = _gather_master(rt, w, st)
+    elif st is not None and st.split:  # joined with the weights ([Note: split master] in offload/kernels/split.py)
+        master = torch.empty(st.numel, dtype=torch.float32)
+        for i, (b, e) in enumerate(st.chunks):
+            read_master(rt, w, st, i, master[b:e])
     elif st is not None:
         if st.home == "nvme":
             master = _read_chunks(rt.store, unit.key("master", rt.rank), st.chunks, torch.float32)
@@ -68,9 +73,13 @@ def _read_chunks(store: SwapStore, key: str, chunks, dtype: torch.dtype) -> torc
     return out
 
 
-def _gather_master(rt: Runtime, st: OptimState) -> torch.Tensor:
-    """A unit's fp32 master whole on every rank ([Note: windows over ranks] in offload.state.optim)."""
+def _gather_master(rt: Runtime, w: WeightHandle, st: OptimState) -> torch.Tensor:
+    """A unit's fp32 master whole on every rank ([Note: windows over ranks] in offload.state.optim); a split
+    one joined by each window's owner."""
     key = st.unit.key("master", rt.rank)
+    if st.split:
+        return _gathered(rt, st.chunks, st.owner, torch.float32, "joined", None,
+                         lambda i: read_master(rt, w, st, i, torch.empty(st.chunks[i][1] - st.chunks[i][0])))
     return _gathered(rt, st.chunks, st.owner, torch.float32, st.home, lambda i: chunk_key(key, i),
                      lambda i: st.t["master"][st.span(i)])
 

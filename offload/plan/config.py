@@ -31,7 +31,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     states: str = "fp32"   # "int8": blockwise 8-bit exp_avg and exp_avg_sq ([Note: int8 optimizer states])
-    master: str = "fp32"   # "split" is not built yet (refused with why)
+    master: str = "fp32"   # "split": the bf16 weight plus a 17-bit record ([Note: split master])
 
     def validate(self, path: str) -> None:
         if self.type not in ("adamw", "adam"):
@@ -211,10 +211,8 @@ class Config:
             fail("zero_stage", self.zero_stage, "must be 0, 1, 2 or 3", "see docs/zero.md")
         if self.optimizer.master == "split":
             if self.precision not in ("bf16", "auto"):
-                fail("optimizer.master", "split", f"is the bf16 weight plus a 16-bit remainder, and precision is "
+                fail("optimizer.master", "split", f"is the bf16 weight plus a 17-bit record, and precision is "
                       f"{self.precision!r}: there is no bf16 weight to split from", 'use precision "bf16" or master "fp32"')
-            fail("optimizer.master", "split", "is not built in this version (issue 50: only optimizer.states int8 is)",
-                  'use master "fp32"')
         if self.delayed_update and self.gradient_accumulation_steps > 1:
             fail("delayed_update", True, f"needs gradient_accumulation_steps 1 (got {self.gradient_accumulation_steps}): "
                   "the delayed update lands during the next backward, inside the next accumulation window",

@@ -53,13 +53,16 @@ class Knobs:
 MINIMUM = Knobs(prefetch_units=0, reuse_distance=0, reuse_bytes=0, read_ahead=False, grad_units=1)
 
 
-def state_bytes(numel: int, states: str = "fp32", small_numel: int = 0, grad: bool = True) -> int:
-    """Bytes of the optimizer states of `numel` trained elements: the fp32 master and the moments (fp32, or
+def state_bytes(numel: int, states: str = "fp32", small_numel: int = 0, grad: bool = True,
+                master: str = "fp32") -> int:
+    """Bytes of the optimizer states of `numel` trained elements: the master (fp32, or a split master's
+    record of 2 + 1/8 bytes: [Note: split master] in offload/kernels/split.py) and the moments (fp32, or
     int8 codes with a fp32 absmax per block of each; `small_numel` of them, in parameters under 4096
     elements, keep fp32 moments), and with `grad` the fp32 gradient accumulator."""
+    record = 2 * numel + numel // 8 if master == "split" else 4 * numel
     if states == "fp32":
-        return (12 + 4 * grad) * numel
-    return (6 + 4 * grad) * numel + 8 * (numel // BLOCK) + 8 * small_numel
+        return record + (8 + 4 * grad) * numel
+    return record + (2 + 4 * grad) * numel + 8 * (numel // BLOCK) + 8 * small_numel
 
 
 def window_chunks(states: str, chunk_bytes: int) -> int:
@@ -80,7 +83,7 @@ def moment_offsets(numel: int, chunk_bytes: int) -> tuple[int, int, int] | None:
 
 def pool_chunks(w_home: str, s_home: str, device_type: str, read_ahead: bool,
                 hbm_trained: bool | None = None, trains: bool = True, states: str = "fp32",
-                chunk_bytes: int = 0) -> tuple[int, str]:
+                chunk_bytes: int = 0, master: str = "fp32") -> tuple[int, str]:
     """Chunks in the dram pool, and the formula. hbm_trained: whether a trained unit's weights live in hbm
     (default: w_home is hbm); the resident rest (final norms) does whatever w_home is. trains: False for a
     model with no trainable parameter (a frozen reference model): nothing is stepped, so no optimizer window."""
@@ -101,7 +104,10 @@ def pool_chunks(w_home: str, s_home: str, device_type: str, read_ahead: bool,
     windows = (1 + OPTIMIZER_READ_AHEAD if s_home == "nvme" else 2) if read_ahead else 1
     if per_window:
         terms.append(f"{windows} optimizer windows x {per_window}")
-    return fetch + windows * per_window, " + ".join(terms)
+    joined = int(master == "split")  # the stepped window's fp32 master, joined from its record
+    if joined:
+        terms.append("1 joined split master")
+    return fetch + windows * per_window + joined, " + ".join(terms)
 
 
 def _largest(numels: list[int], k: int) -> int:
@@ -116,7 +122,7 @@ def grad_reserve(trainable_numels: list[int], itemsize: int, knobs: Knobs) -> in
 def runtime_parts(fetched_numels: list[int], trainable_numels: list[int], itemsize: int, w_home: str,
                   s_home: str, device_type: str, chunk_bytes: int, knobs: Knobs, order: list[int] | None = None,
                   numels: list[int] | None = None, trainables: list[int] | None = None,
-                  hbm_trained: bool | None = None, states: str = "fp32") -> list[dict]:
+                  hbm_trained: bool | None = None, states: str = "fp32", master: str = "fp32") -> list[dict]:
     """The runtime's parts per tier: [{"name", "tier", "bytes", "formula"}].
     fetched_numels: the numel of every unit whose weights are fetched into hbm (none when w_home is hbm);
     trainable_numels: every unit's trainable numel. With the model's units known (`order`: the unit
@@ -140,7 +146,7 @@ def runtime_parts(fetched_numels: list[int], trainable_numels: list[int], itemsi
             f"{knobs.reuse_bytes}, each unit's gradients ({itemsize} B/param) in flight until the largest "
             f"{knobs.grad_units} fill the reserve")
         return _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs, hbm_trained,
-                           any(trainable_numels), states)
+                           any(trainable_numels), states, master)
     if w_home != "hbm":
         near = max(0, knobs.reuse_distance)
         k = 1 + knobs.prefetch_units + near
@@ -151,11 +157,13 @@ def runtime_parts(fetched_numels: list[int], trainable_numels: list[int], itemsi
         add("weights kept for reuse", "hbm", max(0, kept), "reuse_bytes, at most the other fetched weights")
     add("gradients in flight", "hbm", reserve, f"the largest {knobs.grad_units} trainable units x {itemsize} B")
     return _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs, hbm_trained,
-                           any(trainable_numels), states)
+                           any(trainable_numels), states, master)
 
 
-def _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs, hbm_trained, trains, states) -> list[dict]:
-    count, formula = pool_chunks(w_home, s_home, device_type, knobs.read_ahead, hbm_trained, trains, states, chunk_bytes)
+def _pool_parts(parts, add, w_home, s_home, device_type, chunk_bytes, knobs, hbm_trained, trains, states,
+                master) -> list[dict]:
+    count, formula = pool_chunks(w_home, s_home, device_type, knobs.read_ahead, hbm_trained, trains, states, chunk_bytes,
+                                 master if trains else "fp32")
     add("chunk pool", "dram", count * chunk_bytes, f"({formula}) chunks x chunk_bytes {chunk_bytes}")
     if w_home == "nvme" or (s_home == "nvme" and trains):
         add("swap run directory", "nvme", SWAP_SLACK_BYTES, "its owner file and the data file's allocation slack")

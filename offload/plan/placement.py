@@ -20,6 +20,7 @@ import torch
 from offload.plan.activation_memory import ActivationModel, activation_model, longest_seq
 from offload.plan.chunks import chunk_spans, planned_chunk_bytes, weight_chunks, window_owners
 from offload.plan.config import load_config
+from offload.plan.settings import fail
 from offload.plan.memory import (
     MINIMUM,
     OFFLOAD_TIER,
@@ -137,6 +138,9 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     (offload.plan.activation_memory; the preflight then refuses activations that do not fit, naming the longest
     sequence that would)."""
     precision = precision or resolve_precision(cfg.precision, device)
+    if cfg.optimizer.master == "split" and precision.name != "bf16":
+        fail("optimizer.master", "split", f"is the bf16 weight plus a 17-bit record, and precision "
+             f"{cfg.precision!r} runs as {precision.name} on {device.type}", 'set precision "bf16" or master "fp32"')
     cfg = replace(cfg, precision=precision.name)  # the plan follows the precision that runs
     itemsize = cfg.compute_dtype.itemsize
     chunk_bytes = planned_chunk_bytes(cfg.chunk_bytes, max((u.numel for u in units), default=0))
@@ -154,6 +158,10 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     w_home, s_home = OFFLOAD_TIER[cfg.offload_param.device], OFFLOAD_TIER[cfg.offload_optimizer.device]
     if s_home == "hbm" and w_home != "hbm":
         check_states_in_hbm(units, cfg, device)
+    if cfg.optimizer.master == "split" and s_home == "hbm" and device.type != "cpu":
+        fail("optimizer.master", "split", f"is stepped by CPU Adam, and offload_optimizer none keeps the states in "
+             f"{device.type} memory, stepped there", 'offload the optimizer (offload_optimizer cpu or nvme) or use '
+             'master "fp32"')
     weight_home = {u.index: "hbm" if u.persistent else w_home for u in units}
     state_home = {u.index: s_home for u in units if u.trainable_numel}
     states = {"hbm": 0, "dram": 0, "nvme": 0}
@@ -167,9 +175,11 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
         if u.trainable_numel:
             owned = owned_numel(chunk_spans(u.trainable_numel, chunk_bytes // 4), owners.get(u.index), rank)
             small = small_numel(u) * owned // u.trainable_numel  # over ranks: its share, as an estimate
-            states[state_home[u.index]] += state_bytes(owned, cfg.optimizer.states, small, grad)
-            if cfg.optimizer.states == "fp32":
-                saving[state_home[u.index]] += state_bytes(owned, "fp32", 0, grad) - state_bytes(owned, "int8", small, grad)
+            o = cfg.optimizer
+            states[state_home[u.index]] += state_bytes(owned, o.states, small, grad, o.master)
+            if o.states == "fp32":
+                saving[state_home[u.index]] += (state_bytes(owned, "fp32", 0, grad, o.master)
+                                                - state_bytes(owned, "int8", small, grad, o.master))
         rows.append((u.name, u.numel, weight_home[u.index], state_home.get(u.index, "-")))
     default_hbm, default_dram = _default_budgets(device)
     p = Placement(weight_home, state_home, dict(states), cfg.budgets.hbm_bytes or default_hbm,
@@ -199,7 +209,7 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     def plan(knobs: Knobs, shape: tuple[int, int] | None = p.activation_shape) -> tuple[list[dict], dict[str, int]]:
         parts = runtime_parts(fetched, trainable, itemsize, fetch_home, s_home, device.type, p.chunk_bytes, knobs,
                               order, [u.numel for u in units], [u.trainable_numel for u in units], hbm_trained,
-                              cfg.optimizer.states)
+                              cfg.optimizer.states, cfg.optimizer.master)
         if world > 1 and not sharded and itemsize < 4:  # offload.step.gradients.average_over_ranks
             largest = max((s.numel for u in units for s in u.slots if s.trainable), default=0)
             parts.append({"name": "gradient all-reduce buffer", "tier": "hbm", "bytes": largest * 4,
@@ -217,7 +227,7 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     p.parts, p.need = plan(p.knobs)
     p.grad_reserve = grad_reserve(trainable, itemsize, p.knobs)
     p.pool_chunks = pool_chunks(fetch_home, s_home, device.type, p.knobs.read_ahead, hbm_trained,
-                                bool(trainable), cfg.optimizer.states, chunk_bytes)[0] + 2 * sharded
+                                bool(trainable), cfg.optimizer.states, chunk_bytes, cfg.optimizer.master)[0] + 2 * sharded
     # reuse_bytes derived from the room the rest leaves; with nothing trainable no backward uses them again
     if cfg.reuse_bytes is None and trainable:
         p.knobs = replace(p.knobs, reuse_bytes=reuse_allowance(fetched, itemsize, p, device))
@@ -261,7 +271,8 @@ def check_states_in_hbm(units: list[Unit], cfg, device: torch.device) -> None:
     if device.type == "cuda":
         raise PlacementError(f"{where}: optimizer states in GPU memory beside offloaded weights have never run on "
                              "CUDA; set offload_optimizer to cpu (the trained parameters' states in host memory)")
-    nbytes = sum(state_bytes(u.trainable_numel, cfg.optimizer.states, small_numel(u)) for u in units)
+    nbytes = sum(state_bytes(u.trainable_numel, cfg.optimizer.states, small_numel(u), master=cfg.optimizer.master)
+                 for u in units)
     budget = cfg.budgets.hbm_bytes
     if budget and nbytes > budget:
         trained = sum(s.numel for u in units for s in u.slots if s.trainable)

@@ -12,6 +12,7 @@ import torch
 from offload.kernels.quant8 import BLOCK, SMALL_NUMEL
 from offload.plan.chunks import chunk_key
 from offload.state import moments
+from offload.state.masters import read_master, write_master
 from offload.state.optim import OptimState
 from offload.state.residency import WeightHandle
 from offload.state.runtime import Runtime
@@ -28,6 +29,9 @@ def unit_buffers(rt: Runtime, w: WeightHandle, st: OptimState | None, kind: str,
     indices of the chunks / windows to visit (default: every one this rank holds). `w` and `st` are the
     unit's weight handle and optimizer state (None for a frozen unit). staging: the chunk pool nvme chunks go
     through (default the runtime's)."""
+    if kind == "master" and st.split:
+        yield from _split_masters(rt, w, st, write, keep, only, staging or rt.staging)
+        return
     if kind == "weight":
         w.writer.wait_for_write()  # new weights written behind by the last step
         spans, home, key, dtype = w.chunks, w.home, w.key, w.dtype
@@ -65,6 +69,21 @@ def unit_buffers(rt: Runtime, w: WeightHandle, st: OptimState | None, kind: str,
             yield b, e, buf
             if write:
                 rt.store.write(k, buf).wait()
+        finally:
+            pool.release(buf)
+
+
+def _split_masters(rt: Runtime, w: WeightHandle, st: OptimState, write: bool, keep: bool, only, pool):
+    """unit_buffers' fp32 masters where they are split ([Note: split master] in offload/kernels/split.py): each
+    window's joined with its weights into a pool chunk, its record written back from it (`write`)."""
+    for i in st.mine if only is None else [i for i in st.mine if i in only]:
+        b, e = st.chunks[i]
+        buf = pool.acquire(e - b, torch.float32, f"{st.unit.name} master")
+        try:
+            read_master(rt, w, st, i, buf, pool) if keep else buf.zero_()
+            yield b, e, buf
+            if write:
+                write_master(rt, st, i, buf, pool)
         finally:
             pool.release(buf)
 

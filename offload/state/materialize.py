@@ -20,6 +20,7 @@ from torch import nn
 from offload.plan.chunks import chunk_key, copy_spans
 from offload.plan.units import Unit
 from offload.state.homes import write_slots
+from offload.state.masters import write_master
 from offload.state.init_order import (
     adapter_group,
     check_initializable,
@@ -300,7 +301,14 @@ def place(rt: Runtime, unit: Unit, source, weights: list, states: list, late=())
         pieces = [(s.offset, values[s.name]) for s in given if s.trainable]
         for i in st.mine:  # every window, or over ranks the ones this rank owns
             b, e = st.chunks[i]
-            if st.home == "nvme":
+            if st.split:  # its record, from the fp32 values ([Note: split master] in offload/kernels/split.py)
+                buf = rt.staging.acquire(e - b, torch.float32, f"initial {unit.name} master")
+                try:
+                    copy_spans(pieces, b, e, buf)
+                    write_master(rt, st, i, buf)
+                finally:
+                    rt.staging.release(buf)
+            elif st.home == "nvme":
                 _fill_chunks(rt.staging, rt.store, unit.key("master", rt.rank), {i: (b, e)}, torch.float32, pieces)
             else:
                 copy_spans(pieces, b, e, st.t["master"][st.span(i)])

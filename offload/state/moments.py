@@ -55,7 +55,7 @@ def blank(int8: bool, kind: str, t: torch.Tensor) -> torch.Tensor:
 def shared_views(staging, layout: dict, int8: bool, name: str) -> tuple[torch.Tensor | None, dict]:
     """(the chunk, {kind: view}) of a staged window's codes and scales in one pool chunk, each at a page; (None,
     {}) where they do not fit one (or the moments are fp32): they then take a chunk each."""
-    offsets = int8 and moment_offsets(layout["master"][0], staging.chunk_bytes)
+    offsets = int8 and moment_offsets(layout["exp_avg"][0], staging.chunk_bytes)
     if not offsets:
         return None, {}
     (n, _), (nb, _) = layout["exp_avg"], layout["absmax"]

@@ -8,7 +8,9 @@ updates window j and window j-1 is written back, so the optimizer's dram is a fe
 With optimizer.states "int8" ([Note: int8 optimizer states] in offload/kernels/quant8.py) a window's
 moments are codes and scales instead: exp_avg and exp_avg_sq one byte an element, "absmax" the fp32 scales
 of both (m's blocks, then v's), and "small_m", "small_v" the fp32 m and v of the elements of small parameters in it
-(layout(i) says what window i holds); they are read, stepped and written as such in every tier.
+(layout(i) says what window i holds); they are read, stepped and written as such in every tier. With
+optimizer.master "split" ([Note: split master] in offload/kernels/split.py) the master kind holds each
+element's record (uint8, split.record_bytes), the fp32 master being the working weight joined with it.
 What fills the accumulator (and over ranks reduce-scatters into it) is the gradient path's:
 offload.step.accumulator; what checks the swap digests of a step is the step's: offload.step.windows.
 """
@@ -20,6 +22,7 @@ import time
 import torch
 
 from offload.kernels.quant8 import BLOCK
+from offload.kernels.split import record_bytes
 from offload.plan.chunks import chunk_key, chunk_spans, copy_spans, packed
 from offload.plan.units import Unit
 from offload.state import moments
@@ -126,6 +129,7 @@ class OptimState(_Handle):
         self.got_grad: set[int] = set()           # slot indices with a gradient in this window
         self.hashed = home == "nvme" and rt.store.checksum
         self.int8 = rt.settings.optimizer.states == "int8"
+        self.split = rt.settings.optimizer.master == "split"
         self.state_kinds = INT8_KINDS if self.int8 else STATES  # a window's states, the gradient aside
         # int8: per window, (begin, end, offset in small_m/small_v) of its small parameters' elements
         self.small = [moments.small_ranges(self.slots, self.numel, b, e, unit.name) if self.int8 else []
@@ -134,24 +138,25 @@ class OptimState(_Handle):
         self.kspans: dict[str, dict[int, slice]] = {}  # resident homes: kind -> owned window -> where in its flat
         if home != "nvme":
             for kind in (*self.state_kinds, "grad"):
-                spans, total = {}, 0
+                spans, total, dtype = {}, 0, torch.float32
                 for i in self.mine:
-                    numel = self.layout(i).get(kind, (0,))[0]
+                    numel, dtype = self.layout(i).get(kind, (0, dtype))
                     spans[i], total = slice(total, total + numel), total + numel
                 self.kspans[kind] = spans
-                dtype = torch.uint8 if self.int8 and kind in STATES[1:] else torch.float32
                 self.t[kind] = moments.blank(self.int8, kind, rt.tiers.empty(home, total, dtype, f"{unit.name} {kind}"))
 
     # -- layout -------------------------------------------------------------------------------------
     def layout(self, i: int) -> dict[str, tuple[int, torch.dtype]]:
         """kind -> (numel, dtype) of window i: its states, then its gradient (small_m, small_v only where it has
-        small parameters' elements); none is larger than the window's fp32 master (a pool chunk)."""
+        small parameters' elements; a split master's record as bytes); none is larger than the window's fp32
+        master (a pool chunk)."""
         b, e = self.chunks[i]
         n = e - b
+        master = (record_bytes(n), torch.uint8) if self.split else (n, torch.float32)
         if not self.int8:
-            return {**{k: (n, torch.float32) for k in STATES}, "grad": (n, self.grad_dtype)}
+            return {"master": master, **{k: (n, torch.float32) for k in STATES[1:]}, "grad": (n, self.grad_dtype)}
         side = sum(hi - lo for lo, hi, _ in self.small[i])
-        out = {"master": (n, torch.float32), "exp_avg": (n, torch.uint8), "exp_avg_sq": (n, torch.uint8),
+        out = {"master": master, "exp_avg": (n, torch.uint8), "exp_avg_sq": (n, torch.uint8),
                "absmax": (2 * (n // BLOCK), torch.float32)}
         if side:
             out["small_m"] = out["small_v"] = (side, torch.float32)

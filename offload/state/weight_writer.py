@@ -66,23 +66,33 @@ class WeightWriter:
         w = self.weights
         cb, ce = w.chunks[i]
         buf = self.pool.acquire(ce - cb, w.dtype, f"{w.unit.name} {what}")
+        t0 = time.perf_counter()
         try:
             self.store.read(chunk_key(w.key, i), into=buf).wait()
         except BaseException:
             self.pool.release(buf)
             raise
+        self.telemetry.link("nvme_to_dram", buf.numel() * buf.element_size(), time.perf_counter() - t0)
         return buf, cb
 
-    def new_weights(self, i: int, begin: int, end: int) -> torch.Tensor:
+    def new_weights(self, i: int, begin: int, end: int, current: bool = False) -> torch.Tensor:
         """The buffer the optimizer writes the new weights of elements [begin, end) (state window i) into,
-        at its start; then call `commit(i, begin, end, buf)`."""
+        at its start; then call `commit(i, begin, end, buf)`. current: it holds the weights before the step
+        (a split master's high halves), as a resident home always does."""
         w = self.weights
         if self.in_place:
             return self._at_home(i, begin, end)
         cb, ce = w.chunks[i]
-        if w.home == "nvme" and end < ce:  # frozen weights share this chunk: written back unchanged
+        if w.home == "nvme" and (end < ce or current):  # frozen weights share this chunk: written back unchanged
             return self._acquire(i, "new weights")[0]
-        return self.pool.acquire(ce - cb, w.dtype, f"{w.unit.name} new weights")
+        buf = self.pool.acquire(ce - cb, w.dtype, f"{w.unit.name} new weights")
+        if current and w.home == "hbm":
+            try:
+                buf[:end - begin].copy_(w.hbm[begin:end])
+            except BaseException:
+                self.pool.release(buf)
+                raise
+        return buf
 
     def commit(self, i: int, begin: int, end: int, buf: torch.Tensor) -> None:
         """After the optimizer filled `new_weights(i, ...)`: nvme chunks are written behind;

@@ -20,7 +20,7 @@ import time
 import torch
 from torch.profiler import record_function
 
-from offload.kernels import adam8
+from offload.kernels import adam8, split
 from offload.kernels.cpu_adam import StepDigests, adam_step
 from offload.kernels.quant8 import BLOCK
 from offload.plan.memory import OPTIMIZER_READ_AHEAD as READ_AHEAD
@@ -138,11 +138,11 @@ def step_window(rt: Runtime, st: OptimState, w, unit: Unit, i: int, lr: float, g
     """Window i of one unit's states `st`, loaded: adam -> commit -> store. CPU Adam writes the new weights
     into the weight tier's buffer (handle `w`), which is committed; the states are written back (behind)."""
     b, e = st.chunks[i]
-    home = w.writer.new_weights(i, b, e)
+    home = w.writer.new_weights(i, b, e, current=st.split)  # a split master is joined with the weights
     live = w.home == "dram" or (w.home == "hbm" and w.hbm.device.type == "cpu")  # written in place
     check = WindowCheck(st, i)
     try:
-        _adam(rt, st, unit, i, check.output(home[:e - b], live), check, lr, grad_scale)
+        _adam(rt, st, unit, i, check.output(home[:e - b], live), check, lr, grad_scale, home[:e - b])
     except BaseException:
         w.writer.discard(home)
         raise
@@ -153,12 +153,14 @@ def step_window(rt: Runtime, st: OptimState, w, unit: Unit, i: int, lr: float, g
 
 
 def _adam(rt: Runtime, st: OptimState, unit: Unit, i: int, out: torch.Tensor, check: WindowCheck, lr: float,
-          grad_scale: float) -> None:
+          grad_scale: float, current: torch.Tensor) -> None:
     """CPU Adam over window i, the new weights into `out`, checked (a corrupted read raises before anything
-    computed from it is kept), then kept in the weight tier's buffer."""
+    computed from it is kept), then kept in the weight tier's buffer. `current`: the window's weights before
+    the step (a split master's high halves)."""
     t0 = time.perf_counter()
     with record_function("offload::cpu_adam"):
-        digests = _adam_runs(rt, st, i, out, check, lr, grad_scale)
+        digests = (_split_runs(rt, st, i, out, check, lr, grad_scale, current) if st.split else
+                   _adam_runs(rt, st, i, out, check, lr, grad_scale))
     rt.telemetry.span("cpu_adam", f"adam {unit.name}#{i}", t0, time.perf_counter())
     check.verify(digests)
     if rt.dtype == torch.float32:
@@ -166,12 +168,31 @@ def _adam(rt: Runtime, st: OptimState, unit: Unit, i: int, out: torch.Tensor, ch
     check.keep()
 
 
+def _split_runs(rt: Runtime, st: OptimState, i: int, out: torch.Tensor, check: WindowCheck, lr: float,
+                grad_scale: float, current: torch.Tensor) -> StepDigests | None:
+    """_adam_runs with a split master ([Note: split master] in offload/kernels/split.py): the window's fp32
+    master joined from `current` and its record into a pool chunk, stepped, its record written back; the
+    digests (with swap checksums) are the stored states', hashed beside the step."""
+    t = st.view(i)
+    before = check.hash() if check.bounds is not None else None
+    master = rt.staging.acquire(current.numel(), torch.float32, f"{st.unit.name} master")
+    try:
+        split.join(current, t["master"], master)
+        _adam_runs(rt, st, i, out, check, lr, grad_scale, {**t, "master": master})
+        split.split_(master, t["master"])
+    finally:
+        rt.staging.release(master)
+    return None if before is None else StepDigests(before, check.hash())
+
+
 def _adam_runs(rt: Runtime, st: OptimState, i: int, out: torch.Tensor, check: WindowCheck, lr: float,
-               grad_scale: float) -> StepDigests | None:
+               grad_scale: float, joined: dict | None = None) -> StepDigests | None:
     """The update of window i's slots that had a gradient ([Note: parameters without a gradient]),
     bf16/fp16 weights into `out`; with swap checksums, the states' digests before and after: hashed by
-    the step itself in the common case of one run over the window, beside it otherwise."""
-    o, t, bounds = rt.settings.optimizer, st.view(i), check.bounds
+    the step itself in the common case of one run over the window, beside it otherwise. joined: the states
+    with a split master's fp32 master (whose caller hashes them)."""
+    o, t = rt.settings.optimizer, st.view(i) if joined is None else joined
+    bounds = check.bounds if joined is None else None
     lowp = rt.dtype != torch.float32
     step_fn = adam_step if t["master"].device.type == "cpu" else _device_adam_step
     grad = st.grad(i)
@@ -185,7 +206,8 @@ def _adam_runs(rt: Runtime, st: OptimState, i: int, out: torch.Tensor, check: Wi
 
     runs, n = st.runs(i), t["master"].numel()
     if st.int8:
-        return _adam8_runs(st, i, t, grad, out if lowp else None, check, runs, adam, lr, grad_scale)
+        return _adam8_runs(st, i, t, grad, out if lowp else None, check if bounds is not None else None, runs, adam, lr,
+                           grad_scale)
     if len(runs) == 1 and runs[0][:2] == (0, n):
         return adam(*runs[0], **({} if bounds is None else {"digest_bounds": bounds}))
     before = None if bounds is None else check.hash()
@@ -196,13 +218,13 @@ def _adam_runs(rt: Runtime, st: OptimState, i: int, out: torch.Tensor, check: Wi
     return None if before is None else StepDigests(before, check.hash())
 
 
-def _adam8_runs(st: OptimState, i: int, t: dict, grad: torch.Tensor, out, check: WindowCheck, runs, adam,
+def _adam8_runs(st: OptimState, i: int, t: dict, grad: torch.Tensor, out, check: WindowCheck | None, runs, adam,
                 lr: float, grad_scale: float) -> StepDigests | None:
     """Window i with int8 moments ([Note: int8 optimizer states]): each run's 8-bit blocks through the int8
     step over their codes and scales, its small parameters' elements through the fp32 step over their small_m
-    and small_v; digests (with swap checksums) hashed beside the step."""
+    and small_v; digests (`check`: with swap checksums) hashed beside the step."""
     o, n = st.rt.settings.optimizer, t["master"].numel()
-    before = check.hash() if check.bounds is not None else None
+    before = check.hash() if check is not None else None
     if out is not None and not (len(runs) == 1 and runs[0][:2] == (0, n)):
         out.copy_(t["master"])  # skipped slots keep their weights
     nb = n // BLOCK

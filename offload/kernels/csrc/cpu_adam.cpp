@@ -1096,6 +1096,64 @@ void quantize8(at::Tensor x, at::Tensor codes, at::Tensor absmax, int64_t which,
                                 t.lut[which], 0, numel);
 }
 
+// The split master's record ([Note: split master] in offload/kernels/split.py): the low halves of the fp32
+// masters, then one tie bit an element (low half 0x8000 on an even high half), 8 a byte. Scalar loops over
+// 8 elements (a byte of tie bits) that the compiler vectorizes; memory-bound like the copies they replace.
+void split_range(const uint32_t* m, uint16_t* low, uint8_t* ties, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; i += 8) {
+    uint32_t t = 0;
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t x = m[i + j];
+      low[i + j] = static_cast<uint16_t>(x);
+      t |= static_cast<uint32_t>((x & 0x1FFFFu) == 0x8000u) << j;
+    }
+    ties[i / 8] = static_cast<uint8_t>(t);
+  }
+}
+
+// The masters back from bf16 working weights `w` and a record: the rounding to nearest even went up (the
+// high half is one less than the weight's) when the low half is above 0x8000, or 0x8000 without a tie bit.
+void join_range(const uint16_t* w, const uint16_t* low, const uint8_t* ties, uint32_t* out, int64_t begin,
+                int64_t end) {
+  for (int64_t i = begin; i < end; i += 8) {
+    const uint32_t t = ties[i / 8];
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t lo = low[i + j];
+      const uint32_t up = static_cast<uint32_t>(lo > 0x8000u) | (static_cast<uint32_t>(lo == 0x8000u) & ~(t >> j) & 1u);
+      out[i + j] = (static_cast<uint32_t>(static_cast<uint16_t>(w[i + j] - up)) << 16) | lo;
+    }
+  }
+}
+
+std::pair<uint16_t*, uint8_t*> split_record(const at::Tensor& record, int64_t numel) {
+  TORCH_CHECK(numel % 8 == 0, "offload split master: ", numel, " elements is not a multiple of 8");
+  TORCH_CHECK(record.scalar_type() == at::kByte, "offload split master: the record must be uint8");
+  check_flat(record, "record", 2 * numel + numel / 8);
+  uint8_t* r = record.data_ptr<uint8_t>();
+  return {reinterpret_cast<uint16_t*>(r), r + 2 * numel};
+}
+
+void split_master(at::Tensor master, at::Tensor record, int64_t num_threads) {
+  const int64_t numel = master.numel();
+  TORCH_CHECK(master.scalar_type() == at::kFloat, "offload split master: the master must be float32");
+  check_flat(master, "master", numel);
+  const auto [low, ties] = split_record(record, numel);
+  const uint32_t* m = reinterpret_cast<const uint32_t*>(master.data_ptr<float>());
+  for_each_chunk(numel, num_threads, [&](int64_t, int64_t b, int64_t e) { split_range(m, low, ties, b, e); });
+}
+
+void join_master(at::Tensor weight, at::Tensor record, at::Tensor out, int64_t num_threads) {
+  const int64_t numel = out.numel();
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kFloat,
+              "offload split master: bf16 weights and a float32 output");
+  check_flat(weight, "weight", numel);
+  check_flat(out, "out", numel);
+  const auto [low, ties] = split_record(record, numel);
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<float>());
+  for_each_chunk(numel, num_threads, [&](int64_t, int64_t b, int64_t e) { join_range(w, low, ties, o, b, e); });
+}
+
 double grad_sq_sum(at::Tensor grad, int64_t num_threads, int64_t isa) {
   const int64_t numel = grad.numel();
   check_flat(grad, "grad", numel);
@@ -1146,6 +1204,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adam8_step", &adam8_step, py::call_guard<py::gil_scoped_release>());
   m.def("quantize8", &quantize8, py::call_guard<py::gil_scoped_release>());
   m.def("grad_sq_sum", &grad_sq_sum, py::call_guard<py::gil_scoped_release>());
+  m.def("split_master", &split_master, py::call_guard<py::gil_scoped_release>());
+  m.def("join_master", &join_master, py::call_guard<py::gil_scoped_release>());
   m.def("threads_used", &threads_used, py::call_guard<py::gil_scoped_release>());
   m.def("word_digest", &word_digest, py::call_guard<py::gil_scoped_release>());
   m.def("best_isa", &best_isa);
