@@ -71,7 +71,8 @@ def ledger_terms(stage: int, offload_param: str = "none", offload_optimizer: str
     _check_choice("optimizer states", states, STATE_CHOICES)
     _check_choice("master", master, MASTER_CHOICES)
     if master == "split" and precision != "bf16":
-        raise ValueError(f"master=split: the bf16 weight plus a record, and precision is {precision}; use bf16")
+        raise ValueError(f"master=split: the bf16 weight plus a record, and precision is {precision} (auto picks it "
+                         "where bf16 is not native); use bf16 (--precision bf16)")
     _check_choice("stage", stage, (0, 1, 2, 3))
     _check_choice("offload_param", offload_param, tuple(OFFLOAD_TIER))
     _check_choice("offload_optimizer", offload_optimizer, tuple(OFFLOAD_TIER))

@@ -20,5 +20,5 @@ def test_split_master_bench_json(tmp_path):
         a, b = runs[s, "split"], runs[s, "fp32"]
         assert a["equal"] and a["losses"] == b["losses"] and b["step_ratio"] == 1.0
         assert abs((b["written_b"] - a["written_b"]) / a["params"] - 1.875) < 0.01  # every tiny parameter trains
-    assert r["kernel"]["numel"] == 65536 and r["kernel"]["record_s"] > 0
+    assert r["kernel"]["numel"] == 65536 and r["kernel"]["record_s"] > 0 and r["kernel"]["fused_s"] > 0
     assert "bit for bit: True" in out.stdout and list(tmp_path.iterdir()) == []

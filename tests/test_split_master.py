@@ -3,6 +3,7 @@ fp32 pattern (ties included), and training with it is the fp32-master run bit fo
 with fp32 or int8 moments, over ranks, and across checkpoints of either master."""
 
 import json
+import types
 
 import pytest
 import torch
@@ -40,6 +41,51 @@ def test_the_record_gives_back_every_master(backend):
         ref = torch.empty_like(record)
         split.split_(master, ref, backend="torch")
         assert torch.equal(record, ref)
+
+
+@pytest.mark.skipif(len(BACKENDS) < 2, reason="the compiled kernel is not built here")
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+def test_every_instruction_set_writes_the_references_bytes(isa):
+    """The record alone, and the Adam step joining and splitting it in its pass, at each instruction set this
+    CPU has: the torch reference's bytes (join, Adam, split one after the other)."""
+    from offload.kernels.adam8 import adam8_step
+    from offload.kernels.cpu_adam import _ISAS, adam_step, kernel_isa, set_isa
+
+    if _ISAS.index(isa) > _ISAS.index(kernel_isa()):
+        pytest.skip(f"CPU lacks {isa}")
+    master = patterns()[:1 << 20]
+    master = torch.where(master.isfinite() & (master.abs() < 1e30), master, torch.tensor(0.5))
+    n, g = master.numel(), torch.Generator().manual_seed(1)
+    grad = torch.randn(n, generator=g).to(torch.bfloat16)
+    record = torch.empty(split.record_bytes(n), dtype=torch.uint8)
+    split.split_(master, record, backend="torch")
+    weight = master.to(torch.bfloat16)
+    kw = dict(step=3, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    outs = {}
+    set_isa(isa)
+    try:
+        for how in ("fused", "around"):
+            rec, out, scratch = record.clone(), weight.clone(), torch.empty(n)
+            m, v = torch.full((n,), 0.01), torch.full((n,), 1e-4)
+            if how == "fused":
+                adam_step(scratch, grad, m, v, out=out, split=(out, *split.parts(rec, n)), **kw)
+            else:
+                split.join(weight, rec, scratch, backend="torch")
+                adam_step(scratch, grad, m, v, out=out, **kw)
+                split.split_(scratch, rec, backend="torch")
+            outs[how] = rec, out, m, v
+        compiled = record.clone()
+        split.split_(master, compiled)
+        assert torch.equal(compiled, record)
+        assert torch.equal(split.join(weight, record, torch.empty(n)).view(torch.int32), master.view(torch.int32))
+        codes = torch.zeros(n, dtype=torch.uint8), torch.zeros(n // 256), torch.zeros(n, dtype=torch.uint8)
+        with pytest.raises(ValueError, match="split=: a split master steps fused in the compiled kernel only"):
+            adam8_step(torch.empty(n), grad, codes[0], codes[1], codes[2], codes[1].clone(), backend="torch",
+                       split=(weight, *split.parts(record, n)), **kw)
+    finally:
+        set_isa(None)
+    for a, b in zip(outs["fused"], outs["around"]):
+        assert torch.equal(a, b)
 
 
 def test_a_tie_on_an_even_high_half_needs_its_bit():
@@ -107,6 +153,26 @@ def test_split_trains_as_the_fp32_master_bit_for_bit(tmp_path, param, optim, sta
     assert losses == ref_losses
     assert_equal(first, ref_first)  # the ties read back as they were given
     assert first["blocks.0.fc1.weight"].view(-1)[:4].tolist() == TIES
+    assert_equal(sd, ref_sd)
+
+
+@pytest.mark.parametrize("states", ["fp32", "int8"])
+@pytest.mark.parametrize("param,optim", [("cpu", "cpu"), ("nvme", "nvme")])
+def test_joined_around_the_step_trains_alike(tmp_path, monkeypatch, param, optim, states):
+    """Where the kernel does not join in its pass (the torch backend; a window whose slots did not all get a
+    gradient), the step joins the window before it and splits it after: the same bits."""
+    from offload.step import windows
+
+    monkeypatch.setattr(windows, "kernel_backend", lambda: "torch")
+    joins = []
+    monkeypatch.setattr(windows, "split", types.SimpleNamespace(
+        join=lambda *a: joins.append(1) or split.join(*a), split_=split.split_, parts=split.parts))
+    batches = mlp_batches(3)
+    ref = config(tmp_path / "ref", param, optim, "bf16")
+    ref["optimizer"]["states"] = states
+    _, losses, sd = train(model(), split_config(tmp_path, param, optim, states), batches)
+    _, ref_losses, ref_sd = train(model(), ref, batches)
+    assert joins and losses == ref_losses
     assert_equal(sd, ref_sd)
 
 

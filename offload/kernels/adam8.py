@@ -71,13 +71,14 @@ def kernel_tables() -> tuple[torch.Tensor, torch.Tensor]:
 
 def adam8_step(param, grad, m_codes, m_absmax, v_codes, v_absmax, *, step: int, lr: float, beta1: float,
                beta2: float, eps: float, weight_decay: float, adamw: bool = True, grad_scale: float = 1.0,
-               out=None, backend: str = "auto") -> None:
+               out=None, backend: str = "auto", split=None) -> None:
     """One AdamW (adamw=False: Adam with L2 decay) update of a flat fp32 shard with 8-bit m and v, in place.
 
     param: contiguous fp32, numel a multiple of 256 (quant8.BLOCK); grad: bf16/fp16/fp32, same numel;
     m_codes, v_codes: uint8, same numel; m_absmax, v_absmax: fp32, one per block of 256. `out` (bf16/fp16)
     receives the new weight rounded to nearest even. Arguments and checks as cpu_adam.adam_step (the caller
-    checks grad_sq_sum for inf/nan first). backend "torch", or tensors off the CPU: quant8.adam8_step.
+    checks grad_sq_sum for inf/nan first; `split` too). backend "torch", or tensors off the CPU:
+    quant8.adam8_step.
     """
     numel = param.numel() if isinstance(param, torch.Tensor) else None
     if numel is not None and numel % BLOCK:
@@ -87,6 +88,8 @@ def adam8_step(param, grad, m_codes, m_absmax, v_codes, v_absmax, *, step: int, 
           "weight_decay": float(weight_decay), "adamw": bool(adamw), "grad_scale": float(grad_scale)}
     _check_hparams(step, hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"], hp["grad_scale"])
     states = (m_codes, m_absmax, v_codes, v_absmax)
+    if split is not None and (_resolve(backend) is None or param.device.type != "cpu"):
+        raise ValueError("split=: a split master steps fused in the compiled kernel only; join and split around it")
     if numel is not None and param.device.type != "cpu":
         _check_device(param, grad, *states, out, backend=backend)
         quant8.adam8_step(param, grad, *states, out=out, **hp)
@@ -110,7 +113,7 @@ def adam8_step(param, grad, m_codes, m_absmax, v_codes, v_absmax, *, step: int, 
     with torch.profiler.record_function("offload::cpu_adam8"):
         kernel.adam8_step(param, grad, *states, out, list(kernel_tables()), step, hp["lr"], hp["beta1"],
                           hp["beta2"], hp["eps"], hp["weight_decay"], hp["adamw"], hp["grad_scale"],
-                          cpu_adam.get_num_threads(), _isa_code(kernel))
+                          cpu_adam.get_num_threads(), _isa_code(kernel), split)
 
 
 def _check_device(param, *tensors, backend: str) -> None:

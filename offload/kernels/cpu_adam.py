@@ -330,7 +330,7 @@ class StepDigests(NamedTuple):
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float, beta2: float,
               eps: float, weight_decay: float, adamw: bool = True, grad_scale: float = 1.0,
-              out=None, backend: str = "auto", digest_bounds=None) -> StepDigests | None:
+              out=None, backend: str = "auto", digest_bounds=None, split=None) -> StepDigests | None:
     """One Adam/AdamW update of a flat fp32 shard, in place, using grad / grad_scale.
 
     param, exp_avg, exp_avg_sq: contiguous fp32 CPU tensors; grad: bf16/fp16/fp32, same numel.
@@ -338,10 +338,9 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: 
     (param *= 1 - lr*wd); adamw=False: L2 (grad += wd*param), like torch.optim.Adam. `out` (bf16/fp16)
     receives the new weight rounded to nearest even, in the same pass. The caller checks grad_sq_sum
     for inf/nan first and skips the step (this function does not look).
-    digest_bounds: element offsets [0, ..., numel] of swap blocks (SwapStore.digest_bounds): the step
-    also returns the three states' block digests before and after the update, hashed in the same pass
-    (the compiled kernel; the torch backend hashes in separate passes).
-    """
+    digest_bounds: element offsets [0, ..., numel] of swap blocks (SwapStore.digest_bounds): the step also
+    returns the states' block digests before and after the update, hashed in the same pass (compiled kernel).
+    split: a split master's (weights, low halves, tie bits), joined into param and split back in the pass."""
     numel = param.numel() if isinstance(param, torch.Tensor) else None
     _check_flat("param", param, None, (torch.float32,))
     _check_flat("grad", grad, numel, _GRAD_DTYPES)
@@ -349,11 +348,12 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: 
     _check_flat("exp_avg_sq", exp_avg_sq, numel, (torch.float32,))
     if out is not None:
         _check_flat("out", out, numel, _OUT_DTYPES)
-    lr, beta1, beta2, eps = float(lr), float(beta1), float(beta2), float(eps)
-    weight_decay, grad_scale = float(weight_decay), float(grad_scale)
+    lr, beta1, beta2, eps, weight_decay, grad_scale = map(float, (lr, beta1, beta2, eps, weight_decay, grad_scale))
     _check_hparams(step, lr, beta1, beta2, eps, weight_decay, grad_scale)
     bounds = None if digest_bounds is None else _check_bounds(digest_bounds, numel)
     kernel = _resolve(backend)
+    if split is not None and kernel is None:
+        raise ValueError("split=: a split master steps fused in the compiled kernel only; join and split around it")
     if numel == 0:
         return None if bounds is None else StepDigests(((),) * 3, ((),) * 3)
     if kernel is None:
@@ -366,7 +366,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: 
     with torch.profiler.record_function("offload::cpu_adam"):
         d = kernel.adam_step(param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps, weight_decay,
                              bool(adamw), grad_scale, get_num_threads(), _isa_code(kernel),
-                             None if bounds is None else torch.tensor(bounds, dtype=torch.int64))
+                             None if bounds is None else torch.tensor(bounds, dtype=torch.int64), split)
     if bounds is None:
         return None
     cells = d.tolist()  # [before/after][array][block][sum, xor] as signed int64

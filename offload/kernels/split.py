@@ -36,7 +36,7 @@ def record_bytes(numel: int) -> int:
     return 2 * numel + numel // TIE_BITS
 
 
-def _parts(record: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+def parts(record: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(low halves as int16, tie bits as uint8) of a record of `numel` masters."""
     if record.dtype != torch.uint8 or record.numel() != record_bytes(numel):
         raise ValueError(f"a split record of {numel} masters is {record_bytes(numel)} uint8 bytes; got "
@@ -62,12 +62,13 @@ def _kernel(backend: str, *tensors: torch.Tensor):
 
 def split_(master: torch.Tensor, record: torch.Tensor, backend: str = "auto") -> None:
     """Writes the record of fp32 `master` (flat) into `record` (uint8, record_bytes(master.numel()))."""
-    low_out, ties_out = _parts(record, master.numel())
+    low_out, ties_out = parts(record, master.numel())
     if master.dtype != torch.float32:
         raise ValueError(f"split_: the master is float32, got {master.dtype}")
     kernel = _kernel(backend, master, record)
     if kernel is not None:
-        return kernel.split_master(master.view(-1), record, cpu_adam.get_num_threads())
+        threads, isa = cpu_adam.get_num_threads(), cpu_adam._isa_code(kernel)
+        return kernel.split_master(master.view(-1), record, threads, isa)
     low, high = _halves(master)
     low_out.copy_(low)
     tie = (low == _LOW_TIE) & ((high & 1) == 0)
@@ -79,10 +80,11 @@ def join(weight: torch.Tensor, record: torch.Tensor, out: torch.Tensor, backend:
     if weight.dtype != torch.bfloat16 or out.dtype != torch.float32 or weight.numel() != out.numel():
         raise ValueError(f"join: bf16 weights and an fp32 output of as many elements; got {weight.dtype} "
                          f"[{weight.numel()}] and {out.dtype} [{out.numel()}]")
-    low, ties = _parts(record, out.numel())
+    low, ties = parts(record, out.numel())
     kernel = _kernel(backend, weight, record, out)
     if kernel is not None:
-        kernel.join_master(weight.view(-1), record, out.view(-1), cpu_adam.get_num_threads())
+        threads, isa = cpu_adam.get_num_threads(), cpu_adam._isa_code(kernel)
+        kernel.join_master(weight.view(-1), record, out.view(-1), threads, isa)
         return out
     tie = ((ties.unsqueeze(1) >> _shifts(ties.device)) & 1).view(-1).bool()
     up = (low < 0) & ((low != _LOW_TIE) | ~tie)  # the rounding went up: the master's high half is one less

@@ -21,7 +21,7 @@ import torch
 from torch.profiler import record_function
 
 from offload.kernels import adam8, split
-from offload.kernels.cpu_adam import StepDigests, adam_step
+from offload.kernels.cpu_adam import StepDigests, adam_step, kernel_backend
 from offload.kernels.quant8 import BLOCK
 from offload.plan.memory import OPTIMIZER_READ_AHEAD as READ_AHEAD
 from offload.plan.units import Unit
@@ -171,26 +171,37 @@ def _adam(rt: Runtime, st: OptimState, unit: Unit, i: int, out: torch.Tensor, ch
 def _split_runs(rt: Runtime, st: OptimState, i: int, out: torch.Tensor, check: WindowCheck, lr: float,
                 grad_scale: float, current: torch.Tensor) -> StepDigests | None:
     """_adam_runs with a split master ([Note: split master] in offload/kernels/split.py): the window's fp32
-    master joined from `current` and its record into a pool chunk, stepped, its record written back; the
-    digests (with swap checksums) are the stored states', hashed beside the step."""
-    t = st.view(i)
+    master joined from `current` and its record into a pool chunk, stepped, its record written back (by the
+    compiled step chunk by chunk in its pass where the window is one run, else around it); the digests (with
+    swap checksums) are the stored states', hashed beside the step."""
+    t, n, runs = st.view(i), current.numel(), st.runs(i)
     before = check.hash() if check.bounds is not None else None
-    master = rt.staging.acquire(current.numel(), torch.float32, f"{st.unit.name} master")
+    master = rt.staging.acquire(n, torch.float32, f"{st.unit.name} master")
     try:
-        split.join(current, t["master"], master)
-        _adam_runs(rt, st, i, out, check, lr, grad_scale, {**t, "master": master})
-        split.split_(master, t["master"])
+        if len(runs) == 1 and runs[0][:2] == (0, n) and kernel_backend() == "compiled" and current.device.type == "cpu":
+            _adam_runs(rt, st, i, out, check, lr, grad_scale, {**t, "master": master},
+                       (current, *split.parts(t["master"], n)))
+        else:
+            split.join(current, t["master"], master)
+            _adam_runs(rt, st, i, out, check, lr, grad_scale, {**t, "master": master})
+            split.split_(master, t["master"])
     finally:
         rt.staging.release(master)
     return None if before is None else StepDigests(before, check.hash())
 
 
+def _fused(parts: tuple | None, b: int, e: int) -> dict:
+    """The split= argument of a step over elements [b, e) of a window whose split master is joined in the pass."""
+    return {} if parts is None else {"split": (parts[0][b:e], parts[1][b:e], parts[2][b // 8:e // 8])}
+
+
 def _adam_runs(rt: Runtime, st: OptimState, i: int, out: torch.Tensor, check: WindowCheck, lr: float,
-               grad_scale: float, joined: dict | None = None) -> StepDigests | None:
+               grad_scale: float, joined: dict | None = None, parts: tuple | None = None) -> StepDigests | None:
     """The update of window i's slots that had a gradient ([Note: parameters without a gradient]),
     bf16/fp16 weights into `out`; with swap checksums, the states' digests before and after: hashed by
     the step itself in the common case of one run over the window, beside it otherwise. joined: the states
-    with a split master's fp32 master (whose caller hashes them)."""
+    with a split master's fp32 master (whose caller hashes them); parts: its (weights, low halves, tie bits)
+    where the kernel joins and splits it in the pass (one run over the window)."""
     o, t = rt.settings.optimizer, st.view(i) if joined is None else joined
     bounds = check.bounds if joined is None else None
     lowp = rt.dtype != torch.float32
@@ -202,12 +213,13 @@ def _adam_runs(rt: Runtime, st: OptimState, i: int, out: torch.Tensor, check: Wi
         v = t["exp_avg_sq"][b:e] if v is None else v
         return step_fn(t["master"][b:e], grad[b:e], m, v, step=step, lr=lr,
                        beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
-                       adamw=o.type == "adamw", grad_scale=grad_scale, out=out[b:e] if lowp else None, **digests)
+                       adamw=o.type == "adamw", grad_scale=grad_scale, out=out[b:e] if lowp else None, **digests,
+                       **_fused(parts, b, e))
 
     runs, n = st.runs(i), t["master"].numel()
     if st.int8:
         return _adam8_runs(st, i, t, grad, out if lowp else None, check if bounds is not None else None, runs, adam, lr,
-                           grad_scale)
+                           grad_scale, parts)
     if len(runs) == 1 and runs[0][:2] == (0, n):
         return adam(*runs[0], **({} if bounds is None else {"digest_bounds": bounds}))
     before = None if bounds is None else check.hash()
@@ -219,7 +231,7 @@ def _adam_runs(rt: Runtime, st: OptimState, i: int, out: torch.Tensor, check: Wi
 
 
 def _adam8_runs(st: OptimState, i: int, t: dict, grad: torch.Tensor, out, check: WindowCheck | None, runs, adam,
-                lr: float, grad_scale: float) -> StepDigests | None:
+                lr: float, grad_scale: float, parts: tuple | None) -> StepDigests | None:
     """Window i with int8 moments ([Note: int8 optimizer states]): each run's 8-bit blocks through the int8
     step over their codes and scales, its small parameters' elements through the fp32 step over their small_m
     and small_v; digests (`check`: with swap checksums) hashed beside the step."""
@@ -237,7 +249,7 @@ def _adam8_runs(st: OptimState, i: int, t: dict, grad: torch.Tensor, out, check:
             adam8.adam8_step(t["master"][lo:hi], grad[lo:hi], t["exp_avg"][lo:hi], t["absmax"][bl:bh],
                              t["exp_avg_sq"][lo:hi], t["absmax"][nb + bl:nb + bh], step=step, lr=lr, beta1=o.betas[0],
                              beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay, adamw=o.type == "adamw",
-                             grad_scale=grad_scale, out=None if out is None else out[lo:hi])
+                             grad_scale=grad_scale, out=None if out is None else out[lo:hi], **_fused(parts, lo, hi))
     return None if before is None else StepDigests(before, check.hash())
 
 

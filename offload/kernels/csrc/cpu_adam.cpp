@@ -33,6 +33,7 @@
 #include <cstring>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -723,6 +724,36 @@ void adam8_range(const Ptrs8& a, const Coeffs8& cf, int64_t begin, int64_t end) 
 
 OFFLOAD_DEFINE_DIGEST_RANGE
 
+// The split master's record ([Note: split master] in offload/kernels/split.py), 8 elements a vector: the same
+// bits as the scalar loops (tested against them and the torch reference), which the compiler does not vectorize.
+inline void split_range(const uint32_t* m, uint16_t* low, uint8_t* ties, int64_t begin, int64_t end) {
+  const __m256i halves = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i mask = _mm256_set1_epi32(0x1FFFF), tie = _mm256_set1_epi32(0x8000);
+  for (int64_t i = begin; i < end; i += 8) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + i));
+    const __m256i lows = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(x, halves), 0x08);  // qwords 0, 2 first
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(low + i), _mm256_castsi256_si128(lows));
+    const __m256i t = _mm256_cmpeq_epi32(_mm256_and_si256(x, mask), tie);
+    ties[i / 8] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_castsi256_ps(t)));
+  }
+}
+
+inline void join_range(const uint16_t* w, const uint16_t* low, const uint8_t* ties, uint32_t* out, int64_t begin,
+                       int64_t end) {
+  const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128), half = _mm256_set1_epi32(0x8000);
+  const __m256i low16 = _mm256_set1_epi32(0xFFFF), zero = _mm256_setzero_si256();
+  for (int64_t i = begin; i < end; i += 8) {
+    const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + i)));
+    const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
+    const __m256i no_tie = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(ties[i / 8]), bits), zero);
+    const __m256i up = _mm256_or_si256(_mm256_cmpgt_epi32(lo, half),  // all ones (-1) where the rounding went up
+                                       _mm256_and_si256(_mm256_cmpeq_epi32(lo, half), no_tie));
+    const __m256i high = _mm256_and_si256(_mm256_add_epi32(hi, up), low16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_or_si256(_mm256_slli_epi32(high, 16), lo));
+  }
+}
+
 }  // namespace avx2
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -923,6 +954,91 @@ Coeffs adam_coeffs(int64_t step, double lr, double beta1, double beta2, double e
 
 // ---------------------------------------------------------------- entry points (GIL released by the binding)
 
+// The split master's record ([Note: split master] in offload/kernels/split.py): the low halves of the fp32
+// masters, then one tie bit an element (low half 0x8000 on an even high half), 8 a byte. Scalar loops over
+// 8 elements (a byte of tie bits) that the compiler vectorizes; memory-bound like the copies they replace.
+void split_range(const uint32_t* m, uint16_t* low, uint8_t* ties, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; i += 8) {
+    uint32_t t = 0;
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t x = m[i + j];
+      low[i + j] = static_cast<uint16_t>(x);
+      t |= static_cast<uint32_t>((x & 0x1FFFFu) == 0x8000u) << j;
+    }
+    ties[i / 8] = static_cast<uint8_t>(t);
+  }
+}
+
+// The masters back from bf16 working weights `w` and a record: the rounding to nearest even went up (the
+// high half is one less than the weight's) when the low half is above 0x8000, or 0x8000 without a tie bit.
+void join_range(const uint16_t* w, const uint16_t* low, const uint8_t* ties, uint32_t* out, int64_t begin,
+                int64_t end) {
+  for (int64_t i = begin; i < end; i += 8) {
+    const uint32_t t = ties[i / 8];
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t lo = low[i + j];
+      const uint32_t up = static_cast<uint32_t>(lo > 0x8000u) | (static_cast<uint32_t>(lo == 0x8000u) & ~(t >> j) & 1u);
+      out[i + j] = (static_cast<uint32_t>(static_cast<uint16_t>(w[i + j] - up)) << 16) | lo;
+    }
+  }
+}
+
+std::pair<uint16_t*, uint8_t*> split_record(const at::Tensor& record, int64_t numel) {
+  TORCH_CHECK(numel % 8 == 0, "offload split master: ", numel, " elements is not a multiple of 8");
+  TORCH_CHECK(record.scalar_type() == at::kByte, "offload split master: the record must be uint8");
+  check_flat(record, "record", 2 * numel + numel / 8);
+  uint8_t* r = record.data_ptr<uint8_t>();
+  return {reinterpret_cast<uint16_t*>(r), r + 2 * numel};
+}
+
+// A step over a split master ([Note: split master] in offload/kernels/split.py): `split` holds the elements'
+// working weights, their records' low halves and tie bits; each chunk's masters are joined into `param` before
+// its update and split back after it, while the chunk is in cache (param is scratch; the weights may be `out`:
+// a chunk is joined whole before its update writes them).
+using SplitFn = void (*)(const uint32_t*, uint16_t*, uint8_t*, int64_t, int64_t);
+using JoinFn = void (*)(const uint16_t*, const uint16_t*, const uint8_t*, uint32_t*, int64_t, int64_t);
+
+std::pair<SplitFn, JoinFn> pick_split(int isa) {
+#ifdef OFFLOAD_X86
+  if (isa >= AVX2) return {avx2::split_range, avx2::join_range};  // AVX-512 hosts run AVX2's too
+#endif
+  return {split_range, join_range};
+}
+
+struct SplitView {
+  const uint16_t* w;
+  uint16_t* low;
+  uint8_t* ties;
+  uint32_t* p;
+  SplitFn split;
+  JoinFn join;
+};
+
+std::optional<SplitView> split_view(const c10::optional<std::vector<at::Tensor>>& split, const at::Tensor& param,
+                                    int64_t numel, int isa) {
+  if (!split.has_value()) return std::nullopt;
+  TORCH_CHECK(split->size() == 3 && numel % 8 == 0, "offload split master: (weights, low halves, tie bits) of a "
+              "multiple of 8 elements");
+  const at::Tensor &w = (*split)[0], &low = (*split)[1], &ties = (*split)[2];
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && low.scalar_type() == at::kShort && ties.scalar_type() == at::kByte,
+              "offload split master: bf16 weights, int16 low halves and uint8 tie bits");
+  check_flat(w, "weights", numel);
+  check_flat(low, "low halves", numel);
+  check_flat(ties, "tie bits", numel / 8);
+  return SplitView{reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+                   reinterpret_cast<uint16_t*>(low.data_ptr<int16_t>()), ties.data_ptr<uint8_t>(),
+                   reinterpret_cast<uint32_t*>(param.data_ptr<float>()), pick_split(isa).first,
+                   pick_split(isa).second};
+}
+
+template <typename Fn>
+void split_around(const std::optional<SplitView>& s, int64_t begin, int64_t end, const Fn& step) {
+  if (s) s->join(s->w, s->low, s->ties, s->p, begin, end);
+  step();
+  if (s) s->split(s->p, s->low, s->ties, begin, end);
+}
+
+
 // [Note: swap digests in the step]
 // With optimizer states on NVMe and swap checksums on, every state is hashed twice per step outside the
 // step (verify after the read, record before the write): two more passes over 12 bytes per parameter
@@ -934,8 +1050,10 @@ Coeffs adam_coeffs(int64_t step, double lr, double beta1, double beta2, double e
 at::Tensor adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                      c10::optional<at::Tensor> out, int64_t step, double lr, double beta1, double beta2, double eps,
                      double weight_decay, bool adamw, double grad_scale, int64_t num_threads, int64_t isa,
-                     c10::optional<at::Tensor> digest_bounds) {
+                     c10::optional<at::Tensor> digest_bounds, c10::optional<std::vector<at::Tensor>> split) {
   const int64_t numel = param.numel();
+  const std::optional<SplitView> sv = split_view(split, param, numel, resolve_isa(isa));
+  TORCH_CHECK(!(sv && digest_bounds.has_value()), "offload cpu_adam: a split master's step is hashed beside it");
   check_flat(param, "param", numel);
   check_flat(grad, "grad", numel);
   check_flat(exp_avg, "exp_avg", numel);
@@ -974,7 +1092,9 @@ at::Tensor adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::
                out_ptr, stream_out};
   const std::vector<Chunk> chunks = make_chunks(bounds);
   if (!digest_bounds.has_value()) {
-    run_chunks(chunks, num_threads, [&](int64_t, const Chunk& k) { fn(a, c, k.begin, k.end); });
+    run_chunks(chunks, num_threads, [&](int64_t, const Chunk& k) {
+      split_around(sv, k.begin, k.end, [&] { fn(a, c, k.begin, k.end); });
+    });
     return at::Tensor();
   }
   // part[chunk][in/out][array][sum/xor], folded per block below (sums add, xors xor: order-free).
@@ -1052,8 +1172,9 @@ Coeffs8 adam8_coeffs(int64_t step, double lr, double beta1, double beta2, double
 void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor m_codes, at::Tensor m_absmax, at::Tensor v_codes,
                 at::Tensor v_absmax, c10::optional<at::Tensor> out, std::vector<at::Tensor> tables, int64_t step,
                 double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
-                double grad_scale, int64_t num_threads, int64_t isa) {
+                double grad_scale, int64_t num_threads, int64_t isa, c10::optional<std::vector<at::Tensor>> split) {
   const int64_t numel = param.numel();
+  const std::optional<SplitView> sv = split_view(split, param, numel, resolve_isa(isa));
   TORCH_CHECK(numel % kBlock == 0, "offload adam8: param has ", numel, " elements, not a multiple of ", kBlock,
               "; give whole blocks (see [Note: int8 optimizer states])");
   check_flat(param, "param", numel);
@@ -1079,7 +1200,9 @@ void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor m_codes, at::Tenso
                           reinterpret_cast<uintptr_t>(out_ptr) % align == 0;
   const Ptrs8 a{param.data_ptr<float>(), grad.data_ptr(), m_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(),
                 m_absmax.data_ptr<float>(), v_absmax.data_ptr<float>(), out_ptr, stream_out, t};
-  for_each_chunk(numel, num_threads, [&](int64_t, int64_t b, int64_t e) { fn(a, c, b, e); });
+  for_each_chunk(numel, num_threads, [&](int64_t, int64_t b, int64_t e) {
+    split_around(sv, b, e, [&] { fn(a, c, b, e); });
+  });
 }
 
 // For tests: the step's quantization alone, of fp32 `x` into `codes` and `absmax` with map `which`
@@ -1096,53 +1219,17 @@ void quantize8(at::Tensor x, at::Tensor codes, at::Tensor absmax, int64_t which,
                                 t.lut[which], 0, numel);
 }
 
-// The split master's record ([Note: split master] in offload/kernels/split.py): the low halves of the fp32
-// masters, then one tie bit an element (low half 0x8000 on an even high half), 8 a byte. Scalar loops over
-// 8 elements (a byte of tie bits) that the compiler vectorizes; memory-bound like the copies they replace.
-void split_range(const uint32_t* m, uint16_t* low, uint8_t* ties, int64_t begin, int64_t end) {
-  for (int64_t i = begin; i < end; i += 8) {
-    uint32_t t = 0;
-    for (int j = 0; j < 8; ++j) {
-      const uint32_t x = m[i + j];
-      low[i + j] = static_cast<uint16_t>(x);
-      t |= static_cast<uint32_t>((x & 0x1FFFFu) == 0x8000u) << j;
-    }
-    ties[i / 8] = static_cast<uint8_t>(t);
-  }
-}
-
-// The masters back from bf16 working weights `w` and a record: the rounding to nearest even went up (the
-// high half is one less than the weight's) when the low half is above 0x8000, or 0x8000 without a tie bit.
-void join_range(const uint16_t* w, const uint16_t* low, const uint8_t* ties, uint32_t* out, int64_t begin,
-                int64_t end) {
-  for (int64_t i = begin; i < end; i += 8) {
-    const uint32_t t = ties[i / 8];
-    for (int j = 0; j < 8; ++j) {
-      const uint32_t lo = low[i + j];
-      const uint32_t up = static_cast<uint32_t>(lo > 0x8000u) | (static_cast<uint32_t>(lo == 0x8000u) & ~(t >> j) & 1u);
-      out[i + j] = (static_cast<uint32_t>(static_cast<uint16_t>(w[i + j] - up)) << 16) | lo;
-    }
-  }
-}
-
-std::pair<uint16_t*, uint8_t*> split_record(const at::Tensor& record, int64_t numel) {
-  TORCH_CHECK(numel % 8 == 0, "offload split master: ", numel, " elements is not a multiple of 8");
-  TORCH_CHECK(record.scalar_type() == at::kByte, "offload split master: the record must be uint8");
-  check_flat(record, "record", 2 * numel + numel / 8);
-  uint8_t* r = record.data_ptr<uint8_t>();
-  return {reinterpret_cast<uint16_t*>(r), r + 2 * numel};
-}
-
-void split_master(at::Tensor master, at::Tensor record, int64_t num_threads) {
+void split_master(at::Tensor master, at::Tensor record, int64_t num_threads, int64_t isa) {
   const int64_t numel = master.numel();
   TORCH_CHECK(master.scalar_type() == at::kFloat, "offload split master: the master must be float32");
   check_flat(master, "master", numel);
   const auto [low, ties] = split_record(record, numel);
   const uint32_t* m = reinterpret_cast<const uint32_t*>(master.data_ptr<float>());
-  for_each_chunk(numel, num_threads, [&](int64_t, int64_t b, int64_t e) { split_range(m, low, ties, b, e); });
+  const SplitFn fn = pick_split(resolve_isa(isa)).first;
+  for_each_chunk(numel, num_threads, [&](int64_t, int64_t b, int64_t e) { fn(m, low, ties, b, e); });
 }
 
-void join_master(at::Tensor weight, at::Tensor record, at::Tensor out, int64_t num_threads) {
+void join_master(at::Tensor weight, at::Tensor record, at::Tensor out, int64_t num_threads, int64_t isa) {
   const int64_t numel = out.numel();
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kFloat,
               "offload split master: bf16 weights and a float32 output");
@@ -1151,7 +1238,8 @@ void join_master(at::Tensor weight, at::Tensor record, at::Tensor out, int64_t n
   const auto [low, ties] = split_record(record, numel);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<float>());
-  for_each_chunk(numel, num_threads, [&](int64_t, int64_t b, int64_t e) { join_range(w, low, ties, o, b, e); });
+  const JoinFn fn = pick_split(resolve_isa(isa)).second;
+  for_each_chunk(numel, num_threads, [&](int64_t, int64_t b, int64_t e) { fn(w, low, ties, o, b, e); });
 }
 
 double grad_sq_sum(at::Tensor grad, int64_t num_threads, int64_t isa) {
