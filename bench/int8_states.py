@@ -97,12 +97,9 @@ def run(args, base: str) -> dict:
         for i in range(args.steps):
             ids, labels = sampler.batch(i)
             for mode, engine in engines.items():
-                t = time.perf_counter()
-                loss = loss_of(engine(ids, labels=labels))
-                engine.backward(loss)
-                engine.step()
-                times[mode].append(time.perf_counter() - t)
-                losses[mode].append(loss.item())
+                loss, seconds = timed_step(engine, ids, labels)
+                times[mode].append(seconds)
+                losses[mode].append(loss)
             for mode, step in plain.items():
                 losses[mode].append(step(i, ids, labels))
             if (i + 1) % args.every == 0:
@@ -128,6 +125,17 @@ def run(args, base: str) -> dict:
             # the first step records the trace: left out
             "step_ratio": statistics.median(times["int8"][1:]) / statistics.median(times["fp32"][1:])
             if len(ours) == 2 and args.steps > 1 else None}
+
+
+def timed_step(engine, ids, labels) -> tuple[float, float]:
+    """(loss, seconds) of one training step of `engine` (forward, backward, step) on a batch."""
+    from offload.models import loss_of
+
+    t = time.perf_counter()
+    loss = loss_of(engine(ids, labels=labels))
+    engine.backward(loss)
+    engine.step()
+    return loss.item(), time.perf_counter() - t
 
 
 def plain_loops(args, modes) -> dict:

@@ -65,8 +65,9 @@ def train(args, base: str) -> list[dict]:
     import torch
 
     import offload
+    from int8_states import timed_step
     from offload.data import BatchSampler, load_tokens, split_tokens
-    from offload.models import build_model, loss_of
+    from offload.models import build_model
 
     sampler = BatchSampler(split_tokens(load_tokens())[0], args.batch, args.seq, seed=0)
     runs = [(s, m) for s in args.states for m in MASTERS]
@@ -79,12 +80,9 @@ def train(args, base: str) -> list[dict]:
         for i in range(args.steps):
             ids, labels = sampler.batch(i)
             for r, engine in engines.items():
-                t = time.perf_counter()
-                loss = loss_of(engine(ids, labels=labels))
-                engine.backward(loss)
-                engine.step()
-                times[r].append(time.perf_counter() - t)
-                losses[r].append(loss.item())
+                loss, seconds = timed_step(engine, ids, labels)
+                times[r].append(seconds)
+                losses[r].append(loss)
                 links[r] = engine.stats()["last_step"]["links"]
             print(f"step {i + 1}: " + ", ".join(f"{s}/{m} {times[s, m][-1]:.2f} s" for s, m in runs),
                   file=sys.stderr, flush=True)

@@ -29,7 +29,8 @@ from offload.plan import quantized
 from offload.plan.activation_memory import activation_model, batch_shape
 from offload.plan.attention import attention_line
 from offload.plan.config import Config, LossScaleConfig, load_config
-from offload.plan.placement import Placement, PlacementError, activations_advice, fits_with_activations, plan_placement
+from offload.plan.placement import (Placement, PlacementError, activations_advice, check_split_master,
+                                    fits_with_activations, plan_placement)
 from offload.plan.precision import resolve_precision
 from offload.plan.units import Unit, forward_order, partition
 from offload.scheduler.policy import ResidencyPolicy
@@ -76,6 +77,7 @@ class Engine(nn.Module):
         self.precision = resolve_precision(cfg.precision, self.device, warn=True)  # "auto" chosen for this device
         if self.device.type == "cpu":  # activations live in host memory: freed ones must leave RSS (swap.buffers)
             map_large_allocations()
+        check_split_master(cfg, self.precision)  # before replace() validates the resolved precision
         cfg = replace(cfg, precision=self.precision.name)  # everything below sees the precision that runs
         self.cfg, self.module = cfg, model
         self.rank, self.world = _check_unsupported(cfg)

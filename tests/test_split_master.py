@@ -255,8 +255,14 @@ def test_split_over_ranks_trains_as_the_fp32_master_over_ranks(tmp_path, stage, 
 
 
 def test_split_needs_bf16(tmp_path):
+    from offload.plan.precision import resolve_precision
+
     with pytest.raises(ValueError, match=r"optimizer.master='split'.*precision is 'fp16'.*use precision \"bf16\""):
         offload.initialize(model(False), {**split_config(tmp_path, "cpu", "cpu"), "precision": "fp16"})
+    auto = resolve_precision("auto", torch.device("cpu")).name
+    if auto != "bf16":  # a host without native bf16: auto's choice is named, and why
+        with pytest.raises(ValueError, match=rf"precision 'auto' runs as {auto} here \(.*\); set precision \"bf16\""):
+            offload.initialize(model(False), {**split_config(tmp_path, "cpu", "cpu"), "precision": "auto"})
 
 
 def test_the_plan_counts_the_record(tmp_path):

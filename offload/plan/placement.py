@@ -124,6 +124,14 @@ def _default_budgets(device: torch.device) -> tuple[int, int]:
     return int(avail * SAFETY), int(avail * SAFETY)  # the CPU backend's "hbm" is host memory too
 
 
+def check_split_master(cfg, precision: PrecisionChoice) -> None:
+    """optimizer.master "split" needs bf16 to run: refused, saying what the precision asked for resolved to."""
+    if cfg.optimizer.master == "split" and precision.name != "bf16":
+        fail("optimizer.master", "split", f"is the bf16 weight plus a 17-bit record, and precision "
+             f"{cfg.precision!r} runs as {precision.name} here ({precision.reason})", 'set precision "bf16" or master '
+             '"fp32"')
+
+
 def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = True,
                    order: list[int] | None = None, world: int = 1, rank: int = 0,
                    precision: PrecisionChoice | None = None, activations: ActivationModel | None = None) -> Placement:
@@ -138,9 +146,7 @@ def plan_placement(units: list[Unit], cfg, device: torch.device, check: bool = T
     (offload.plan.activation_memory; the preflight then refuses activations that do not fit, naming the longest
     sequence that would)."""
     precision = precision or resolve_precision(cfg.precision, device)
-    if cfg.optimizer.master == "split" and precision.name != "bf16":
-        fail("optimizer.master", "split", f"is the bf16 weight plus a 17-bit record, and precision "
-             f"{cfg.precision!r} runs as {precision.name} on {device.type}", 'set precision "bf16" or master "fp32"')
+    check_split_master(cfg, precision)
     cfg = replace(cfg, precision=precision.name)  # the plan follows the precision that runs
     itemsize = cfg.compute_dtype.itemsize
     chunk_bytes = planned_chunk_bytes(cfg.chunk_bytes, max((u.numel for u in units), default=0))
