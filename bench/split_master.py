@@ -1,14 +1,14 @@
 """The split master (issue 50, [Note: split master] in offload/kernels/split.py) against the fp32 master, side by
-side: a preset trained in bf16 with weights and optimizer states on nvme, one engine per (moments, master), each
-step of one beside the same step of the others (drift on a shared machine hits all alike). Per run: the median
-step, the nvme bytes a step reads and writes (the engine's own counters) a trained element (the elements the
-optimizer states cover), and whether its losses and final weights equal the fp32 master's bit for bit. Then
-the CPU cost of the record over --numel elements, in this process: the fp32 Adam step (bf16 gradients and
-weights), join + split beside it, and the step joining and splitting each chunk in its own pass (what the
-engine runs where a window is one run).
+side: a preset trained in bf16 with optimizer states on nvme (weights too, or in dram: --param cpu), one engine
+per (moments, master), each step of one beside the same step of the others (drift on a shared machine hits all
+alike). Per run: the median step, the nvme bytes a step reads and writes (the engine's own counters) a
+trained element (the elements the optimizer states cover), and whether its losses and final weights equal the
+fp32 master's bit for bit. Then the CPU cost of the record over --numel elements, in this process: the fp32
+Adam step (bf16 gradients and weights), join + split beside it, and the step joining and splitting each chunk
+in its own pass (what the engine runs where a window is one run).
 
     python bench/split_master.py [--model small] [--steps 6] [--batch 4] [--seq 128] [--states fp32 int8]
-                                 [--dir DIR] [--numel N] [--json]
+                                 [--param nvme|cpu] [--dir DIR] [--numel N] [--json]
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--states", nargs="+", choices=("fp32", "int8"), default=["fp32", "int8"], help="the moments")
+    ap.add_argument("--param", choices=("nvme", "cpu"), default="nvme",
+                    help="where the weights live (cpu: dram, where the join reads them in memory)")
     ap.add_argument("--dir", default=None, help="swap goes under it (default: a temporary directory)")
     ap.add_argument("--numel", type=int, default=1 << 24, help="elements of the kernel comparison (0: skip it)")
     ap.add_argument("--json", action="store_true")
@@ -43,10 +45,11 @@ def main() -> None:
     base = tempfile.mkdtemp(prefix="split-bench-", dir=args.dir)
     try:
         report = {"model": args.model, "batch": args.batch, "seq": args.seq, "steps": args.steps,
-                  "runs": train(args, base), "kernel": kernel(args.numel) if args.numel else None}
+                  "param": args.param, "runs": train(args, base), "kernel": kernel(args.numel) if args.numel else None}
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"{args.model}, {args.batch} x {args.seq}, bf16, weights and states on nvme, {args.steps} steps "
+    where = "weights and states on nvme" if args.param == "nvme" else "weights in dram, states on nvme"
+    print(f"{args.model}, {args.batch} x {args.seq}, bf16, {where}, {args.steps} steps "
           f"(median of the last {args.steps - 1}):")
     for r in report["runs"]:
         print(f"  {r['states']:>4s} moments, {r['master']:>5s} master: step {r['step_s']:7.2f} s "
@@ -73,7 +76,7 @@ def train(args, base: str) -> list[dict]:
     runs = [(s, m) for s in args.states for m in MASTERS]
     engines, losses, times, links = {}, {r: [] for r in runs}, {r: [] for r in runs}, {}
     for s, m in runs:
-        cfg = {"precision": "bf16", "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"},
+        cfg = {"precision": "bf16", "offload_param": {"device": args.param}, "offload_optimizer": {"device": "nvme"},
                "nvme_path": os.path.join(base, f"{s}-{m}"), "optimizer": {"lr": 1e-3, "states": s, "master": m}}
         engines[s, m] = offload.initialize(build_model(args.model, seed=0), cfg)
     try:
