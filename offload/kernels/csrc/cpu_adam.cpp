@@ -983,12 +983,15 @@ void join_range(const uint16_t* w, const uint16_t* low, const uint8_t* ties, uin
   }
 }
 
-std::pair<uint16_t*, uint8_t*> split_record(const at::Tensor& record, int64_t numel) {
+// The record's low halves and tie bits (plain pointers: the lambdas that use them could capture a structured
+// binding only from C++20).
+void split_record(const at::Tensor& record, int64_t numel, uint16_t*& low, uint8_t*& ties) {
   TORCH_CHECK(numel % 8 == 0, "offload split master: ", numel, " elements is not a multiple of 8");
   TORCH_CHECK(record.scalar_type() == at::kByte, "offload split master: the record must be uint8");
   check_flat(record, "record", 2 * numel + numel / 8);
   uint8_t* r = record.data_ptr<uint8_t>();
-  return {reinterpret_cast<uint16_t*>(r), r + 2 * numel};
+  low = reinterpret_cast<uint16_t*>(r);
+  ties = r + 2 * numel;
 }
 
 // A step over a split master ([Note: split master] in offload/kernels/split.py): `split` holds the elements'
@@ -1223,7 +1226,9 @@ void split_master(at::Tensor master, at::Tensor record, int64_t num_threads, int
   const int64_t numel = master.numel();
   TORCH_CHECK(master.scalar_type() == at::kFloat, "offload split master: the master must be float32");
   check_flat(master, "master", numel);
-  const auto [low, ties] = split_record(record, numel);
+  uint16_t* low = nullptr;
+  uint8_t* ties = nullptr;
+  split_record(record, numel, low, ties);
   const uint32_t* m = reinterpret_cast<const uint32_t*>(master.data_ptr<float>());
   const SplitFn fn = pick_split(resolve_isa(isa)).first;
   for_each_chunk(numel, num_threads, [&](int64_t, int64_t b, int64_t e) { fn(m, low, ties, b, e); });
@@ -1235,7 +1240,9 @@ void join_master(at::Tensor weight, at::Tensor record, at::Tensor out, int64_t n
               "offload split master: bf16 weights and a float32 output");
   check_flat(weight, "weight", numel);
   check_flat(out, "out", numel);
-  const auto [low, ties] = split_record(record, numel);
+  uint16_t* low = nullptr;
+  uint8_t* ties = nullptr;
+  split_record(record, numel, low, ties);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<float>());
   const JoinFn fn = pick_split(resolve_isa(isa)).second;
