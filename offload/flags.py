@@ -50,9 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--optimizer-states", choices=STATE_CHOICES, default=None,
                    help="Adam's moments: fp32 (default) or int8, blockwise 8-bit codes with a fp32 scale per 256 "
                         "(half the optimizer bytes a step moves; docs/training.md)")
-    g.add_argument("--master", choices=MASTER_CHOICES, default=None,
+    g.add_argument("--master", "--optimizer-master", choices=MASTER_CHOICES, default=None, dest="master",
                    help="the master weights: fp32 (default) or split (precision bf16: the bf16 weight plus a "
-                        "record of 2 + 1/8 bytes, bit for bit the fp32 master's training; docs/training.md)")
+                        "record of 2 + 1/8 bytes, bit for bit the fp32 master's training; docs/training.md); "
+                        "under torchrun spell it --optimizer-master (torchrun takes --master as its --master-addr)")
     g.add_argument("--offload-config", default=None, metavar="PATH", help="a .json/.yaml config; flags override it")
     g.add_argument("--deepspeed", default=None, metavar="PATH",
                    help="a DeepSpeed JSON config, read into ours (docs/deepspeed.md); "

@@ -291,5 +291,6 @@ def test_estimate_and_cli(tmp_path, capsys):
     train = ["train", "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--steps", "2", "--precision", "bf16",
              "--offload-optimizer", "nvme", "--nvme-path", str(tmp_path / "swap"), "--no-progress", "--json"]
     assert cli.main([*train, "--master", "split", "--optimizer-states", "int8"]) == 0
+    assert cli.main([*train, "--optimizer-master", "split"]) == 0  # the spelling torchrun lets through
     assert cli.main([*train[:-6], "--master", "split", "--precision", "fp32", "--no-progress"]) == 2
     assert "optimizer.master='split'" in capsys.readouterr().err
