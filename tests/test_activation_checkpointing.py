@@ -81,7 +81,7 @@ def test_without_the_key_the_hidden_activations_are_kept(tmp_path):
         assert (8, 128) in hidden and eng.stats()["activations"]["checkpointed_units"] == 0
 
 
-@pytest.mark.parametrize("stage,place", [(0, "cpu"), (3, "nvme")])
+@pytest.mark.parametrize("stage,place", [pytest.param(0, "cpu", marks=pytest.mark.slow), (3, "nvme")])
 def test_over_ranks_engine_checkpointing_equals_torch_checkpoint_per_unit(tmp_path, stage, place):
     """2 ranks, stage 0 (dram) and stage 3 (nvme, weights gathered again for each backward: the recompute
     runs on the gathered weights), dropout: each rank's losses and the final weights equal those of the same

@@ -226,7 +226,7 @@ def test_the_flag_sets_the_key_and_implies_nothing_else():
         offload.config_from_args(parser.parse_args(["--offload-activations", "cpu"]))
 
 
-@pytest.mark.parametrize("stage,place", [(0, "cpu"), (3, "nvme")])
+@pytest.mark.parametrize("stage,place", [pytest.param(0, "cpu", marks=pytest.mark.slow), (3, "nvme")])
 def test_over_ranks_the_kept_inputs_in_a_tier_train_bit_for_bit_as_in_hbm(tmp_path, stage, place):
     """2 ranks, dropout, stage 0 with weights and inputs in dram, stage 3 with weights and inputs on nvme: each
     rank's losses and the final weights equal those with the inputs in hbm; each rank's [4, 256] fp32 block

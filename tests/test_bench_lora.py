@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("peft")
 
 
+@pytest.mark.slow  # about a minute: the bounds are timed over seconds each
 def test_lora_bench_reports_bounds_rss_and_writes_the_adapters_alone(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "lora.py"), "--model", "tiny", "--lora", "4",
                            "--steps", "2", "--seq", "32", "--hbm", "64M", "--dir", str(tmp_path), "--io-size", "64M",

@@ -35,7 +35,8 @@ from tests.ranks_util import (
 @pytest.mark.parametrize("world,place,precision,extra", [
     (2, "none", "fp32", {}), (2, "cpu", "fp32", {"gradient_clipping": 0.5}), (2, "nvme", "fp32", {}),
     (2, "nvme", "bf16", {"gradient_accumulation_steps": 2}),
-    (4, "cpu", "bf16", {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5})])
+    pytest.param(4, "cpu", "bf16", {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5},
+                 marks=pytest.mark.slow)])  # 4 ranks: in the default suite at stages 1-3
 def test_stage0_trains_like_one_process_on_the_global_batch(tmp_path, world, place, precision, extra):
     cfg = {"precision": precision, "offload_param": {"device": place}, "offload_optimizer": {"device": place},
            "nvme_path": str(tmp_path / "swap"), "units": {"min_numel": 512}, "optimizer": {"lr": 1e-2}, **extra}
@@ -83,13 +84,14 @@ def test_the_low_precision_tolerance_catches_a_skipped_update(tmp_path):
     (2, 2, "none", "bf16", {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5}),
     (2, 2, "nvme", "fp32", {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5}),
     (1, 2, "nvme", "bf16", {}),
-    (2, 4, "cpu", "bf16", {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5}),
+    pytest.param(2, 4, "cpu", "bf16", {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5},
+                 marks=pytest.mark.slow),
     (2, 2, "nvme", "bf16", {"_model": {"frozen": True, "ckpt": True}}),  # LoRA-style frozen base, recompute
     # fp16: rank 0 alone overflows at step 2; every rank skips it (the norm is summed over the ranks)
     (1, 2, "cpu", "fp16", {"_poison": 1, "loss_scale": {"initial": 256.0}}),
     (3, 2, "cpu", "fp32", {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5}),
     (3, 2, "none", "fp32", {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5}),
-    (3, 4, "none", "bf16", {}),
+    pytest.param(3, 4, "none", "bf16", {}, marks=pytest.mark.slow),
     (3, 2, "nvme", "bf16", {"gradient_clipping": 0.5}),
     (3, 4, "nvme", "fp32", {"_model": {"frozen": True, "ckpt": True}}),
     (3, 2, "cpu", "bf16", {"gradient_accumulation_steps": 2, "reuse_bytes": 0}),  # gathered again for backward
@@ -154,7 +156,7 @@ def test_stages_1_2_3_train_like_one_process_with_states_partitioned(tmp_path, s
     # more all-gather of the weights for backward where they are not kept (1.5x)
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("stage", [0, pytest.param(2, marks=pytest.mark.slow), 3])
 def test_checkpoints_over_ranks_resume_exactly_and_at_other_world_sizes(tmp_path, stage):
     """Stage 0, 2 or 3 on 2 ranks saves after step 2 (stage 0: rank 0 writes the states every rank holds;
     stages 2-3: each rank its windows' states, and at stage 3 its chunks of the frozen weights: [Note: ranks]
@@ -189,6 +191,7 @@ def test_checkpoints_over_ranks_resume_exactly_and_at_other_world_sizes(tmp_path
         torch.testing.assert_close(sd_four[k], sd_a[k], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_single_process_checkpoint_resumes_on_4_ranks(tmp_path):
     cfg = {"precision": "fp32", "units": {"min_numel": 512}, "optimizer": {"lr": 1e-2}, "chunk_bytes": CHUNK_BYTES,
            "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}}
@@ -331,7 +334,7 @@ def test_a_qlora_run_with_its_quantized_base_partitioned_over_ranks_trains_like_
     assert reports["3"]["stats"]["collectives"]["all_gather"]["bytes"] > 0
 
 
-@pytest.mark.parametrize("stage", ["2", "3"])
+@pytest.mark.parametrize("stage", ["2", pytest.param("3", marks=pytest.mark.slow)])
 def test_offload_train_under_torchrun_saves_and_resumes_with_states_partitioned(tmp_path, stage):
     ckpts = str(tmp_path / "ckpts")
     a = _torchrun(tmp_path / "a", "--zero-stage", stage, "--steps", "4", "--save-every", "2", "--checkpoint-dir", ckpts)
@@ -384,7 +387,7 @@ def test_a_sigterm_that_reaches_one_rank_saves_every_rank_at_the_same_step(tmp_p
     assert f"step{manifest['step_count']:08d}" == latest
 
 
-@pytest.mark.parametrize("checkpoints", [False, True])
+@pytest.mark.parametrize("checkpoints", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_ranks_whose_torchrun_is_killed_stop_and_leave_no_swap(tmp_path, checkpoints):
     """kill -9 of torchrun's process group does not reach its ranks (each in a session of its own); each rank
     notices its launcher is gone (or stops first on the SIGTERM another rank that noticed agreed over the ranks)

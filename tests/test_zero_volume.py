@@ -49,7 +49,8 @@ def _cfg(tmp_path, stage: int, place: str, precision: str) -> dict:
 
 
 @pytest.mark.parametrize("stage,place,precision,gas", [
-    (1, "none", "fp32", 1), (2, "nvme", "fp32", 2), (2, "cpu", "bf16", 1), (3, "cpu", "fp32", 1),
+    (1, "none", "fp32", 1), (2, "nvme", "fp32", 2), pytest.param(2, "cpu", "bf16", 1, marks=pytest.mark.slow),
+    pytest.param(3, "cpu", "fp32", 1, marks=pytest.mark.slow),
     (3, "nvme", "bf16", 2)])
 def test_each_stage_moves_the_papers_volume_and_both_reduce_paths_train_alike(tmp_path, stage, place, precision,
                                                                             gas):
