@@ -7,7 +7,8 @@ is written (background: each of them, until it is published); a step followed by
 moves (beside_io: reading the checkpoint's bytes and writing them to a new file, each at that size over a plain
 step's time, O_DIRECT, in --dir; null without fio): what the host's compute and drive keep beside that I/O, the
 floor of any background save of that size. Goal: background <= 1.05 x none. exposed_s: the mean time training waited for a background checkpoint
-(its request, and units the step reached before the saver).
+(its request, and units the step reached before the saver). held: per background save, the bytes of states held at
+the swap (copy-on-write) and the units gated instead; swap_growth_bytes: how much the swap file grew meanwhile.
 
     python bench/checkpoint.py [--model bench-200m|3b] [--batch 4] [--seq 512] [--rounds 3] [--dir DIR]
                                [--optimizer-states fp32|int8] [--json]
@@ -62,6 +63,9 @@ def main() -> None:
           f"{report['checkpoint_bytes'] / 1e9:.2f} GB, the blocking save {report['save_gbps_blocking']:.2f} GB/s")
     print(f"  blocking save {report['save_s_blocking']:.2f} s; background: {report['background_s']:.2f} s to publish, "
           f"{report['exposed_s']:.3f} s exposed, over {report['steps_per_background']:.1f} steps")
+    for h, grew in zip(report["held"], report["swap_growth_bytes"]):
+        print(f"  background save: {h['held_bytes'] / 1e9:.2f} GB of states held at the swap (copy-on-write), "
+              f"{h['gated_units']} units gated; the swap file grew {grew / 1e9:.2f} GB")
     if args.json:
         print(json.dumps(report))
 
@@ -80,7 +84,7 @@ def run(args, base: str) -> dict:
     ck = os.path.join(base, "ck")
     times = {"none": [], "background": [], "blocking": [], "beside_io": []}
     size = None  # the bytes of one checkpoint, once the first is written
-    saves, exposed, published, per_save, fio_moved = [], [], [], [], []
+    saves, exposed, published, per_save, fio_moved, held, swap_growth = [], [], [], [], [], [], []
     with offload.initialize(model, cfg) as engine:
         i = 0
 
@@ -98,6 +102,7 @@ def run(args, base: str) -> dict:
             times["none"].append(step())
             links = engine.stats()["last_step"]["links"]
             step_io = {"read": links["nvme_to_dram"]["bytes"], "written": links["dram_to_nvme"]["bytes"]}
+            swap_before = engine.store.disk_bytes
             handle = engine.save_checkpoint(ck, name=f"bg{i}", keep=1, background=True)
             n = 0
             while not handle.done():
@@ -109,6 +114,8 @@ def run(args, base: str) -> dict:
             per_save.append(n)
             exposed.append(handle.stats()["exposed_s"])
             published.append(handle.stats()["seconds"])
+            held.append({k: handle.stats()[k] for k in ("held_bytes", "gated_units")})
+            swap_growth.append(engine.store.disk_bytes - swap_before)
             s = step()
             t = time.perf_counter()
             engine.save_checkpoint(ck, name=f"bl{i}", keep=1)
@@ -128,7 +135,8 @@ def run(args, base: str) -> dict:
             "steps_per_background": statistics.mean(per_save), "background_over_none": med["background"] / med["none"],
             "checkpoint_bytes": size, "step_nvme_bytes": step_io,
             "save_gbps_blocking": size / statistics.median(saves) / 1e9,
-            "beside_io_bytes": fio_moved}  # the bytes fio read and wrote during each beside_io step
+            "beside_io_bytes": fio_moved,  # the bytes fio read and wrote during each beside_io step
+            "held": held, "swap_growth_bytes": swap_growth}  # per background save: states held at the swap
 
 
 def beside_io(step, nbytes: int, seconds: float, base: str) -> float:

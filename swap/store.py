@@ -35,6 +35,14 @@ from .transfer import Ticket, Transfers, failed_ticket
 # key that reads back a mix of old and new bytes. An overwrite of the same padded size reuses the
 # extent in place (no doubled disk use for the common swap-out of the same unit).
 
+# [Note: held entries]
+# A background checkpoint reads each unit's states as they were at its step boundary while training goes on
+# overwriting them (offload.checkpoint.background). hold(keys) keeps those keys' entries: a write to a held key
+# goes to another extent (never in place), and the held extent is neither reused nor freed until released, so
+# the hold reads the boundary's bytes wherever the step has got to: copy-on-write at the swap. A released extent
+# that was superseded goes back to the free list, where later writes find it (blocks written before: on some
+# drives a block's first write is several times slower, bench/RESULTS.md); the file keeps its size.
+
 # [Note: copies]
 # An aligned contiguous tensor moves without a copy: its 4 KiB-multiple body goes straight between
 # its memory and the file, and only a partial last page (< 4 KiB) bounces through a page-sized buffer,
@@ -75,7 +83,7 @@ class Extents:
     def alloc(self, padded: int) -> tuple[int, int]:
         """(offset, new end of file). The caller grows the file when the end moved."""
         for i, (off, length) in enumerate(self._free):
-            if length >= padded:
+            if length >= padded:  # first fit
                 if length == padded:
                     del self._free[i]
                 else:
@@ -87,6 +95,10 @@ class Extents:
             off = self.end_bytes
         self.end_bytes = off + padded
         return off, self.end_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(length for _, length in self._free)
 
     def free(self, off: int, padded: int) -> None:
         i = bisect_left(self._free, (off, 0))
@@ -124,6 +136,7 @@ class SwapStore:
         self.run_dir, self.direct, self.file_kind, self.path = run.run_dir, run.direct, run.file_kind, run.path
         self._lock = threading.Lock()
         self._index: dict[str, Entry] = {}
+        self._held: dict[str, Entry] = {}  # [Note: held entries]
         self._extents = Extents()
         self._transfers = Transfers(run.fd, run.path, self.backend, block_bytes=block_bytes, direct=run.direct,
                                     checksum=checksum)
@@ -193,27 +206,38 @@ class SwapStore:
         urgent: its blocks go ahead of queued ones that are not ([Note: urgent blocks] in swap/backends.py)."""
         self._check_open()
         _check_host(into, "into")
-        if not into.is_contiguous():
-            raise ValueError(f"into: must be contiguous (shape {tuple(into.shape)}, strides {into.stride()}); "
-                             f"read into a contiguous buffer and copy")
         self._transfers.settle(key, writes_only=True)
         with self._lock:
             entry = self._index.get(key)
         if entry is None:
             raise KeyError(f"swap key {key!r} not in the store (never written, deleted, or its write failed)")
-        nbytes = into.numel() * into.element_size()
-        if nbytes != entry.nbytes:
-            raise ValueError(f"into: has {nbytes} bytes but key {key!r} holds {entry.nbytes}; "
-                             f"read into a tensor of the same byte size")
-        dst, staged = _destination(into, nbytes)
+        return _start_read(self._transfers, key, entry, into, verify, urgent)
 
-        def finish(first_err):
-            if first_err is not None:
-                raise first_err
-            _copy_out(into, dst, staged, nbytes)
+    def hold(self, keys) -> "Held":
+        """Keeps the entries of `keys` as they are now (their writes in flight settled first), to be read
+        while they are overwritten ([Note: held entries]); a key not in the store is missing from the hold
+        too. One hold at a time."""
+        self._check_open()
+        keys = list(keys)
+        for key in keys:
+            self._transfers.settle(key, writes_only=True)
 
-        return self._transfers.start(key, False, entry.offset, nbytes, dst, entry.crcs if verify else None, finish,
-                                     urgent)
+        def read(key: str, entry: Entry, into: torch.Tensor) -> Ticket:
+            self._check_open()
+            _check_host(into, "into")
+            return _start_read(self._transfers, key, entry, into, True, False, tag=f"{key} (held)")
+
+        def release(key: str) -> None:  # the extent freed where a write superseded it
+            with self._lock:
+                entry = self._held.pop(key, None)
+                if entry is not None and entry.nbytes and self._index.get(key) is not entry:
+                    self._extents.free(entry.offset, entry.padded_bytes)
+
+        with self._lock:
+            if self._held:
+                raise RuntimeError("swap: entries are held already (one hold at a time)")
+            self._held = {k: self._index[k] for k in keys if k in self._index}
+            return Held(dict(self._held), read, release, self._extents.free_bytes)
 
     def delete(self, key: str) -> None:
         self._transfers.settle(key, writes_only=False)
@@ -221,17 +245,13 @@ class SwapStore:
             entry = self._index.pop(key, None)
             if entry is None:
                 raise KeyError(f"swap key {key!r} not in the store")
-            if entry.nbytes:
+            if entry.nbytes and self._held.get(key) is not entry:  # a held extent is freed by release()
                 self._extents.free(entry.offset, entry.padded_bytes)
 
     def __contains__(self, key: str) -> bool:
         self._transfers.settle(key, writes_only=True)
         with self._lock:
             return key in self._index
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._index)
 
     def keys(self) -> list[str]:
         with self._lock:
@@ -314,13 +334,15 @@ class SwapStore:
             raise ValueError(f"SwapStore at {self.run_dir} is closed; create a new store")
 
     def _place(self, key: str, nbytes: int) -> tuple[int, SwapIOError | None]:
-        """Drop `key` from the index and give it an extent (reused in place when the size matches)."""
+        """Drop `key` from the index and give it an extent (reused in place when the size matches, unless
+        held: [Note: held entries])."""
         padded = round_up(nbytes)
         with self._lock:
             old = self._index.pop(key, None)
-            if old is not None and old.padded_bytes == padded:
+            held = old is not None and self._held.get(key) is old
+            if old is not None and not held and old.padded_bytes == padded:
                 return old.offset, None
-            if old is not None and old.nbytes:
+            if old is not None and old.nbytes and not held:
                 self._extents.free(old.offset, old.padded_bytes)
             if padded == 0:
                 return 0, None
@@ -335,6 +357,58 @@ class SwapStore:
                     return 0, SwapIOError(e.errno or errno.EIO, "cannot grow swap file", path=str(self.path),
                                           offset=old_end, nbytes=new_end - old_end)
         return offset, None
+
+
+class Held:
+    """SwapStore.hold's: the entries of some keys as they were, readable while the store overwrites them.
+    nbytes: what they occupy of the data file; growth: how much the file grows if every one is superseded
+    (beyond the free extents it has now)."""
+
+    def __init__(self, entries: dict[str, Entry], read, release, spare_bytes: int):
+        self._entries, self._read, self._release = entries, read, release
+        self.nbytes = sum(e.padded_bytes for e in entries.values())
+        self.growth = max(0, self.nbytes - spare_bytes)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def read(self, key: str, into: torch.Tensor) -> Ticket:
+        """Starts reading `key` as it was held into `into` (verified as SwapStore.read verifies)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            raise KeyError(f"swap key {key!r} not held (not in the store when held, or released)")
+        return self._read(key, entry, into)
+
+    def release(self, keys) -> None:
+        """Ends the hold of `keys` (freeing extents writes superseded); unknown or released keys are ignored."""
+        for key in keys:
+            if self._entries.pop(key, None) is not None:
+                self._release(key)
+
+    def close(self) -> None:
+        """Releases every key still held."""
+        self.release(list(self._entries))
+
+
+def _start_read(transfers: Transfers, key: str, entry: Entry, into: torch.Tensor, verify: bool, urgent: bool,
+                tag: str | None = None) -> Ticket:
+    """Starts reading `entry` (key's) into `into`; tag: the name its transfer goes by (default the key)."""
+    if not into.is_contiguous():
+        raise ValueError(f"into: must be contiguous (shape {tuple(into.shape)}, strides {into.stride()}); "
+                         f"read into a contiguous buffer and copy")
+    nbytes = into.numel() * into.element_size()
+    if nbytes != entry.nbytes:
+        raise ValueError(f"into: has {nbytes} bytes but key {key!r} holds {entry.nbytes}; "
+                         f"read into a tensor of the same byte size")
+    dst, staged = _destination(into, nbytes)
+
+    def finish(first_err):
+        if first_err is not None:
+            raise first_err
+        _copy_out(into, dst, staged, nbytes)
+
+    return transfers.start(tag or key, False, entry.offset, nbytes, dst, entry.crcs if verify else None, finish,
+                           urgent)
 
 
 def _check_key(key) -> None:

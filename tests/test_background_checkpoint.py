@@ -1,7 +1,8 @@
 """Checkpoints written in the background (issue 52): engine.save_checkpoint(..., background=True) returns a handle
-at once; the checkpoint holds the step boundary where it was asked while training moves on (each unit's update
-waits until that unit is written), resumes bit for bit, is published atomically (`latest` moves last), and a
-failure in the background surfaces at the next step or wait() with the previous checkpoint intact."""
+at once; the checkpoint holds the step boundary where it was asked while training moves on (states on nvme held at
+the swap, others' updates waiting until their unit is written), resumes bit for bit, is published atomically
+(`latest` moves last), and a failure in the background surfaces at the next step or wait() with the previous
+checkpoint intact."""
 
 import errno
 import json
@@ -9,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -62,6 +64,67 @@ def test_a_background_checkpoint_holds_its_step_while_training_moves_on(tmp_path
         loaded = eng.full_state_dict()
         assert all(torch.equal(loaded[k], saved[k]) for k in saved)  # step 2's weights, not a later step's
         assert train(eng, data[2:]) == straight  # and its moments and step counts: bit for bit
+
+
+def test_with_states_on_nvme_training_never_waits_for_the_saver(tmp_path, monkeypatch):
+    """[Note: background saves]: states on nvme are held at the swap, so steps run while the saver writes nothing
+    (an update that waited for it would hang here); each checkpoint is its boundary's all the same, and the
+    second save's superseded states go to the extents the first let go: the swap file grows by a fraction of
+    what it grew the first time (first fit over extents of several sizes)."""
+    go = threading.Event()
+    original = DataFile.write
+
+    def write(self, t, begin, end):
+        assert go.wait(120), "the saver was never let go"
+        return original(self, t, begin, end)
+
+    monkeypatch.setattr(DataFile, "write", write)
+    data = mlp_batches(8)
+    torch.manual_seed(0)
+    saved, sizes, losses = [], [], []
+    with offload.initialize(MLP(), cfg(tmp_path, "nvme")) as eng:
+        losses += train(eng, data[:2])
+        sizes.append(eng.store.disk_bytes)
+        for name in ("first", "second"):
+            saved.append(eng.full_state_dict())
+            go.clear()
+            handle = eng.save_checkpoint(str(tmp_path / "ck"), name=name, background=True)
+            assert handle.stats()["gated_units"] == 0 and handle.stats()["held_bytes"] > 0
+            losses += train(eng, data[len(losses):len(losses) + 2])  # two steps, the saver stopped
+            assert not handle.done()
+            go.set()
+            handle.wait()
+            sizes.append(eng.store.disk_bytes)
+    assert sizes[0] < sizes[1] <= sizes[2] < sizes[1] + (sizes[1] - sizes[0]) // 4, sizes
+    for k, name in enumerate(("first", "second")):
+        torch.manual_seed(0)
+        with offload.initialize(MLP(), cfg(tmp_path, "nvme", nvme_path=str(tmp_path / f"swap{k}"))) as eng:
+            eng.load_checkpoint(str(tmp_path / "ck" / name))
+            loaded = eng.full_state_dict()
+            assert all(torch.equal(loaded[key], saved[k][key]) for key in saved[k]), name
+            assert train(eng, data[2 + 2 * k:len(losses)]) == losses[2 + 2 * k:], name
+
+
+def test_without_room_to_hold_the_nvme_states_each_update_waits_for_its_unit(tmp_path, slow_writes):
+    """The nvme budget leaves no room for held states beside the swap file: the save gates the updates as it
+    does states in hbm or dram, and still holds its boundary."""
+    data = mlp_batches(5)
+    torch.manual_seed(0)
+    with offload.initialize(MLP(), cfg(tmp_path, "nvme")) as eng:
+        train(eng, data[:2])
+        saved = eng.full_state_dict()
+        eng.rt.tiers.acct["nvme"].budget_bytes = eng.store.disk_bytes
+        handle = eng.save_checkpoint(str(tmp_path / "ck"), background=True)
+        trained = sum(st is not None for st in eng.states)
+        assert handle.stats()["held_bytes"] == 0 and handle.stats()["gated_units"] == trained > 0
+        straight = train(eng, data[2:])
+        path = handle.wait()
+    torch.manual_seed(0)
+    with offload.initialize(MLP(), cfg(tmp_path, "nvme", nvme_path=str(tmp_path / "swap2"))) as eng:
+        eng.load_checkpoint(path)
+        loaded = eng.full_state_dict()
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+        assert train(eng, data[2:]) == straight
 
 
 def test_a_second_save_waits_for_the_first_and_close_finishes_the_one_in_flight(tmp_path, slow_writes):
@@ -155,7 +218,7 @@ def test_kill_9_during_a_background_save_leaves_the_previous_checkpoint_loadable
         assert eng.step_count == 2
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 2])
 def test_over_ranks_each_rank_writes_its_part_and_a_later_step_publishes(tmp_path, stage):
     base = {**cfg(tmp_path, "nvme"), "zero_stage": stage, "chunk_bytes": 8192}
     a = run_ranks(2, {**base, "nvme_path": str(tmp_path / "sa"), "_save_at": 2, "_save_background": True},

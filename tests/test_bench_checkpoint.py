@@ -27,6 +27,9 @@ def test_checkpoint_bench_json(tmp_path):
     assert (step["beside_io"] is None) == (shutil.which("fio") is None)
     assert all(m["write"] > 0 and m["read"] > 0 for m in r["beside_io_bytes"]) and len(r["beside_io_bytes"]) == (step["beside_io"] is not None)
     assert "blocking   step" in stdout and list(tmp_path.iterdir()) == []  # its temporary directory removed
+    # the states on nvme held at the swap: every unit's, none gated; the swap file grew by at most those bytes
+    assert [h["gated_units"] for h in r["held"]] == [0] and r["held"][0]["held_bytes"] > r["params"] * 4 * 2
+    assert 0 <= r["swap_growth_bytes"][0] <= r["held"][0]["held_bytes"] and "held at the swap" in stdout
     int8, stdout = _run(tmp_path, "--optimizer-states", "int8")
     assert int8["optimizer_states"] == "int8" and "int8 optimizer states" in stdout
     assert int8["checkpoint_bytes"] < r["checkpoint_bytes"]  # one byte a moment where a tensor is large enough

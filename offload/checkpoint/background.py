@@ -4,27 +4,34 @@ on; its handle's wait() returns the path, done() says whether it is published ([
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 import time
 
 from offload.checkpoint import format as fmt
 from offload.checkpoint import saving
 from offload.checkpoint.format import CheckpointError
+from offload.plan.chunks import chunk_key
 from offload.state.tiers import ChunkPool
 
 # [Note: background saves]
 # What the checkpoint must hold is the state at the step boundary where it was asked; what changes after it
 # is each unit's optimizer states (and the weights written from them), when the next step updates that unit.
-# So a saver thread writes the units one by one, the last first (backward's order, in which the next step
-# updates them), and the step's update of a unit waits until that unit is written (Runtime.before_update):
-# copy-on-write per unit, where the copy is the write itself. Everything else is taken at the request, in the
-# caller's thread: the counters, the RNG states, the model's buffers. The states are read from their homes
-# by the saver (nvme ones through a one-chunk pool of its own, three for a split master, so that a step
-# holding the runtime's pool never waits for it), written to the same files as a blocking save, and published
-# the same way: `latest` moves only once the whole checkpoint is written and verified. Over ranks each rank
-# writes its part; the manifest is merged and published at a later step boundary once every rank's part is
-# written (an agreement at each step()), or by wait() (every rank calls it). A failure in the saver is raised at the next step(),
-# save_checkpoint(), close() or wait(); the previous checkpoint and `latest` stay as they were.
+# States on nvme are held at the swap ([Note: held entries] in offload/swap/store.py): the step's writes of
+# them go to other extents while the saver reads the boundary's, so the step never waits for the saver, which
+# may take more than one step. That costs the swap file up to the held bytes (kept for later saves), so it is
+# done only where the nvme budget and the free disk beside the checkpoint take them; otherwise, and for states
+# in hbm or dram, the step's update of a unit waits until the saver has written it (Runtime.before_update):
+# the saver writes the units the last first (backward's order, in which the next step updates them).
+# Everything else is taken at the request, in the caller's thread: the counters, the RNG states, the model's
+# buffers. The saver reads the states through a one-chunk pool of its own (three for a split master), so
+# that a step holding the runtime's pool never waits for it; it writes the same files as a blocking save,
+# published the same way: `latest` moves only once the whole checkpoint is written and verified. Over ranks
+# each rank writes its part; the manifest is merged and published at a later step boundary once every rank's
+# part is written (an agreement at each step()), or by wait() (every rank calls it). A failure in the saver is
+# raised at the next step(), save_checkpoint(), close() or wait(); the previous checkpoint and `latest` stay as
+# they were.
 
 
 class BackgroundSaveError(CheckpointError):
@@ -53,6 +60,7 @@ class BackgroundSave:
         self.final, self.tmp = (saving.begin_ranks(engine, directory, name) if self.rt.world > 1
                                 else fmt.begin(directory, name))
         self._written = {u.index: threading.Event() for u in engine.units}
+        self._hold, self._held_keys, self._gated = None, {}, set(self._written)
         self._part = None           # this rank's part once written, or its error as a string
         self._finished = threading.Event()  # the part written (and in one process, published or failed)
         self._path: str | None = None
@@ -61,7 +69,10 @@ class BackgroundSave:
         try:
             split = self.rt.settings.optimizer.master == "split"  # a window's record, its weights, the master
             self._staging = ChunkPool(self.rt.tiers, self.rt.staging.chunk_bytes, 3 if split else 1)
+            self._hold_states(engine)
         except BaseException:
+            if self._hold is not None:
+                self._hold.close()
             fmt.abort(self.tmp)
             raise
         self.seconds: float | None = None
@@ -72,9 +83,35 @@ class BackgroundSave:
         self._thread = threading.Thread(target=self._run, args=(held,), name="offload-checkpoint", daemon=False)
         self._thread.start()
 
+    def _hold_states(self, engine) -> None:
+        """Holds the nvme states at the swap where room allows ([Note: background saves]): each unit whose
+        states (and a split master's weights) are all on nvme is then not gated."""
+        store, keys = self.rt.store, {}
+        if store is None or not (self.rt.rank == 0 or self.rt.sharded):  # stage 0: rank 0 alone writes states
+            return
+        for unit in engine.units:
+            st, w = engine.states[unit.index], engine.weights[unit.index]
+            if st is not None and st.home == "nvme" and (not st.split or w.home == "nvme"):
+                keys[unit.index] = [st.key(kind, i) for kind in st.state_kinds for i in st.mine]
+                keys[unit.index] += [chunk_key(w.key, i) for i in st.mine] if st.split else []
+        hold = store.hold(k for ks in keys.values() for k in ks)
+        try:
+            beside = os.stat(store.run_dir).st_dev == os.stat(self.tmp).st_dev  # the checkpoint takes as much
+            room = (store.disk_bytes + hold.growth <= self.rt.tiers.acct["nvme"].budget_bytes
+                    and shutil.disk_usage(store.run_dir).free >= hold.growth + hold.nbytes * beside)
+        except BaseException:
+            hold.close()
+            raise
+        if not room or not keys:
+            hold.close()
+            return
+        self._hold, self._held_keys = hold, keys
+        self._gated -= set(keys)
+
     def _before_update(self, index: int) -> None:
-        """The step is about to update unit `index`: returns once the saver has written it."""
-        event = self._written.get(index)
+        """The step is about to update unit `index`: returns once the saver has written it (at once where
+        its states are held at the swap)."""
+        event = self._written.get(index) if index in self._gated else None
         if event is not None and not event.is_set():
             t = time.perf_counter()
             event.wait()
@@ -84,16 +121,23 @@ class BackgroundSave:
         _lower_priority()
         try:
             self._part = saving.save_part(self.engine, self.tmp, False, held, staging=self._staging,
-                                          saved=lambda i: self._written[i].set())
+                                          saved=self._saved, hold={u: self._hold for u in self._held_keys})
         except BaseException as e:  # noqa: BLE001  (raised to the caller at its next step or wait)
             self._part = f"rank {self.rt.rank}: {e}" if self.rt.world > 1 else str(e)
         finally:
             for event in self._written.values():  # a failed save never holds the step
                 event.set()
+            if self._hold is not None:
+                self._hold.close()
             self._staging.close()
         if self.rt.world == 1:
             self._publish_alone()
         self._finished.set()
+
+    def _saved(self, index: int) -> None:
+        self._written[index].set()
+        if self._hold is not None:
+            self._hold.release(self._held_keys.get(index, ()))
 
     def _publish_alone(self) -> None:
         if isinstance(self._part, str):
@@ -149,8 +193,11 @@ class BackgroundSave:
 
     def stats(self) -> dict:
         """{"seconds": from the request to the checkpoint published (None until then), "exposed_s": how long
-        training waited for it: the request itself, units not yet written when the step reached them, wait()}."""
-        return {"seconds": self.seconds, "exposed_s": self.exposed_s}
+        training waited for it: the request itself, units not yet written when the step reached them, wait();
+        "held_bytes": the nvme states held at the swap, "gated_units": units whose update waits for the saver}."""
+        return {"seconds": self.seconds, "exposed_s": self.exposed_s,
+                "held_bytes": self._hold.nbytes if self._hold is not None else 0,
+                "gated_units": sum(1 for u in self._gated if self.engine.states[u] is not None)}
 
 
 SAVER_NICE = 10  # the saver yields the cores to the step's threads (Linux: per thread)

@@ -110,16 +110,17 @@ def run_id(engine) -> str:
     return engine.checkpoint_run_id
 
 
-def save_part(engine, tmp: str, accumulator: bool, held: dict, staging=None, saved=None) -> dict:
+def save_part(engine, tmp: str, accumulator: bool, held: dict, staging=None, saved=None, hold=None) -> dict:
     """This rank's data file in `tmp` and what the manifest says of it ([Note: ranks]): the optimizer states
     of the windows it holds (zero_stage 0: rank 0 holds all, the others write none), and on rank 0 the frozen
     weights and the buffers, which every rank holds alike; `held`: snapshot()'s. staging: the chunk pool nvme
     homes are read through (the runtime's by default); saved(unit index): called as each unit is written,
-    in the order the next step updates them (the last unit first)."""
+    in the order the next step updates them (the last unit first). hold: {unit index: the swap hold
+    (SwapStore.hold) its nvme states are read from} ([Note: background saves])."""
     first = engine.rt.rank == 0
     with DataFile(tmp, fmt.data_file_name(engine.rt.rank)) as out:
         tensors = _save_parameters(engine, out, accumulator, states=first or engine.rt.sharded, weights=first,
-                                   staging=staging, saved=saved)
+                                   staging=staging, saved=saved, hold=hold)
         buffers = _save_buffers(held["buffers"], out)
         out.sync()
     return {"tensors": tensors, "buffers": buffers, "files": {out.name: {"rank": engine.rt.rank, "nbytes": out.nbytes}},
@@ -209,7 +210,7 @@ def _manifest_head(cfg: Config, world: int, model: nn.Module, counters: dict, ac
 
 
 def _save_parameters(engine, out: DataFile, accumulator: bool, states: bool = True, weights: bool = True,
-                     staging=None, saved=None) -> dict:
+                     staging=None, saved=None, hold=None) -> dict:
     """Every parameter's entry, unit by unit (the last first), each of its buffers chunk by chunk ([Note: the
     format]): `states` the optimizer's (the windows this rank holds), `weights` the frozen parameters'."""
     names = param_names(engine.module)
@@ -238,7 +239,8 @@ def _save_parameters(engine, out: DataFile, accumulator: bool, states: bool = Tr
             kinds = (*kinds, "weight")
         for kind in kinds:
             slots = [s for s in unit.slots if s.trainable == (kind != "weight")]
-            for b, e, t in unit_buffers(engine.rt, engine.weights[unit.index], st, kind, staging=staging):
+            kept = (hold or {}).get(unit.index) if kind != "weight" else None  # frozen weights: never rewritten
+            for b, e, t in unit_buffers(engine.rt, engine.weights[unit.index], st, kind, staging=staging, hold=kept):
                 for s in slots:
                     for name, piece, lo, hi in slot_pieces(st, kind, b, e, t, s):
                         if kind == "grad":

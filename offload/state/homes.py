@@ -19,7 +19,7 @@ from offload.state.runtime import Runtime
 
 
 def unit_buffers(rt: Runtime, w: WeightHandle, st: OptimState | None, kind: str, write: bool = False, keep: bool = True,
-                 only=None, staging=None):
+                 only=None, staging=None, hold=None):
     """(begin, end, host tensor) over one of the unit's flat buffers (master, exp_avg, exp_avg_sq, grad, the
     int8 moments' absmax and small (begin, end: the window's elements; the tensor: OptimState.layout's), or
     weight in the compute dtype), one chunk at a time, from its home: nvme chunks through a pool chunk (a key
@@ -28,9 +28,9 @@ def unit_buffers(rt: Runtime, w: WeightHandle, st: OptimState | None, kind: str,
     for the next one (not after an exception). keep=False: it starts zeroed instead of read. only: the
     indices of the chunks / windows to visit (default: every one this rank holds). `w` and `st` are the
     unit's weight handle and optimizer state (None for a frozen unit). staging: the chunk pool nvme chunks go
-    through (default the runtime's)."""
+    through (default the runtime's). hold: nvme chunks are read as this swap hold keeps them (SwapStore.hold)."""
     if kind == "master" and st.split:
-        yield from _split_masters(rt, w, st, write, keep, only, staging or rt.staging)
+        yield from _split_masters(rt, w, st, write, keep, only, staging or rt.staging, hold)
         return
     if kind == "weight":
         w.writer.wait_for_write()  # new weights written behind by the last step
@@ -58,12 +58,12 @@ def unit_buffers(rt: Runtime, w: WeightHandle, st: OptimState | None, kind: str,
             if write and t is not at_home:
                 at_home.copy_(t)
             continue
-        k = chunk_key(key, i)
+        k, src = chunk_key(key, i), hold if hold is not None else rt.store
         pool = staging or rt.staging
         buf = pool.acquire(numel, dtype, f"checkpoint {k}")
         try:
-            if keep and k in rt.store:
-                rt.store.read(k, into=buf).wait()
+            if keep and k in src:
+                src.read(k, into=buf).wait()
             else:
                 buf.zero_() if st is None else moments.blank(st.int8, kind, buf)
             yield b, e, buf
@@ -73,14 +73,14 @@ def unit_buffers(rt: Runtime, w: WeightHandle, st: OptimState | None, kind: str,
             pool.release(buf)
 
 
-def _split_masters(rt: Runtime, w: WeightHandle, st: OptimState, write: bool, keep: bool, only, pool):
+def _split_masters(rt: Runtime, w: WeightHandle, st: OptimState, write: bool, keep: bool, only, pool, hold):
     """unit_buffers' fp32 masters where they are split ([Note: split master] in offload/kernels/split.py): each
     window's joined with its weights into a pool chunk, its record written back from it (`write`)."""
     for i in st.mine if only is None else [i for i in st.mine if i in only]:
         b, e = st.chunks[i]
         buf = pool.acquire(e - b, torch.float32, f"{st.unit.name} master")
         try:
-            read_master(rt, w, st, i, buf, pool) if keep else buf.zero_()
+            read_master(rt, w, st, i, buf, pool, hold) if keep else buf.zero_()
             yield b, e, buf
             if write:
                 write_master(rt, st, i, buf, pool)

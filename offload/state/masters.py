@@ -39,14 +39,17 @@ def write_master(rt: Runtime, st: OptimState, i: int, master: torch.Tensor, pool
         pool.release(record)
 
 
-def read_master(rt: Runtime, w: WeightHandle, st: OptimState, i: int, out: torch.Tensor, pool=None) -> torch.Tensor:
+def read_master(rt: Runtime, w: WeightHandle, st: OptimState, i: int, out: torch.Tensor, pool=None,
+                hold=None) -> torch.Tensor:
     """Window i's fp32 master into `out` (returned); a split one joined with the window's weights, read from
     their home (`w`, the unit's weight handle; over ranks the window's owner holds both). pool: the chunk pool
-    nvme chunks pass through (two at once for a split master on nvme)."""
+    nvme chunks pass through (two at once for a split master on nvme). hold: nvme chunks read as a swap hold
+    keeps them (SwapStore.hold: the record's and, on nvme, the weights')."""
     home = st.t["master"][st.kspans["master"][i]] if st.home != "nvme" else None
+    src = hold if hold is not None else rt.store
     if not st.split:
         if home is None:
-            rt.store.read(st.key("master", i), into=out).wait()
+            src.read(st.key("master", i), into=out).wait()
         else:
             out.copy_(home)
         return out
@@ -57,15 +60,16 @@ def read_master(rt: Runtime, w: WeightHandle, st: OptimState, i: int, out: torch
         if home is None:
             record = pool.acquire(split.record_bytes(e - b), torch.uint8, f"{st.unit.name} master record")
             taken.append(record)
-            rt.store.read(st.key("master", i), into=record).wait()
+            src.read(st.key("master", i), into=record).wait()
         else:
             record = home.cpu()
         if w.home == "nvme":
-            w.writer.wait_for_write()  # new weights written behind by the last step
+            if hold is None:
+                w.writer.wait_for_write()  # new weights written behind by the last step (a hold settled them)
             cb, ce = w.chunks[i]
             chunk = pool.acquire(ce - cb, w.dtype, f"{w.unit.name} weights")
             taken.append(chunk)
-            rt.store.read(chunk_key(w.key, i), into=chunk).wait()
+            src.read(chunk_key(w.key, i), into=chunk).wait()
             weights = chunk[b - cb:e - cb]
         else:
             weights = (w.dram[w.span(i, b, e)] if w.home == "dram" else w.hbm[b:e]).cpu()
