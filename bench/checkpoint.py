@@ -2,16 +2,17 @@
 engine (weights and optimizer states on nvme), in rounds so that drift on a shared machine hits each mode alike.
 
 Each round: a step with no checkpoint (none); a background checkpoint asked, then the steps that run while it
-is written (background: each of them, until it is published); a step followed by a blocking checkpoint
+is written (background: each of them, until it is published; gated, with --gated: the same with no states held
+at the swap, so each unit's update waits for the saver); a step followed by a blocking checkpoint
 (blocking: the step plus the save, what training waits); and a step while fio moves the bytes a background save
 moves (beside_io: reading the checkpoint's bytes and writing them to a new file, each at that size over a plain
 step's time, O_DIRECT, in --dir; null without fio): what the host's compute and drive keep beside that I/O, the
 floor of any background save of that size. Goal: background <= 1.05 x none. exposed_s: the mean time training waited for a background checkpoint
 (its request, and units the step reached before the saver). held: per background save, the bytes of states held at
-the swap (copy-on-write) and the units gated instead; swap_growth_bytes: how much the swap file grew meanwhile.
+the swap (copy-on-write), the units gated instead and the saver thread's CPU seconds; swap_growth_bytes: how much the swap file grew meanwhile.
 
     python bench/checkpoint.py [--model bench-200m|3b] [--batch 4] [--seq 512] [--rounds 3] [--dir DIR]
-                               [--optimizer-states fp32|int8] [--json]
+                               [--optimizer-states fp32|int8] [--gated] [--json]
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def main() -> None:
     ap.add_argument("--precision", default="auto")
     ap.add_argument("--optimizer-states", default="fp32", choices=("fp32", "int8"),
                     help="int8: half the state bytes on disk and in each checkpoint (the 3b shape's fit this disk)")
+    ap.add_argument("--gated", action="store_true",
+                    help="also a background checkpoint with every unit gated (no states held at the swap), each round")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir)
@@ -49,7 +52,7 @@ def main() -> None:
     step = report["step_s"]
     print(f"{args.model}, {args.batch} x {args.seq}, weights and states on nvme, {report['precision']}, "
           f"{args.optimizer_states} optimizer states:")
-    for mode in ("none", "background", "blocking", "beside_io"):
+    for mode in ("none", "background", "gated", "blocking", "beside_io"):
         if step.get(mode) is not None:
             print(f"  {mode:10s} step {step[mode]:7.2f} s  ({step[mode] / step['none']:.2f}x none)")
     if step.get("beside_io") is not None:
@@ -62,10 +65,13 @@ def main() -> None:
           f"{report['step_nvme_bytes']['written'] / 1e9:.2f} GB to it; a checkpoint is "
           f"{report['checkpoint_bytes'] / 1e9:.2f} GB, the blocking save {report['save_gbps_blocking']:.2f} GB/s")
     print(f"  blocking save {report['save_s_blocking']:.2f} s; background: {report['background_s']:.2f} s to publish, "
-          f"{report['exposed_s']:.3f} s exposed, over {report['steps_per_background']:.1f} steps")
-    for h, grew in zip(report["held"], report["swap_growth_bytes"]):
-        print(f"  background save: {h['held_bytes'] / 1e9:.2f} GB of states held at the swap (copy-on-write), "
-              f"{h['gated_units']} units gated; the swap file grew {grew / 1e9:.2f} GB")
+          f"{report['exposed_s']:.3f} s exposed, over {report['steps_per_background']:.1f} steps, the saver's CPU "
+          f"{report['saver_cpu_s']:.2f} s")
+    grown = iter(report["swap_growth_bytes"])
+    for h in report["held"]:
+        grew = f"; the swap file grew {next(grown) / 1e9:.2f} GB" if h["mode"] == "background" else ""
+        print(f"  {h['mode']} save: {h['held_bytes'] / 1e9:.2f} GB of states held at the swap (copy-on-write), "
+              f"{h['gated_units']} units gated, the saver's CPU {h['saver_cpu_s']:.2f} s{grew}")
     if args.json:
         print(json.dumps(report))
 
@@ -74,6 +80,7 @@ def run(args, base: str) -> dict:
     import torch
 
     import offload
+    from offload.checkpoint import background as background_module
     from offload.data import BatchSampler, load_tokens
     from offload.models import build_model, loss_of
 
@@ -82,9 +89,10 @@ def run(args, base: str) -> dict:
     cfg = {"precision": args.precision, "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"},
            "nvme_path": os.path.join(base, "swap"), "optimizer": {"states": args.optimizer_states}}
     ck = os.path.join(base, "ck")
-    times = {"none": [], "background": [], "blocking": [], "beside_io": []}
+    times = {"none": [], "background": [], "gated": [], "blocking": [], "beside_io": []}
     size = None  # the bytes of one checkpoint, once the first is written
-    saves, exposed, published, per_save, fio_moved, held, swap_growth = [], [], [], [], [], [], []
+    saves, per_save, fio_moved = [], [], []
+    bg = {"exposed_s": [], "seconds": [], "saver_cpu_s": [], "held": [], "swap_growth_bytes": []}
     with offload.initialize(model, cfg) as engine:
         i = 0
 
@@ -97,25 +105,39 @@ def run(args, base: str) -> dict:
             engine.step()
             return time.perf_counter() - t
 
+        def background(mode: str) -> None:
+            """A background checkpoint and the steps that run while it is written, into times[mode]; gated:
+            with no states held at the swap, every unit's update waits for the saver (background.HOLD_AT_SWAP)."""
+            nonlocal size
+            swap_before = engine.store.disk_bytes
+            background_module.HOLD_AT_SWAP = mode == "background"
+            try:
+                handle = engine.save_checkpoint(ck, name=f"{mode}{i}", keep=1, background=True)
+            finally:
+                background_module.HOLD_AT_SWAP = True
+            n = 0
+            while not handle.done():
+                times[mode].append(step())
+                n += 1
+            path = handle.wait()
+            size = size or sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+            shutil.rmtree(ck)  # one checkpoint on the disk at a time (the 3b shape's fill it)
+            stats = handle.stats()
+            if mode == "background":
+                per_save.append(n)
+                for k in ("exposed_s", "seconds", "saver_cpu_s"):
+                    bg[k].append(stats[k])
+                bg["swap_growth_bytes"].append(engine.store.disk_bytes - swap_before)
+            bg["held"].append({"mode": mode, **{k: stats[k] for k in ("held_bytes", "gated_units", "saver_cpu_s")}})
+
         step(), step()  # the first records the trace, the second settles the pool
         for _ in range(args.rounds):
             times["none"].append(step())
             links = engine.stats()["last_step"]["links"]
             step_io = {"read": links["nvme_to_dram"]["bytes"], "written": links["dram_to_nvme"]["bytes"]}
-            swap_before = engine.store.disk_bytes
-            handle = engine.save_checkpoint(ck, name=f"bg{i}", keep=1, background=True)
-            n = 0
-            while not handle.done():
-                times["background"].append(step())
-                n += 1
-            path = handle.wait()
-            size = size or sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-            shutil.rmtree(ck)  # one checkpoint on the disk at a time (the 3b shape's fill it)
-            per_save.append(n)
-            exposed.append(handle.stats()["exposed_s"])
-            published.append(handle.stats()["seconds"])
-            held.append({k: handle.stats()[k] for k in ("held_bytes", "gated_units")})
-            swap_growth.append(engine.store.disk_bytes - swap_before)
+            background("background")
+            if args.gated:
+                background("gated")
             s = step()
             t = time.perf_counter()
             engine.save_checkpoint(ck, name=f"bl{i}", keep=1)
@@ -131,12 +153,13 @@ def run(args, base: str) -> dict:
     med = {k: statistics.median(v) if v else None for k, v in times.items()}
     return {"model": args.model, "params": params, "precision": precision, "optimizer_states": args.optimizer_states, "batch": args.batch, "seq": args.seq,
             "rounds": args.rounds, "step_s": med, "steps": times, "save_s_blocking": statistics.median(saves),
-            "exposed_s": statistics.mean(exposed), "background_s": statistics.median(published),
+            "exposed_s": statistics.mean(bg["exposed_s"]), "background_s": statistics.median(bg["seconds"]),
+            "saver_cpu_s": statistics.median(bg["saver_cpu_s"]),
             "steps_per_background": statistics.mean(per_save), "background_over_none": med["background"] / med["none"],
             "checkpoint_bytes": size, "step_nvme_bytes": step_io,
             "save_gbps_blocking": size / statistics.median(saves) / 1e9,
             "beside_io_bytes": fio_moved,  # the bytes fio read and wrote during each beside_io step
-            "held": held, "swap_growth_bytes": swap_growth}  # per background save: states held at the swap
+            "held": bg["held"], "swap_growth_bytes": bg["swap_growth_bytes"]}
 
 
 def beside_io(step, nbytes: int, seconds: float, base: str) -> float:

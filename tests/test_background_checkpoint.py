@@ -18,6 +18,7 @@ import torch
 
 import offload
 from offload.checkpoint import format as fmt
+from offload.checkpoint import background
 from offload.checkpoint.background import BackgroundSaveError
 from offload.checkpoint.datafile import DataFile
 from tests.engine_util import MLP, mlp_batches, train
@@ -103,6 +104,34 @@ def test_with_states_on_nvme_training_never_waits_for_the_saver(tmp_path, monkey
             loaded = eng.full_state_dict()
             assert all(torch.equal(loaded[key], saved[k][key]) for key in saved[k]), name
             assert train(eng, data[2 + 2 * k:len(losses)]) == losses[2 + 2 * k:], name
+
+
+IOPRIO_GET = {"x86_64": 252, "aarch64": 31}
+
+
+def test_the_saver_yields_the_cores_and_the_drive_to_the_step(tmp_path, monkeypatch):
+    """The saver thread runs at SAVER_NICE below the process and, on Linux, in the idle I/O class (the drive
+    serves the step first); handle.stats() counts its CPU time."""
+    import ctypes
+    import platform
+
+    seen = {}
+    original = DataFile.write
+
+    def write(self, t, begin, end):
+        tid = threading.get_native_id()
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
+        if sys.platform == "linux" and platform.machine() in IOPRIO_GET:
+            seen["io"] = ctypes.CDLL(None).syscall(IOPRIO_GET[platform.machine()], 1, tid)
+        return original(self, t, begin, end)
+
+    monkeypatch.setattr(DataFile, "write", write)
+    with offload.initialize(MLP(), cfg(tmp_path, "nvme")) as eng:
+        train(eng, mlp_batches(1))
+        handle = eng.save_checkpoint(str(tmp_path / "ck"), background=True)
+        handle.wait()
+    assert seen["nice"] == min(19, os.getpriority(os.PRIO_PROCESS, 0) + background.SAVER_NICE)
+    assert seen.get("io", background.IOPRIO_IDLE) == background.IOPRIO_IDLE and handle.stats()["saver_cpu_s"] > 0
 
 
 def test_without_room_to_hold_the_nvme_states_each_update_waits_for_its_unit(tmp_path, slow_writes):

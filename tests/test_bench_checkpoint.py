@@ -30,6 +30,10 @@ def test_checkpoint_bench_json(tmp_path):
     # the states on nvme held at the swap: every unit's, none gated; the swap file grew by at most those bytes
     assert [h["gated_units"] for h in r["held"]] == [0] and r["held"][0]["held_bytes"] > r["params"] * 4 * 2
     assert 0 <= r["swap_growth_bytes"][0] <= r["held"][0]["held_bytes"] and "held at the swap" in stdout
-    int8, stdout = _run(tmp_path, "--optimizer-states", "int8")
+    assert r["saver_cpu_s"] > 0 and step["gated"] is None  # the gated rows only with --gated
+    int8, stdout = _run(tmp_path, "--optimizer-states", "int8", "--gated")
     assert int8["optimizer_states"] == "int8" and "int8 optimizer states" in stdout
+    held, gated = int8["held"]  # the gated save holds nothing and gates every unit with states
+    assert (held["mode"], gated["mode"]) == ("background", "gated") and held["held_bytes"] > 0 == held["gated_units"]
+    assert gated["held_bytes"] == 0 < gated["gated_units"] and int8["step_s"]["gated"] > 0 and "gated      step" in stdout
     assert int8["checkpoint_bytes"] < r["checkpoint_bytes"]  # one byte a moment where a tensor is large enough

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import threading
 import time
 
@@ -62,6 +63,7 @@ class BackgroundSave:
         self._written = {u.index: threading.Event() for u in engine.units}
         self._hold, self._held_keys, self._gated = None, {}, set(self._written)
         self._part = None           # this rank's part once written, or its error as a string
+        self.saver_cpu_s = 0.0      # the CPU time of the saver thread (user and system)
         self._finished = threading.Event()  # the part written (and in one process, published or failed)
         self._path: str | None = None
         self._error: str | None = None
@@ -87,7 +89,7 @@ class BackgroundSave:
         """Holds the nvme states at the swap where room allows ([Note: background saves]): each unit whose
         states (and a split master's weights) are all on nvme is then not gated."""
         store, keys = self.rt.store, {}
-        if store is None or not (self.rt.rank == 0 or self.rt.sharded):  # stage 0: rank 0 alone writes states
+        if store is None or not HOLD_AT_SWAP or not (self.rt.rank == 0 or self.rt.sharded):  # stage 0: rank 0 alone writes states
             return
         for unit in engine.units:
             st, w = engine.states[unit.index], engine.weights[unit.index]
@@ -119,6 +121,7 @@ class BackgroundSave:
 
     def _run(self, held: dict) -> None:
         _lower_priority()
+        cpu = time.thread_time()
         try:
             self._part = saving.save_part(self.engine, self.tmp, False, held, staging=self._staging,
                                           saved=self._saved, hold={u: self._hold for u in self._held_keys})
@@ -130,6 +133,7 @@ class BackgroundSave:
             if self._hold is not None:
                 self._hold.close()
             self._staging.close()
+            self.saver_cpu_s = time.thread_time() - cpu
         if self.rt.world == 1:
             self._publish_alone()
         self._finished.set()
@@ -194,21 +198,45 @@ class BackgroundSave:
     def stats(self) -> dict:
         """{"seconds": from the request to the checkpoint published (None until then), "exposed_s": how long
         training waited for it: the request itself, units not yet written when the step reached them, wait();
-        "held_bytes": the nvme states held at the swap, "gated_units": units whose update waits for the saver}."""
-        return {"seconds": self.seconds, "exposed_s": self.exposed_s,
+        "held_bytes": the nvme states held at the swap, "gated_units": units whose update waits for the saver,
+        "saver_cpu_s": the saver thread's CPU time, what it took from the cores beside the step}."""
+        return {"seconds": self.seconds, "exposed_s": self.exposed_s, "saver_cpu_s": self.saver_cpu_s,
                 "held_bytes": self._hold.nbytes if self._hold is not None else 0,
                 "gated_units": sum(1 for u in self._gated if self.engine.states[u] is not None)}
 
 
+HOLD_AT_SWAP = True  # False: every unit gated, as where the swap has no room (bench/checkpoint.py's gated rows)
 SAVER_NICE = 10  # the saver yields the cores to the step's threads (Linux: per thread)
 
 
 def _lower_priority() -> None:
-    """The calling thread's scheduling priority lowered by SAVER_NICE where the OS sets it per thread (Linux);
-    elsewhere, or when refused, left as it is."""
+    """The calling thread's scheduling priority lowered by SAVER_NICE, and its I/O put in the idle class (the
+    drive serves it when the step's I/O leaves it idle), where the OS sets them per thread (Linux); elsewhere,
+    or when refused, left as they are."""
     import os
 
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(os.PRIO_PROCESS, 0) + SAVER_NICE))
     except (AttributeError, OSError):
         pass
+    _set_io_idle(threading.get_native_id())
+
+
+IOPRIO_SET = {"x86_64": 251, "aarch64": 30}  # the ioprio_set syscall's number
+IOPRIO_IDLE = 3 << 13  # IOPRIO_PRIO_VALUE(IOPRIO_CLASS_IDLE, 0)
+
+
+def _set_io_idle(tid: int) -> bool:
+    """Thread `tid`'s I/O in the idle class (Linux's ioprio_set, who = IOPRIO_WHO_PROCESS, per thread): the
+    block layer's schedulers that take priorities (mq-deadline, bfq) serve it after other I/O. False where
+    the OS has no such call or refuses it."""
+    import ctypes
+    import platform
+
+    number = IOPRIO_SET.get(platform.machine()) if sys.platform == "linux" else None
+    if number is None:
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).syscall(number, 1, tid, IOPRIO_IDLE) == 0
+    except (OSError, AttributeError):
+        return False

@@ -7,12 +7,11 @@ import errno
 import fcntl
 import mmap
 import os
-import zlib
 
 import numpy as np
 import torch
 
-from offload.checkpoint.format import CREATE_FLAGS, as_bytes
+from offload.checkpoint.format import CREATE_FLAGS, as_bytes, crc32
 
 # [Note: direct checkpoint writes]
 # A checkpoint's gigabytes written through the page cache cost the host several times the bytes in CPU
@@ -45,7 +44,7 @@ class DataFile:
     def write(self, t: torch.Tensor, begin: int, end: int) -> dict:
         data = as_bytes(t)
         r = {"begin": begin, "end": end, "file": self.name, "offset": self.nbytes, "nbytes": len(data),
-             "crc32": zlib.crc32(data)}
+             "crc32": crc32(data)}
         done = 0
         while self.direct and done < len(data):
             n = min(len(data) - done, BOUNCE_BYTES - self._fill)

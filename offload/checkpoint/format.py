@@ -11,9 +11,13 @@ import json
 import logging
 import os
 import shutil
-import zlib
 
 import torch
+
+try:  # ISA-L's crc32: zlib's polynomial and values, 5x faster on x86 and aarch64 (bench/RESULTS.md)
+    from isal.isal_zlib import crc32
+except ImportError:
+    from zlib import crc32
 
 # [Note: the format]
 # format_version 1:
@@ -111,7 +115,18 @@ def data_file_name(rank: int) -> str:
 def write_manifest(directory: str, manifest: dict) -> None:
     """manifest.json with its digest ([Note: a manifest that is checked])."""
     manifest = {**manifest, DIGEST: manifest_digest(manifest)}
-    _write_synced(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1).encode())
+    _write_synced(os.path.join(directory, MANIFEST), _readable_json(manifest).encode())
+
+
+def _readable_json(value, depth: int = 3, pad: str = "") -> str:
+    """JSON with the first `depth` levels of dicts indented a key a line (a tensor's kind a line) and the rest
+    compact: as readable as json.dumps(indent=1) where it matters, but from json's C encoder (indent= takes
+    its pure-Python one: 0.15 s of a checkpoint's CPU at 200M parameters)."""
+    if not depth or not isinstance(value, dict) or not value:
+        return json.dumps(value)
+    inner = pad + " "
+    return "{\n" + ",\n".join(f"{inner}{json.dumps(k)}: {_readable_json(v, depth - 1, inner)}"
+                               for k, v in value.items()) + f"\n{pad}}}"
 
 
 def manifest_digest(manifest: dict) -> str:
@@ -351,7 +366,7 @@ class Reader:
             data = os.pread(fd, min(VERIFY_BYTES, r["nbytes"] - pos), r["offset"] + pos)
             if not data:
                 raise CheckpointError(f"{path}: ends at byte {r['offset'] + pos}, inside {what} (truncated)")
-            crc, pos = zlib.crc32(data, crc), pos + len(data)
+            crc, pos = crc32(data, crc), pos + len(data)
         if crc != r["crc32"]:
             raise CheckpointError(f"{path}: bytes [{r['offset']}, {r['offset'] + r['nbytes']}) ({what}): crc32 "
                                   f"{crc:#010x}, the manifest says {r['crc32']:#010x}; the file is damaged, load "
