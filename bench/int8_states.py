@@ -41,7 +41,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--optimizer", default="cpu", choices=("cpu", "nvme"), help="where the states live")
-    ap.add_argument("--precision", default="auto")
+    ap.add_argument("--precision", default="fp32",
+                    help="ours' precision; fp32 (default) is the plain loops' (--plain), so all start from one loss")
     ap.add_argument("--dir", default=None, help="swap goes under it (default: a temporary directory)")
     ap.add_argument("--plain", action="store_true", help="also torch's AdamW and bitsandbytes' AdamW8bit in memory")
     ap.add_argument("--modes", nargs="+", choices=tuple(NAMES), default=["fp32", "int8"],

@@ -635,7 +635,7 @@ def test_offload_train_names_a_failed_save_keeps_the_last_good_checkpoint_and_re
                                                                                       blocking):
     """ENOSPC on --checkpoint-dir at step 4: one line naming the checkpoint's path, the step, the cause and the
     last good checkpoint; the report of the steps done is written (4; in the background the failure is found
-    at the end of step 5); exit 2; resuming continues from step 2."""
+    at the end of a later step); exit 2; resuming continues from step 2."""
     d, out = tmp_path / "ckpts", tmp_path / "run"
     real_write = os.write
 
@@ -656,7 +656,9 @@ def test_offload_train_names_a_failed_save_keeps_the_last_good_checkpoint_and_re
                         rf"\(continue from it with --resume\); report in {re.escape(str(out))}; free space on "
                         r"--checkpoint-dir or point it elsewhere", err), err
     report = json.load(open(out / "report.json"))
-    assert len(report["losses"]) == (4 if blocking else 5) and report["failed"]["step"] == 4
+    # in the background, found at the first step boundary after the saver failed: step 5's end, or step 6's where
+    # the saver (at a lower priority) had not reached its first write by then
+    assert len(report["losses"]) in ((4,) if blocking else (5, 6)) and report["failed"]["step"] == 4
     assert report["failed"]["last_good_checkpoint"] == str(d / "step00000002")
     assert sorted(os.listdir(d)) == ["latest", "step00000002"]  # the failed save removed itself
     monkeypatch.undo()
