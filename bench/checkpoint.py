@@ -7,9 +7,10 @@ at the swap, so each unit's update waits for the saver); a step followed by a bl
 (blocking: the step plus the save, what training waits); and a step while fio moves the bytes a background save
 moves (beside_io: reading the checkpoint's bytes and writing them to a new file, each at that size over a plain
 step's time, O_DIRECT, in --dir; null without fio): what the host's compute and drive keep beside that I/O, the
-floor of any background save of that size. Goal: background <= 1.05 x none. exposed_s: the mean time training waited for a background checkpoint
-(its request, and units the step reached before the saver). held: per background save, the bytes of states held at
-the swap (copy-on-write), the units gated instead and the saver thread's CPU seconds; swap_growth_bytes: how much the swap file grew meanwhile.
+floor of any background save of that size. Goal: background <= 1.05 x none. exposed_s: the mean time training
+waited for a background checkpoint (its request, and units the step reached before the saver). held: per
+background save, its mode, the bytes of states held at the swap (copy-on-write), the units gated instead and the
+saver thread's CPU seconds; swap_growth_bytes: how much the swap file grew during each held one.
 
     python bench/checkpoint.py [--model bench-200m|3b] [--batch 4] [--seq 512] [--rounds 3] [--dir DIR]
                                [--optimizer-states fp32|int8] [--gated] [--json]

@@ -89,8 +89,8 @@ class BackgroundSave:
         """Holds the nvme states at the swap where room allows ([Note: background saves]): each unit whose
         states (and a split master's weights) are all on nvme is then not gated."""
         store, keys = self.rt.store, {}
-        if store is None or not HOLD_AT_SWAP or not (self.rt.rank == 0 or self.rt.sharded):  # stage 0: rank 0 alone writes states
-            return
+        if store is None or not HOLD_AT_SWAP or not (self.rt.rank == 0 or self.rt.sharded):
+            return  # stage 0: rank 0 alone writes states
         for unit in engine.units:
             st, w = engine.states[unit.index], engine.weights[unit.index]
             if st is not None and st.home == "nvme" and (not st.split or w.home == "nvme"):
