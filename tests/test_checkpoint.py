@@ -278,7 +278,7 @@ def test_a_symlink_planted_at_the_latest_temporary_is_not_written_through(tmp_pa
     assert {name for name, _ in opened} == {"rank0.bin", "manifest.json", ".latest.tmp"}
     for name, flags in opened:
         assert flags & os.O_CREAT and flags & os.O_EXCL and flags & os.O_NOFOLLOW, name
-    assert fmt.resolve(str(d)) == path
+    assert fmt.resolve(str(d)) == path and fmt.resolve(str(d / "latest")) == path  # `latest` itself names it too
 
 
 def test_keep_prunes_this_runs_oldest_by_step_not_by_file_time(tmp_path):

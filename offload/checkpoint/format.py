@@ -210,9 +210,11 @@ def fsync_dir(path: str) -> None:
 
 def resolve(path: str) -> str:
     """The checkpoint at `path`: a checkpoint directory itself, or the one `path/latest` names (one path
-    component: a checkpoint of `path` itself, [Note: atomic saves])."""
+    component: a checkpoint of `path` itself, [Note: atomic saves]); `path` may be that `latest` file."""
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return path
+    if os.path.basename(os.path.normpath(path)) == LATEST and os.path.isfile(path):
+        return resolve(os.path.dirname(os.path.normpath(path)) or ".")
     latest = os.path.join(path, LATEST)
     if os.path.isfile(latest):
         with open(latest) as f:
