@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="swap, offload folder and the model go under it (default: temporary)")
     ap.add_argument("--io-size", default="1G", help="bytes of the swap read measurement")
     ap.add_argument("--budget", default=None, help="the accelerator's bytes for weights, ours and accelerate's "
-                                                   "(default: a quarter of the weights)")
+                                                   "(default: a quarter of the weights at the precision that runs)")
     ap.add_argument("--ds-python", default=default_ds_python(),
                     help="python of a venv with DeepSpeed (bench/ds_venv.sh), for the deepspeed column")
     limits.add_precision_argument(ap)
@@ -89,8 +89,8 @@ def run(args, base: str) -> tuple[list[dict], dict]:
     bw = iobound.measure_swap(os.path.join(base, "io"), parse_size(args.io_size), {})
     with open(os.path.join(directory, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    weight_bytes = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)
-                       if f.endswith(".safetensors"))
+    params = sum(p.numel() for p in load(directory, "fp32").parameters())
+    weight_bytes = params * (4 if args.precision == "fp32" else 2)  # at the precision that runs
     budget = parse_size(args.budget) if args.budget else weight_bytes // 4
     rows, prompt_sets = [], {}
     for batch in args.batch:
@@ -122,10 +122,8 @@ def run(args, base: str) -> tuple[list[dict], dict]:
             print(f"deepspeed: {e}", file=sys.stderr)
     for row in rows:
         del row["in_memory_tokens"]
-    params = sum(p.numel() for p in load(directory, "fp32").parameters())
     for row in rows:  # the weights at the precision that runs, read once a decode step
-        itemsize = 4 if args.precision == "fp32" else 2
-        row["link_bound_tok_s"] = row["batch"] * bw["swap_read_gbps"] * 1e9 / (params * itemsize)
+        row["link_bound_tok_s"] = row["batch"] * bw["swap_read_gbps"] * 1e9 / weight_bytes
     gflops = limits.matmul_gflops(args.precision)
     return rows, {"params": params, "weight_bytes": weight_bytes, "budget_bytes": budget, **info, **bw,
                   "precision": args.precision, "matmul_gflops": gflops,
