@@ -16,8 +16,8 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "generate.py"
 def test_generate_bench_json(tmp_path):
     pytest.importorskip("accelerate")
     out = subprocess.run([sys.executable, str(BENCH), "--model", "tiny", "--batch", "2", "--prompt-tokens", "8",
-                          "--new-tokens", "4", "--io-size", "64M", "--budget", "1500000", "--dir", str(tmp_path), "--json",
-                          "--ds-python", ""],
+                          "--new-tokens", "4", "--io-size", "64M", "--budget", "1500000", "--precision", "fp32",
+                          "--dir", str(tmp_path), "--json", "--ds-python", ""],
                          capture_output=True, text=True, timeout=600, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     (row,) = r["rows"]
@@ -29,7 +29,8 @@ def test_generate_bench_json(tmp_path):
     assert row["same_tokens"] == {"dram": True, "nvme": True, "nvme_resident": True, "accelerate": True}
     assert row["nvme_tok_s"] > 0 and row["link_bound_tok_s"] > 0 and r["swap_read_gbps"] > 0
     # under half the weights' bytes for weights: most units stream, each read about once a token
-    assert r["budget_bytes"] == 1500000 < r["weight_bytes"] // 2
+    assert r["budget_bytes"] == 1500000 < r["weight_bytes"] // 2  # fp32 weights, on any host
+    assert r["weight_bytes"] == 4 * r["params"]  # the weights at the precision that runs
     assert 0.5 * r["weight_bytes"] < row["nvme_read_per_token_gb"] * 1e9 < 1.5 * r["weight_bytes"]
     beside = row["in_memory_beside_reads_tok_s"]  # in memory again while fio reads at our nvme mode's rate
     assert beside is None if shutil.which("fio") is None else beside > 0
