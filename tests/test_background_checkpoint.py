@@ -125,13 +125,18 @@ def test_the_saver_yields_the_cores_and_the_drive_to_the_step(tmp_path, monkeypa
             seen["io"] = ctypes.CDLL(None).syscall(IOPRIO_GET[platform.machine()], 1, tid)
         return original(self, t, begin, end)
 
+    probe = threading.Thread(target=lambda: seen.update(allowed=background._set_io_idle(threading.get_native_id())))
+    probe.start()
+    probe.join()  # whether this OS lets a thread take the idle class (a container's seccomp may refuse it)
+
     monkeypatch.setattr(DataFile, "write", write)
     with offload.initialize(MLP(), cfg(tmp_path, "nvme")) as eng:
         train(eng, mlp_batches(1))
         handle = eng.save_checkpoint(str(tmp_path / "ck"), background=True)
         handle.wait()
     assert seen["nice"] == min(19, os.getpriority(os.PRIO_PROCESS, 0) + background.SAVER_NICE)
-    assert seen.get("io", background.IOPRIO_IDLE) == background.IOPRIO_IDLE and handle.stats()["saver_cpu_s"] > 0
+    assert not seen["allowed"] or seen["io"] == background.IOPRIO_IDLE
+    assert handle.stats()["saver_cpu_s"] > 0
 
 
 def test_without_room_to_hold_the_nvme_states_each_update_waits_for_its_unit(tmp_path, slow_writes):
