@@ -213,10 +213,9 @@ def _lower_priority() -> None:
     """The calling thread's scheduling priority lowered by SAVER_NICE, and its I/O put in the idle class (the
     drive serves it when the step's I/O leaves it idle), where the OS sets them per thread (Linux); elsewhere,
     or when refused, left as they are."""
-    import os
-
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(os.PRIO_PROCESS, 0) + SAVER_NICE))
+        nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + SAVER_NICE)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except (AttributeError, OSError):
         pass
     _set_io_idle(threading.get_native_id())
