@@ -189,6 +189,46 @@ def test_nvme_moves_the_record_not_the_master(tmp_path):
         assert links["dram_to_nvme"]["bytes"] == links["nvme_to_dram"]["bytes"] == n * (2 + 1 / 8) + 8 * n
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_nvme_weights_are_read_ahead_with_the_windows(tmp_path, monkeypatch, overlap):
+    """Weights and states on nvme: the weights a split master joins with are read ahead with the window's
+    states (none read when the step reaches the window), and every chunk goes back to the pool."""
+    from offload.state.weight_writer import WeightWriter
+
+    reads = []
+    real = WeightWriter._read
+    monkeypatch.setattr(WeightWriter, "_read", lambda self, i, what: reads.append(what) or real(self, i, what))
+    cfg = split_config(tmp_path, "nvme", "nvme", chunk_bytes=8192, overlap_step=overlap, split_step=0)
+    with offload.initialize(model(), cfg) as eng:
+        nvme = [st for st in eng.states if st is not None and eng.weights[st.unit.index].home == "nvme"]
+        windows = sum(len(st.mine) for st in nvme)
+        assert windows > len(nvme)  # units of several windows
+        for b in mlp_batches(2):
+            eng.backward(eng(*b))
+            eng.step()
+        assert reads == ["weights read ahead"] * 2 * windows and eng.staging.lent == 0
+
+
+def test_a_failed_window_returns_the_weights_read_ahead(tmp_path, monkeypatch):
+    from offload.step import windows as step_mod
+
+    calls, real = [], step_mod.step_window
+
+    def second_window_fails(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real(*a, **kw)
+
+    cfg = split_config(tmp_path, "nvme", "nvme", chunk_bytes=8192, overlap_step=False)
+    with offload.initialize(model(), cfg) as eng:
+        eng.backward(eng(*mlp_batches(1)[0]))
+        monkeypatch.setattr(step_mod, "step_window", second_window_fails)
+        with pytest.raises(RuntimeError, match="injected"):
+            eng.step()
+        assert eng.staging.lent == 0 and not any(w.writer._ahead for w in eng.weights)
+
+
 def test_checkpoints_hold_the_fp32_master_and_resume_under_either(tmp_path):
     """A split run's checkpoint holds fp32 masters: it resumes bit for bit as split or as fp32 master, and an
     fp32-master checkpoint resumes as split."""

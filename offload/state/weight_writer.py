@@ -8,6 +8,9 @@ step outside backward first releases every fetched copy, kept ones included: see
 offload.step.prefetch). So an update never changes the residency state: dram homes and the CPU backend's
 hbm are written in place (the trainable prefix only; frozen weights are never written), an nvme home
 chunk by chunk through pool chunks written behind, which the next fetch waits for (wait_for_write).
+Where the step needs what an nvme home chunk holds (a split master's high halves, frozen weights sharing
+the chunk), the chunk is read ahead with the window's states (read_ahead): the window's own chunk of the
+plan's optimizer windows, so the step does not wait for the read.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class WeightWriter:
         self.weights, self.pool, self.store, self.h2d, self.telemetry = weights, pool, store, h2d, telemetry
         self._lock = threading.Lock()
         self._writes: list = []    # (ticket, chunk buffer, t0) of new weights written behind to nvme
+        self._ahead: dict = {}     # chunk index -> (ticket, chunk buffer, t0) of an nvme home chunk read ahead
 
     @property
     def in_place(self) -> bool:
@@ -61,19 +65,54 @@ class WeightWriter:
         w = self.weights
         return w.dram[w.span(i, begin, end)] if w.home == "dram" else w.hbm[begin:end]
 
-    def _acquire(self, i: int, what: str) -> tuple[torch.Tensor, int]:
-        """A pool chunk for chunk i whole, holding what the nvme home holds; and the chunk's first element."""
+    def _acquire(self, i: int, what: str, ahead: bool = False) -> tuple[torch.Tensor, int]:
+        """A pool chunk for chunk i whole, holding what the nvme home holds; and the chunk's first element.
+        ahead: the one read_ahead(i) started, if any."""
         w = self.weights
-        cb, ce = w.chunks[i]
-        buf = self.pool.acquire(ce - cb, w.dtype, f"{w.unit.name} {what}")
-        t0 = time.perf_counter()
+        with self._lock:
+            started = self._ahead.pop(i, None) if ahead else None
+        if started is None:
+            started = self._read(i, what)
+        ticket, buf, t0 = started
         try:
-            self.store.read(chunk_key(w.key, i), into=buf).wait()
+            ticket.wait()
         except BaseException:
+            settle(ticket)
             self.pool.release(buf)
             raise
         self.telemetry.link("nvme_to_dram", buf.numel() * buf.element_size(), time.perf_counter() - t0)
-        return buf, cb
+        return buf, w.chunks[i][0]
+
+    def _read(self, i: int, what: str) -> tuple:
+        """(ticket, pool chunk, t0): chunk i of the nvme home being read into a pool chunk."""
+        w = self.weights
+        cb, ce = w.chunks[i]
+        buf = self.pool.acquire(ce - cb, w.dtype, f"{w.unit.name} {what}")
+        try:
+            return self.store.read(chunk_key(w.key, i), into=buf), buf, time.perf_counter()
+        except BaseException:
+            self.pool.release(buf)
+            raise
+
+    def _needs_home(self, i: int, end: int, current: bool) -> bool:
+        """Whether new_weights(i, ..., end, current) starts from what the nvme home chunk holds."""
+        return self.weights.home == "nvme" and (end < self.weights.chunks[i][1] or current)
+
+    def read_ahead(self, i: int, end: int, current: bool = False) -> None:
+        """Starts reading chunk i of an nvme home into a pool chunk now, where new_weights(i, begin, end,
+        current) will need it (a window read ahead); a no-op where it will not, or it was started."""
+        if self._needs_home(i, end, current) and i not in self._ahead:
+            started = self._read(i, "weights read ahead")
+            with self._lock:
+                self._ahead[i] = started
+
+    def drop_ahead(self) -> None:
+        """Chunks read ahead and not used (a step that failed, or ended before their window) go back."""
+        with self._lock:
+            ahead, self._ahead = list(self._ahead.values()), {}
+        for ticket, buf, _ in ahead:
+            settle(ticket)
+            self.pool.release(buf)
 
     def new_weights(self, i: int, begin: int, end: int, current: bool = False) -> torch.Tensor:
         """The buffer the optimizer writes the new weights of elements [begin, end) (state window i) into,
@@ -83,8 +122,8 @@ class WeightWriter:
         if self.in_place:
             return self._at_home(i, begin, end)
         cb, ce = w.chunks[i]
-        if w.home == "nvme" and (end < ce or current):  # frozen weights share this chunk: written back unchanged
-            return self._acquire(i, "new weights")[0]
+        if self._needs_home(i, end, current):  # frozen weights share this chunk: written back unchanged
+            return self._acquire(i, "new weights", ahead=True)[0]
         buf = self.pool.acquire(ce - cb, w.dtype, f"{w.unit.name} new weights")
         if current and w.home == "hbm":
             try:

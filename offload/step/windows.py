@@ -72,6 +72,7 @@ class WindowPipeline:
             self._land_last()
         except Exception:  # the first error is the one reported (an interrupt is not held back)
             pass
+        self._drop_weights_ahead()
         for st in self.states:
             for i in range(len(st.chunks) if st is not None else 0):
                 st.discard(i)
@@ -91,6 +92,11 @@ class WindowPipeline:
 
     def finish(self) -> None:
         self._land_last()
+        self._drop_weights_ahead()  # none normally: every unit read ahead was stepped
+
+    def _drop_weights_ahead(self) -> None:
+        for index in self.order:
+            self.weights[index].writer.drop_ahead()
 
     def _load(self, item: tuple[int, int]) -> None:
         """Window `item` (unit index, window) in dram, read now unless it was read ahead; the window written
@@ -123,8 +129,13 @@ class WindowPipeline:
         return None if nxt is None else (nxt, self.states[nxt].mine[0])
 
     def _read_ahead(self, item: tuple[int, int]) -> None:
+        """Starts reading window `item`'s states, and where the step needs its nvme weights as they are (a
+        split master's, or frozen weights sharing the chunk), those ([Note: updates beside residency])."""
         self.ahead.append(item)
-        self.states[item[0]].load(item[1], self.kinds)
+        st, i = self.states[item[0]], item[1]
+        st.load(i, self.kinds)
+        if st.home == "nvme":  # the plan's read-ahead windows hold a new-weights chunk each (plan.memory)
+            self.weights[item[0]].writer.read_ahead(i, st.chunks[i][1], current=st.split)
 
     def _land_last(self) -> None:
         if self.last is not None:
