@@ -189,71 +189,27 @@ def test_nvme_moves_the_record_not_the_master(tmp_path):
         assert links["dram_to_nvme"]["bytes"] == links["nvme_to_dram"]["bytes"] == n * (2 + 1 / 8) + 8 * n
 
 
-def reads_of_weights(monkeypatch) -> list:
-    """What each read of a unit's nvme weights by the step was for (WeightWriter._read's `what`)."""
+@pytest.mark.parametrize("overlap", [True, False])
+def test_nvme_weights_are_read_ahead_with_the_windows(tmp_path, monkeypatch, overlap):
+    """Weights and states on nvme: the weights a split master joins with are read ahead with the window's
+    states (none read when the step reaches the window), and every chunk goes back to the pool."""
     from offload.state.weight_writer import WeightWriter
 
-    reads, real = [], WeightWriter._read
+    reads = []
+    real = WeightWriter._read
     monkeypatch.setattr(WeightWriter, "_read", lambda self, i, what: reads.append(what) or real(self, i, what))
-    return reads
+    cfg = split_config(tmp_path, "nvme", "nvme", chunk_bytes=8192, overlap_step=overlap, split_step=0)
+    with offload.initialize(model(), cfg) as eng:
+        nvme = [st for st in eng.states if st is not None and eng.weights[st.unit.index].home == "nvme"]
+        windows = sum(len(st.mine) for st in nvme)
+        assert windows > len(nvme)  # units of several windows
+        for b in mlp_batches(2):
+            eng.backward(eng(*b))
+            eng.step()
+        assert reads == ["weights read ahead"] * 2 * windows and eng.staging.lent == 0
 
 
-def slow_gradient_jobs(monkeypatch) -> None:
-    """Each gradient job starts 50 ms late, so the unit's release (compute thread) comes before its step
-    reaches the weights, as it does when the jobs queue behind each other at scale."""
-    import time
-
-    from offload.step import accumulator
-
-    real = accumulator.accumulate
-    monkeypatch.setattr(accumulator, "accumulate", lambda *a, **kw: time.sleep(0.05) or real(*a, **kw))
-
-
-def train_on_nvme(tmp_path, monkeypatch, overlap: bool, keep: bool = True) -> tuple:
-    """Two steps of the split master with weights and states on nvme (units of several windows); returns
-    (what the step's reads of weights were for, the last step's nvme bytes read, the nvme units' windows,
-    their weight bytes). Every kept byte and chunk has gone back after the steps."""
-    from offload.state.residency import WeightHandle
-    from offload.state.weight_writer import WeightWriter
-
-    with monkeypatch.context() as m:
-        reads = reads_of_weights(m)
-        slow_gradient_jobs(m)
-        if not keep:  # as on CUDA, where the fetched copy's memory cannot be moved to the writer
-            m.setattr(WeightHandle, "keepable", lambda self: False)
-            m.setattr(WeightWriter, "keep", lambda self, take: False)
-        cfg = split_config(tmp_path / f"{overlap}{keep}", "nvme", "nvme", chunk_bytes=8192, overlap_step=overlap,
-                           split_step=0)
-        with offload.initialize(model(), cfg) as eng:
-            hbm = eng.tiers.acct["hbm"].used_bytes
-            nvme = [w for w in (eng.weights[st.unit.index] for st in eng.states if st is not None) if w.home == "nvme"]
-            assert sum(len(w.chunks) for w in nvme) > len(nvme)
-            for b in mlp_batches(2):
-                eng.backward(eng(*b))
-                eng.step()
-            assert eng.staging.lent == 0 and eng.tiers.acct["hbm"].used_bytes == hbm
-            assert not any(w.writer._kept or w.writer._keep for w in eng.weights)
-            return (reads, eng.stats()["last_step"]["links"]["nvme_to_dram"]["bytes"],
-                    sum(len(w.chunks) for w in nvme), sum(w.nbytes for w in nvme))
-
-
-def test_nvme_weights_are_not_read_again_for_the_join(tmp_path, monkeypatch):
-    """A step in backward joins with the unit's fetched copy, kept from its release for the step ([Note:
-    updates beside residency] in offload/state/weight_writer.py): the weights are not read again. Where no
-    copy can be kept, the step reads them ahead with the window's states, never when it reaches the window,
-    and reads the weights' bytes more."""
-    reads, kept, _, nbytes = train_on_nvme(tmp_path, monkeypatch, overlap=True)
-    assert reads == []
-    reads, read, windows, _ = train_on_nvme(tmp_path, monkeypatch, overlap=True, keep=False)
-    assert reads == ["weights read ahead"] * 2 * windows and read - kept == nbytes
-
-
-def test_a_step_after_backward_reads_the_weights_ahead(tmp_path, monkeypatch):
-    reads, _, windows, _ = train_on_nvme(tmp_path, monkeypatch, overlap=False)
-    assert reads == ["weights read ahead"] * 2 * windows
-
-
-def test_a_failed_window_returns_the_weights_read_ahead_and_kept(tmp_path, monkeypatch):
+def test_a_failed_window_returns_the_weights_read_ahead(tmp_path, monkeypatch):
     from offload.step import windows as step_mod
 
     calls, real = [], step_mod.step_window
@@ -264,19 +220,13 @@ def test_a_failed_window_returns_the_weights_read_ahead_and_kept(tmp_path, monke
             raise RuntimeError("injected")
         return real(*a, **kw)
 
-    slow_gradient_jobs(monkeypatch)
-    for overlap in (False, True):
-        calls.clear()
-        cfg = split_config(tmp_path / str(overlap), "nvme", "nvme", chunk_bytes=8192, overlap_step=overlap)
-        with offload.initialize(model(), cfg) as eng:
-            hbm = eng.tiers.acct["hbm"].used_bytes
-            monkeypatch.setattr(step_mod, "step_window", second_window_fails)
-            with pytest.raises(RuntimeError, match="injected"):
-                eng.backward(eng(*mlp_batches(1)[0]))
-                eng.step()
-            monkeypatch.setattr(step_mod, "step_window", real)
-            assert eng.staging.lent == 0 and eng.tiers.acct["hbm"].used_bytes == hbm
-            assert not any(w.writer._ahead or w.writer._kept for w in eng.weights)
+    cfg = split_config(tmp_path, "nvme", "nvme", chunk_bytes=8192, overlap_step=False)
+    with offload.initialize(model(), cfg) as eng:
+        eng.backward(eng(*mlp_batches(1)[0]))
+        monkeypatch.setattr(step_mod, "step_window", second_window_fails)
+        with pytest.raises(RuntimeError, match="injected"):
+            eng.step()
+        assert eng.staging.lent == 0 and not any(w.writer._ahead for w in eng.weights)
 
 
 def test_checkpoints_hold_the_fp32_master_and_resume_under_either(tmp_path):

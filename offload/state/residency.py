@@ -307,27 +307,8 @@ class WeightHandle(_Handle):
             self.wait_for_fetch()
         if self.state is R.HBM:
             self.detach()
-            if self._lent is None or not self.writer.keep(self._kept_copy):
-                self._free_hbm()
+            self._free_hbm()
             self._set(HOME_STATE[self.home], R.HBM)
-
-    def keepable(self) -> bool:
-        """Whether release() could hand the fetched copy to the writer for the unit's step (fetched into
-        movable memory: [Note: updates beside residency] in offload.state.weight_writer)."""
-        return self._lent is not None and self.state in (R.NVME_TO_HBM, R.HBM) and self.rt.world == 1
-
-    def _kept_copy(self) -> tuple:
-        """(a tensor holding the fetched copy's memory, give_back); the hbm tensor is left empty, still charged."""
-        copy = torch.empty(0, dtype=self.dtype)
-        copy.untyped_storage()._swap_data_ptr_(self.hbm.untyped_storage())
-        copy.set_(copy.untyped_storage(), 0, (self.unit.numel,))
-        lent, self._lent = self._lent, None
-
-        def give_back() -> None:
-            self.rt.tiers.take_hbm_memory(copy, lent)
-            self.rt.tiers.acct["hbm"].refund(self.nbytes)
-
-        return copy, give_back
 
     def reset(self) -> None:
         """After a failure: a fetch in flight is settled (its error, if any, was reported) and dropped,
@@ -348,7 +329,6 @@ class WeightHandle(_Handle):
         if self.state in (R.NVME_TO_HBM, R.DRAM_TO_HBM):
             settle(self._pending)  # a failed fetch: its error was raised to the forward that waited
         try:
-            self.writer.end_step(quiet=True)  # a copy kept for a step that never ran (a dead d2h thread)
             self.writer.wait_for_write()
         finally:
             if self.hbm.untyped_storage().nbytes():  # charged while it has storage (_alloc_hbm, _free_hbm)

@@ -1,25 +1,17 @@
 """The new weights the optimizer writes into a unit's weight home, and the weights read back from there to
-send to other ranks ([Note: updates beside residency], [Note: a fetched copy kept for the step])."""
+send to other ranks.
 
-# [Note: updates beside residency]
-# The optimizer writes a unit's new weights to its home copy while the hbm copy may still be attached (the
-# unit's backward is over once its gradients are final, but units are released when backward() ends, and a
-# step outside backward first releases every fetched copy, kept ones included: see Prefetcher.release_all in
-# offload.step.prefetch). So an update never changes the residency state: dram homes and the CPU backend's
-# hbm are written in place (the trainable prefix only; frozen weights are never written), an nvme home
-# chunk by chunk through pool chunks written behind, which the next fetch waits for (wait_for_write).
-# Where the step needs what an nvme home chunk holds (a split master's high halves, frozen weights sharing
-# the chunk), the chunk is read ahead with the window's states (read_ahead): the window's own chunk of the
-# plan's optimizer windows, so the step does not wait for the read.
-#
-# [Note: a fetched copy kept for the step]
-# Better than reading a split master's weights again: a step in backward takes the unit's fetched copy. Once
-# the unit's gradient job is queued (expect_step), its release hands the copy's memory to the writer (keep)
-# instead of the pool, still charged to hbm; the step writes each window's new weights into that copy and home
-# from there, and the job gives the memory back when the unit's writes have landed (end_step). The kept bytes
-# are the job's until then, and fetches wait for jobs (make_room) as for gradients. Where no copy is kept (a
-# unit released before its job was queued, a step after backward, over ranks, on CUDA: memory that cannot be
-# moved), the step reads the weights as above.
+[Note: updates beside residency]
+The optimizer writes a unit's new weights to its home copy while the hbm copy may still be attached (the
+unit's backward is over once its gradients are final, but units are released when backward() ends, and a
+step outside backward first releases every fetched copy, kept ones included: see Prefetcher.release_all in
+offload.step.prefetch). So an update never changes the residency state: dram homes and the CPU backend's
+hbm are written in place (the trainable prefix only; frozen weights are never written), an nvme home
+chunk by chunk through pool chunks written behind, which the next fetch waits for (wait_for_write).
+Where the step needs what an nvme home chunk holds (a split master's high halves, frozen weights sharing
+the chunk), the chunk is read ahead with the window's states (read_ahead): the window's own chunk of the
+plan's optimizer windows, so the step does not wait for the read.
+"""
 
 from __future__ import annotations
 
@@ -61,9 +53,6 @@ class WeightWriter:
         self._lock = threading.Lock()
         self._writes: list = []    # (ticket, chunk buffer, t0) of new weights written behind to nvme
         self._ahead: dict = {}     # chunk index -> (ticket, chunk buffer, t0) of an nvme home chunk read ahead
-        self._keep = False         # the unit's step is queued and needs its weights as they are (expect_step)
-        self._kept = None          # (the fetched copy, give_back) kept from the unit's release for its step
-        self._unpooled: set = set()  # data_ptr of the kept copy's chunks handed out by new_weights
 
     @property
     def in_place(self) -> bool:
@@ -109,61 +98,21 @@ class WeightWriter:
         """Whether new_weights(i, ..., end, current) starts from what the nvme home chunk holds."""
         return self.weights.home == "nvme" and (end < self.weights.chunks[i][1] or current)
 
-    def read_ahead(self, i: int, end: int, current: bool = False, keepable: bool = False) -> None:
+    def read_ahead(self, i: int, end: int, current: bool = False) -> None:
         """Starts reading chunk i of an nvme home into a pool chunk now, where new_weights(i, begin, end,
-        current) will need it (a window read ahead); a no-op where it will not, where it was started, or where
-        the unit's fetched copy will be kept for the step (keepable: the copy is fetched and could be)."""
-        if current and (self._kept is not None or keepable):
-            return
+        current) will need it (a window read ahead); a no-op where it will not, or it was started."""
         if self._needs_home(i, end, current) and i not in self._ahead:
             started = self._read(i, "weights read ahead")
             with self._lock:
                 self._ahead[i] = started
 
-    def drop_ahead(self, i: int | None = None) -> None:
-        """Chunks read ahead and not used (a step that failed, or ended before their window; i: that chunk's,
-        the kept copy holding it) go back."""
+    def drop_ahead(self) -> None:
+        """Chunks read ahead and not used (a step that failed, or ended before their window) go back."""
         with self._lock:
-            if i is None:
-                ahead, self._ahead = list(self._ahead.values()), {}
-            else:
-                ahead = [self._ahead.pop(i)] if i in self._ahead else []
+            ahead, self._ahead = list(self._ahead.values()), {}
         for ticket, buf, _ in ahead:
             settle(ticket)
             self.pool.release(buf)
-
-    def expect_step(self, split: bool) -> None:
-        """The unit's gradient job is queued, which steps it (compute thread): a split master's step may take
-        the fetched copy at its release (keep) where the home is nvme."""
-        if split and self.weights.home == "nvme":
-            with self._lock:
-                self._keep = True
-
-    def keep(self, take: Callable[[], tuple]) -> bool:
-        """At the unit's release (compute thread): where its step is expected and nothing is kept yet, take()
-        moves the fetched copy's memory out of the hbm tensor and returns (copy, give_back); False: not taken."""
-        with self._lock:
-            if not self._keep or self._kept is not None:
-                return False
-            self._kept = take()
-            return True
-
-    def end_step(self, quiet: bool = False) -> None:
-        """The unit's gradient job ends: its writes land (quiet: after a failure, settled and not raised),
-        then the kept copy's memory goes back to the hbm tier."""
-        with self._lock:
-            self._keep = False
-            kept, self._kept = self._kept, None
-        if kept is None:
-            return
-        try:
-            self.wait_for_write()
-        except Exception:
-            if not quiet:
-                raise
-        finally:
-            self._unpooled.clear()
-            kept[1]()
 
     def new_weights(self, i: int, begin: int, end: int, current: bool = False) -> torch.Tensor:
         """The buffer the optimizer writes the new weights of elements [begin, end) (state window i) into,
@@ -174,13 +123,7 @@ class WeightWriter:
             return self._at_home(i, begin, end)
         cb, ce = w.chunks[i]
         if self._needs_home(i, end, current):  # frozen weights share this chunk: written back unchanged
-            with self._lock:
-                kept = self._kept[0][cb:ce] if self._kept is not None and current else None
-            if kept is None:
-                return self._acquire(i, "new weights", ahead=True)[0]
-            self.drop_ahead(i)
-            self._unpooled.add(kept.data_ptr())
-            return kept
+            return self._acquire(i, "new weights", ahead=True)[0]
         buf = self.pool.acquire(ce - cb, w.dtype, f"{w.unit.name} new weights")
         if current and w.home == "hbm":
             try:
@@ -199,7 +142,7 @@ class WeightWriter:
             try:
                 ticket = self.store.write(chunk_key(self.weights.key, i), buf)
             except BaseException:
-                self._give_back(buf)
+                self.pool.release(buf)
                 raise
             with self._lock:
                 self._writes.append((ticket, buf, time.perf_counter()))
@@ -212,11 +155,6 @@ class WeightWriter:
     def discard(self, buf: torch.Tensor) -> None:
         """A `new_weights` buffer that will not be committed (the step failed) goes back unwritten."""
         if not self.in_place:
-            self._give_back(buf)
-
-    def _give_back(self, buf: torch.Tensor) -> None:
-        """A new-weights buffer back to the pool, unless it is a chunk of the kept copy."""
-        if buf.data_ptr() not in self._unpooled:
             self.pool.release(buf)
 
     def home_weights(self, i: int, begin: int, end: int) -> tuple[torch.Tensor, Callable[[], None]]:
@@ -241,7 +179,7 @@ class WeightWriter:
             except BaseException as e:  # every chunk is settled and returned before the first error is raised
                 error = error or e
                 settle(ticket)
-            self._give_back(buf)
+            self.pool.release(buf)
         if error is not None:
             raise error
 

@@ -6,10 +6,8 @@ of them (or backward ends: `flush_rest`), `flush` moves them hbm -> the unit's a
 thread as one job (the accumulator and, over ranks, its reduce-scatter: offload.step.accumulator), which
 also runs the optimizer's work the step mode puts beside it ([Note: step modes] in
 offload.plan.modes): the delayed update before the accumulation, the overlapped step after it. The gradients
-stay charged to hbm until their job consumed them (with a split master's fetched copy kept for the job's
-step: [Note: a fetched copy kept for the step] in offload.state.weight_writer); `make_room` is the one place
-that waits for jobs to free hbm: before a gradient job (within the planned reserve) and before a fetch
-(offload.step.prefetch).
+stay charged to hbm until their job consumed them; `make_room` is the one place that waits for jobs to
+free hbm: before a gradient job (within the planned reserve) and before a fetch (offload.step.prefetch).
 """
 
 from __future__ import annotations
@@ -81,30 +79,15 @@ class GradientPath:
         nbytes = sum(g.numel() * g.element_size() for _, g in grads)
         self.make_room(nbytes, gradients=True)
         self.hbm.charge(nbytes, f"{unit.name} gradients")  # they exist in hbm until the d2h job consumed them
-        writer = self._steps(unit, self.backward)
-        if writer is not None:  # the unit's release may keep its fetched copy for the job's step
-            writer.expect_step(self.states[unit.index].split)
         try:
             done = self.rt.d2h.submit(self._job, unit, grads, nbytes, self.backward, tensors=[g for _, g in grads])
         except BaseException:  # not queued (a closed or dead thread): the job's own refund will not run
             self.hbm.refund(nbytes)
-            if writer is not None:
-                writer.end_step(quiet=True)
             raise
         self._jobs.append((done, nbytes))
 
-    def _steps(self, unit: Unit, bw: Backward):
-        """The weight writer of `unit` where its gradient job steps it (the delayed update, or the overlapped
-        step of a unit not deferred) in one process, else None ([Note: updates beside residency])."""
-        deferred = bw.mode is StepMode.SPLIT and unit.index in self.rt.settings.deferred
-        stepped = bw.mode is StepMode.DELAYED or (bw.mode.overlapped and not deferred)
-        if bw.pipe is None or not stepped or self.rt.world > 1 or unit.index not in bw.pipe.order:
-            return None
-        return bw.pipe.weights[unit.index].writer
-
     def _job(self, unit: Unit, grads: list, nbytes: int, bw: Backward) -> None:
         """On the d2h thread: the delayed update, the accumulation, the overlapped step (module note)."""
-        writer = self._steps(unit, bw)
         try:
             if bw.mode is StepMode.DELAYED:  # the previous update, before the accumulator takes this gradient
                 bw.pipe.step_unit(unit)
@@ -125,12 +108,8 @@ class GradientPath:
                                              "lower the learning rate or enable gradient_clipping")
                 if not deferred:
                     bw.pipe.step_unit(unit)  # nvme states read the gradient from `grads` window by window
-            if writer is not None:
-                writer.end_step()  # a kept copy back once the unit's writes landed
         finally:
             grads.clear()
-            if writer is not None:
-                writer.end_step(quiet=True)  # after a failure (a no-op once ended)
             self.hbm.refund(nbytes)
 
     def make_room(self, nbytes: int, gradients: bool = False) -> bool:

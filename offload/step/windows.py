@@ -135,8 +135,7 @@ class WindowPipeline:
         st, i = self.states[item[0]], item[1]
         st.load(i, self.kinds)
         if st.home == "nvme":  # the plan's read-ahead windows hold a new-weights chunk each (plan.memory)
-            w = self.weights[item[0]]
-            w.writer.read_ahead(i, st.chunks[i][1], current=st.split, keepable=w.keepable())
+            self.weights[item[0]].writer.read_ahead(i, st.chunks[i][1], current=st.split)
 
     def _land_last(self) -> None:
         if self.last is not None:
