@@ -18,10 +18,13 @@ both are reported). Everything goes into one new directory under --dir, removed 
 Ours and DeepSpeed run at --precision (default auto: what the engine picks on this host); beside io_bound_s
 the JSON has precision, matmul_gflops (that dtype's F.linear speed measured in this run) and
 compute_floor_s = 6 x params x tokens / matmul_gflops (bench/limits.py), next to compute_bound_s (the same
-model's forward+backward in memory plus CPU Adam, measured).
+model's forward+backward in memory plus CPU Adam, measured). Each of ours' steps has a profile from its
+timeline (profile(): forward, backward, compute stalls, CPU Adam, the drive idle); --trace saves the last
+step's timeline.
 
 python bench/scale.py [--model 3b|PRESET|smollm2|HF_DIR] [--steps 20] [--batch 1] [--seq 256] --dir DIR
-                      [--io-size 2G] [--precision auto|bf16|fp16|fp32] [--ds-python PATH] [--no-deepspeed] [--json]
+                      [--io-size 2G] [--precision auto|bf16|fp16|fp32] [--ds-python PATH] [--no-deepspeed]
+                      [--trace PATH] [--json]
 """
 
 from __future__ import annotations
@@ -67,15 +70,43 @@ def worker(args) -> None:
         _emit({"params": info["params"], "init_s": time.perf_counter() - t0})
         for i in range(args.steps):
             ids, labels = (t.to(engine.device) for t in sampler.batch(i))
+            engine.start_trace()  # each step's own timeline: its profile (and with --trace, the last one saved)
             t0 = time.perf_counter()
             loss = loss_of(engine(ids, labels=labels))  # by name: a HF model's second argument is the mask
             engine.backward(loss)
             engine.step()
-            _emit({"step": i, "step_s": time.perf_counter() - t0, "loss": loss.item(),
-                   "links": engine.stats()["last_step"]["links"]})
+            t1 = time.perf_counter()
+            _emit({"step": i, "step_s": t1 - t0, "loss": loss.item(), "links": engine.stats()["last_step"]["links"],
+                   "profile": profile(engine.rt.telemetry.spans(), t0, t1)})
+            if args.trace and i == args.steps - 1:
+                engine.save_trace(args.trace)
     if weights is not None:
         weights.close()
     _emit({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+
+
+def profile(spans: list, t0: float, t1: float) -> dict:
+    """Where one step's time went, from its timeline (offload.scheduler.telemetry): forward (to the backward's
+    start), backward and the rest (step(), the deferred units' steps before it); compute_stall_s the compute
+    thread waited for fetches; cpu_adam_s CPU Adam ran; drive_idle_s no nvme transfer was in flight (a
+    transfer counts from its submission to its observed completion, so idle is a gap in the pipeline)."""
+    back = [(a, b) for track, name, a, b in spans if track == "compute" and name == "backward"]
+    b0, b1 = back[-1] if back else (t1, t1)
+    return {"forward_s": b0 - t0, "backward_s": b1 - b0, "after_backward_s": t1 - b1,
+            "compute_stall_s": sum(b - a for track, name, a, b in spans
+                                   if track == "compute" and name.startswith("stall")),
+            "cpu_adam_s": _union([(a, b) for track, _, a, b in spans if track == "cpu_adam"], t0, t1),
+            "drive_idle_s": (t1 - t0) - _union([(a, b) for track, _, a, b in spans if track == "nvme"], t0, t1)}
+
+
+def _union(intervals: list, t0: float, t1: float) -> float:
+    """Seconds of [t0, t1] covered by at least one of `intervals`."""
+    total, end = 0.0, t0
+    for a, b in sorted((max(a, t0), min(b, t1)) for a, b in intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def compute_worker(args) -> None:
@@ -281,6 +312,10 @@ def _print_summary(report: dict) -> None:
               f"+ CPU Adam over every parameter {report['adam_s']:.2f} s (measured in this run)")
     if report["step_vs_bound"] is not None:
         print(f"ours step / max(io bound, compute floor) = {report['step_vs_bound']:.2f}")
+    for i, p in enumerate(report.get("profile") or []):
+        print(f"ours step {i + 1} profile: forward {p['forward_s']:.2f} s, backward {p['backward_s']:.2f} s, after "
+              f"{p['after_backward_s']:.2f} s; compute stalled {p['compute_stall_s']:.2f} s, CPU Adam "
+              f"{p['cpu_adam_s']:.2f} s, drive idle {p['drive_idle_s']:.2f} s")
 
 
 def _parse_args() -> argparse.Namespace:
@@ -299,6 +334,8 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--ds-sub-group-size", type=int, default=int(1e9),
                     help="DeepSpeed's ZeRO-3 sub_group_size (its default 1e9; see bench/ds_e2e.py)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--trace", default=None, metavar="PATH",
+                    help="write ours' last step's timeline here (Chrome/Perfetto JSON; ui.perfetto.dev)")
     ap.add_argument("--no-compute-bound", action="store_true",
                     help="skip measuring the compute floor (an in-memory forward+backward of the same model "
                          "at --precision: needs 4-8 B per parameter of RAM) and CPU Adam's rate")
@@ -353,8 +390,9 @@ def _run(args, work: str) -> dict:
              "--precision", args.precision]
     ours_dir = os.path.join(work, "ours")
     os.makedirs(ours_dir)
+    trace = ["--trace", os.path.abspath(args.trace)] if args.trace else []
     ours = run_sampled([sys.executable, os.path.abspath(__file__), "--worker", "--model", args.model,
-                        "--engine-config", args.engine_config, "--dir", ours_dir] + shape, "ours")
+                        "--engine-config", args.engine_config, "--dir", ours_dir] + shape + trace, "ours")
     shutil.rmtree(ours_dir, ignore_errors=True)  # a killed run's swap would crowd DeepSpeed's off the drive
     if bw:  # the drive's speed drifts on a shared host: measured again after ours, the bound uses the mean
         bw = bracketed(bw, iobound.measure_swap(work, args.io_size, json.loads(args.engine_config)))

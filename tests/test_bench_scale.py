@@ -6,13 +6,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_scale_reports_steps_memory_links_and_the_io_bound(tmp_path):
+def test_scale_reports_steps_memory_links_and_the_io_bound(tmp_path, tmp_path_factory):
+    trace = tmp_path_factory.mktemp("trace") / "last_step.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "scale.py"), "--model", "tiny", "--steps", "2",
                            "--batch", "2", "--seq", "32", "--dir", str(tmp_path), "--io-size", "64M",
-                           "--no-deepspeed", "--precision", "bf16", "--json"],
+                           "--no-deepspeed", "--precision", "bf16", "--trace", str(trace), "--json"],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -37,6 +40,26 @@ def test_scale_reports_steps_memory_links_and_the_io_bound(tmp_path):
     assert r["compute_floor_s"] == 6 * r["params"] * 2 * 32 / (r["matmul_gflops"] * 1e9)
     assert "bf16: matmul" in proc.stdout
     assert not any(tmp_path.iterdir()), "scale.py left its swap directory behind"
+    # each step's profile from its timeline, and the last step's timeline saved
+    for p, step_s in zip(r["profile"], r["step_s"]):
+        assert abs(p["forward_s"] + p["backward_s"] + p["after_backward_s"] - step_s) < 1e-3
+        assert min(p["forward_s"], p["backward_s"]) > 0 and p["cpu_adam_s"] > 0
+        assert 0 <= p["drive_idle_s"] < step_s and p["compute_stall_s"] >= 0
+    assert "ours step 2 profile: forward" in proc.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e.get("cat") for e in events} >= {"compute", "nvme", "cpu_adam"}
+
+
+def test_profile_counts_overlapping_transfers_once():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from scale import profile
+
+    spans = [("compute", "forward a", 0.0, 1.0), ("compute", "backward", 1.0, 3.0),
+             ("compute", "stall: fetch b", 1.2, 1.5), ("nvme", "r", -1.0, 0.5), ("nvme", "r", 0.2, 0.8),
+             ("nvme", "w", 2.0, 2.5), ("cpu_adam", "adam", 2.6, 2.9), ("cpu_adam", "adam", 2.7, 3.5)]
+    p = profile(spans, 0.0, 3.2)
+    assert p == pytest.approx({"forward_s": 1.0, "backward_s": 2.0, "after_backward_s": 0.2, "compute_stall_s": 0.3,
+                               "cpu_adam_s": 0.6, "drive_idle_s": 3.2 - 0.8 - 0.5})
 
 
 def test_scale_rejects_a_missing_dir(tmp_path):
