@@ -189,16 +189,17 @@ def test_nvme_moves_the_record_not_the_master(tmp_path):
         assert links["dram_to_nvme"]["bytes"] == links["nvme_to_dram"]["bytes"] == n * (2 + 1 / 8) + 8 * n
 
 
+@pytest.mark.parametrize("optim", ["nvme", "cpu"])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_nvme_weights_are_read_ahead_with_the_windows(tmp_path, monkeypatch, overlap):
-    """Weights and states on nvme: the weights a split master joins with are read ahead with the window's
-    states (none read when the step reaches the window), and every chunk goes back to the pool."""
+def test_nvme_weights_are_read_ahead_with_the_windows(tmp_path, monkeypatch, overlap, optim):
+    """Weights on nvme, states on nvme or in dram: the weights a split master joins with are read ahead with
+    the window (none read when the step reaches the window), within the planned pool, every chunk back after."""
     from offload.state.weight_writer import WeightWriter
 
     reads = []
     real = WeightWriter._read
     monkeypatch.setattr(WeightWriter, "_read", lambda self, i, what: reads.append(what) or real(self, i, what))
-    cfg = split_config(tmp_path, "nvme", "nvme", chunk_bytes=8192, overlap_step=overlap, split_step=0)
+    cfg = split_config(tmp_path, "nvme", optim, chunk_bytes=8192, overlap_step=overlap, split_step=0)
     with offload.initialize(model(), cfg) as eng:
         nvme = [st for st in eng.states if st is not None and eng.weights[st.unit.index].home == "nvme"]
         windows = sum(len(st.mine) for st in nvme)
@@ -207,6 +208,7 @@ def test_nvme_weights_are_read_ahead_with_the_windows(tmp_path, monkeypatch, ove
             eng.backward(eng(*b))
             eng.step()
         assert reads == ["weights read ahead"] * 2 * windows and eng.staging.lent == 0
+        assert eng.staging._pool.peak_bytes <= eng.placement.pool_chunks * eng.placement.chunk_bytes
 
 
 def test_a_failed_window_returns_the_weights_read_ahead(tmp_path, monkeypatch):

@@ -99,9 +99,10 @@ def pool_chunks(w_home: str, s_home: str, device_type: str, read_ahead: bool,
     hbm_trained = w_home == "hbm" if hbm_trained is None else hbm_trained
     new_w = 1 if s_home == "nvme" or w_home == "nvme" or (hbm_trained and device_type != "cpu") else 0
     per_window = (window_chunks(states, chunk_bytes) if s_home == "nvme" else 0) + new_w
-    # nvme states: the window stepped and those read ahead; else only new weights pass through: the window
-    # stepped and the one written behind
-    windows = (1 + OPTIMIZER_READ_AHEAD if s_home == "nvme" else 2) if read_ahead else 1
+    # nvme states, or a split master's nvme weights (read ahead for its join): the window stepped and those read
+    # ahead; else only new weights pass through: the window stepped and the one written behind
+    ahead = s_home == "nvme" or (w_home == "nvme" and master == "split")
+    windows = (1 + OPTIMIZER_READ_AHEAD if ahead else 2) if read_ahead else 1
     if per_window:
         terms.append(f"{windows} optimizer windows x {per_window}")
     joined = int(master == "split")  # the stepped window's fp32 master, joined from its record

@@ -134,7 +134,7 @@ class WindowPipeline:
         self.ahead.append(item)
         st, i = self.states[item[0]], item[1]
         st.load(i, self.kinds)
-        if st.home == "nvme":  # the plan's read-ahead windows hold a new-weights chunk each (plan.memory)
+        if st.home == "nvme" or st.split:  # the plan's read-ahead windows hold a new-weights chunk each (plan.memory)
             self.weights[item[0]].writer.read_ahead(i, st.chunks[i][1], current=st.split)
 
     def _land_last(self) -> None:
