@@ -16,10 +16,11 @@ from offload.checkpoint import datafile
 from offload.checkpoint import format as fmt
 from offload.checkpoint.datafile import DataFile
 
-# ranges of odd sizes and dtypes, one larger than the bounce buffer the tests set (64 KiB)
+# ranges of odd sizes and dtypes, one larger than the bounce buffer the tests set (64 KiB); none page-aligned in
+# memory (the large one starts 4 bytes in), so none is padded to a page of the file
 PIECES = [torch.arange(1000, dtype=torch.float32), torch.arange(7, dtype=torch.uint8),
-          torch.randn(40_000, generator=torch.Generator().manual_seed(0)), torch.arange(3, dtype=torch.bfloat16),
-          torch.empty(0), torch.ones(4096, dtype=torch.int64)]
+          torch.randn(40_001, generator=torch.Generator().manual_seed(0))[1:], torch.arange(3, dtype=torch.bfloat16),
+          torch.empty(0), torch.ones(4096, dtype=torch.int64)[:4095]]
 
 
 def _write(directory) -> tuple[DataFile, list[dict]]:
@@ -52,6 +53,36 @@ def test_direct_writes_the_same_bytes(tmp_path):
     if not out.direct:
         pytest.skip(f"O_DIRECT is refused on {tmp_path}")
     _check(tmp_path / "rank0.bin", ranges)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_aligned_ranges_start_at_a_page_and_go_out_from_their_own_memory(tmp_path, monkeypatch, direct):
+    """A page-aligned range of STRAIGHT_BYTES or more starts at a page of the file (zeros before it), and once
+    O_DIRECT took a write its whole pages go out from its own memory: only the rest is copied into the bounce
+    buffer. Buffered, the same bytes; the ranges' offsets say where each one is."""
+    from offload.swap.buffers import aligned_empty
+
+    if not direct:
+        monkeypatch.setattr(datafile, "_set_direct", lambda fd, on: False)
+    copied, real = [], datafile.np.copyto
+    monkeypatch.setattr(datafile.np, "copyto", lambda dst, src: copied.append(len(src)) or real(dst, src))
+    aligned = aligned_empty(256 << 10, torch.uint8).view(torch.float32)
+    aligned.copy_(torch.randn(aligned.numel(), generator=torch.Generator().manual_seed(1)))
+    pieces = [torch.arange(16384, dtype=torch.float32), aligned, aligned[:1500], torch.arange(7, dtype=torch.uint8),
+              aligned]  # a bounce buffer (64 KiB) flushed; straight; 6000 B (under STRAIGHT_BYTES); 7 B; padded, straight
+    with DataFile(str(tmp_path), "rank0.bin") as out:
+        ranges = [out.write(t, 0, t.numel()) for t in pieces]
+        out.sync()
+    if direct and not out.direct:
+        pytest.skip(f"O_DIRECT is refused on {tmp_path}")
+    assert [r["offset"] for r in ranges] == [0, 65536, 327680, 333680, 335872]  # 333687 padded to a page
+    if direct:
+        assert copied == [64 << 10, 1904, 7, 2185]
+    data = open(tmp_path / "rank0.bin", "rb").read()
+    assert len(data) == out.nbytes == 335872 + (256 << 10) and data[333687:335872] == bytes(2185)
+    for t, r in zip(pieces, ranges):
+        want = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert data[r["offset"]:r["offset"] + r["nbytes"]] == want and r["crc32"] == zlib.crc32(want)
 
 
 def test_through_the_page_cache_where_direct_is_refused(tmp_path, monkeypatch):

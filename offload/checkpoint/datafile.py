@@ -20,11 +20,15 @@ from offload.checkpoint.format import CREATE_FLAGS, as_bytes, crc32
 # bytes at the same drive speed. That CPU is what a background save takes from the step beside it
 # (bench/checkpoint.py). So a data file is opened with O_DIRECT where the file system takes it: ranges are
 # copied into a page-aligned buffer of BOUNCE_BYTES and written whole; the last, partial one is padded to
-# ALIGN and the file cut back to its true size before the fsync. The file's bytes and the manifest are those
-# of a buffered write, so nothing that reads a checkpoint changes. Where O_DIRECT is refused (tmpfs on older
+# ALIGN and the file cut back to its true size before the fsync. A range of STRAIGHT_BYTES or more whose memory
+# is page-aligned (most of a checkpoint: pool chunks and flat buffers are) starts at a page of the file, the
+# few bytes before it zeros, and its whole pages are written straight from its memory, no copy; only its last
+# partial page goes through the buffer. Buffered, the file gets the same bytes: the manifest's offsets say
+# where each range is, so nothing that reads a checkpoint changes. Where O_DIRECT is refused (tmpfs on older
 # kernels, some network and FUSE file systems: EINVAL when it is set or at the first write) the file is
 # written through the page cache as before.
 BOUNCE_BYTES = 16 << 20
+STRAIGHT_BYTES = 64 << 10  # a page-aligned range this large starts at a page of the file: written straight
 ALIGN = 4096  # O_DIRECT's alignment for offsets, lengths and memory on any block size up to 4 KiB
 
 
@@ -43,9 +47,17 @@ class DataFile:
 
     def write(self, t: torch.Tensor, begin: int, end: int) -> dict:
         data = as_bytes(t)
+        if len(data) >= STRAIGHT_BYTES and data.ctypes.data % ALIGN == 0 and self.nbytes % ALIGN:
+            self._append(np.zeros(ALIGN - self.nbytes % ALIGN, np.uint8))  # to the next page: written straight
         r = {"begin": begin, "end": end, "file": self.name, "offset": self.nbytes, "nbytes": len(data),
              "crc32": crc32(data)}
-        done = 0
+        self._append(data)
+        return r
+
+    def _append(self, data) -> None:
+        """`data` (uint8) at the file's end: whole pages straight from its memory where they can be, the rest
+        through the bounce buffer (or the page cache)."""
+        done = self._write_straight(data) if self.direct else 0
         while self.direct and done < len(data):
             n = min(len(data) - done, BOUNCE_BYTES - self._fill)
             np.copyto(self._buf[self._fill:self._fill + n], data[done:done + n])
@@ -55,7 +67,17 @@ class DataFile:
         if done < len(data):  # through the page cache (also once O_DIRECT was refused at its first write)
             self._write_all(memoryview(data[done:]), len(data) - done)
         self.nbytes += len(data)
-        return r
+
+    def _write_straight(self, data) -> int:
+        """Where the file's end and `data`'s memory are page-aligned (and O_DIRECT has taken a write), data's
+        whole pages written from its own memory ([Note: direct checkpoint writes]); the bytes written."""
+        n = len(data) // ALIGN * ALIGN
+        if (self._fill % ALIGN) or not self._flushed or not n or data.ctypes.data % ALIGN:
+            return 0
+        if self._fill:  # whole pages waiting in the bounce buffer go first
+            self._flush(self._fill)
+        self._write_all(memoryview(data[:n]), n)
+        return n
 
     def sync(self) -> None:
         """Everything written reaches the drive (the file cut to its true size first)."""
