@@ -3,7 +3,8 @@ random prompts (--prompt-tokens each) and exactly --new-tokens new tokens each, 
 generate() with the model in memory (the floor on a CPU); ours (the model wrapped by the engine, its own
 generate(): offload.step.generation) with the weights in dram (read in place on the CPU backend), on nvme with
 an hbm budget of --budget for weights (the KV cache's bytes on top: the others do not count them either), and
-on nvme with the default budget (nvme_resident: every unit fits, read once a call); accelerate's disk offload
+on nvme with the default budget (nvme_resident: every unit fits; the untimed first call reads them and they stay
+fetched for the timed one, as for any generate() after another: [Note: generation]); accelerate's disk offload
 (from_pretrained with a device_map whose CPU budget, --budget, sends the rest to --dir's offload folder); and
 DeepSpeed ZeRO-Inference (ZeRO-3, offload_param nvme, --budget bytes of live parameters: bench/ds_generate.py
 in the venv of bench/ds_venv.sh; null where there is none).

@@ -145,6 +145,7 @@ class Engine(nn.Module):
         self._batches.check(args, kwargs)
         before = self.pipeline.begin_forward()
         if before is not Phase.BACKWARD:
+            self.prefetcher.release_carried()
             self.trace.begin_step()
         args, kwargs = cast_inputs(args, kwargs, self.dtype)
         if self._checkpointing is not None and torch.is_grad_enabled():

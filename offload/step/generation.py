@@ -1,6 +1,6 @@
 """Generation through the engine: `model.generate()` on a wrapped Hugging Face model streams each unit once per
 forward (the prefill, then one decode step a token) on a trace of its own, with the KV cache counted in hbm and
-the units that fit beside it kept there for the whole generation."""
+the units that fit beside it kept there for the whole generation, and on for the next one."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from offload.scheduler.policy import ResidencyPolicy
 from offload.scheduler.trace import CyclicTrace
+from offload.state.residency import R
 
 # [Note: generation]
 # generate() runs one forward for the prompts (the prefill) and one per new token (a decode step), all under
@@ -22,13 +23,17 @@ from offload.scheduler.trace import CyclicTrace
 # back after; the generation trace is kept across generate() calls (GRPO's rollouts replay it at once).
 # Before the first forward: the weights are brought up to date (flush(): a delayed update, split_step's
 # deferred steps), so a generate() after step() sees that step's weights, the one copy training updates;
-# everything the training policy kept in hbm is released; the KV cache of the call's batch and length is
-# charged to hbm by formula (kv_bytes: 2 x layers x kv heads x head dim x tokens x batch in the compute
-# dtype), and refused, naming the largest batch that fits, when it does not fit beside the largest streamed
-# unit. What is left of the budget beside the KV cache and the units in flight (the unit in use and
-# prefetch_units ahead) keeps units resident (the policy's reuse_bytes): those are fetched once per generate()
-# and the bytes streamed per token shrink by theirs. With partitioned weights (zero_stage 3) nothing is kept:
-# a fetch is a gather every rank must run alike, and the ranks' KV caches may differ.
+# everything else kept in hbm (an eval forward's units) is released; the KV cache of the call's batch and
+# length is charged to hbm by formula (kv_bytes: 2 x layers x kv heads x head dim x tokens x batch in the
+# compute dtype), and refused, naming the largest batch that fits, when it does not fit beside the largest
+# streamed unit. What is left of the budget beside the KV cache and the units in flight (the unit in use and
+# prefetch_units ahead) keeps units resident (the policy's reuse_bytes): those are fetched once, and the bytes
+# streamed per token shrink by theirs. They stay fetched after the call (Prefetcher.carried, still charged to
+# hbm) for the next generate(), which reads them no more unless its own KV cache needs their room; anything
+# else that runs first releases them: a training or eval forward (Prefetcher.release_carried: its room is
+# its own), a step, a load, a failure (every fetched copy is released before a home is updated). With
+# partitioned weights (zero_stage 3) nothing is kept: a fetch is a gather every rank must run alike, and the
+# ranks' KV caches may differ.
 
 
 def kv_bytes(config, batch: int, tokens: int, itemsize: int) -> int | None:
@@ -73,23 +78,29 @@ class GenerationSession:
         eng.pipeline.check_usable("generate()")
         eng.flush()
         prefetcher = eng.prefetcher
-        prefetcher.release_all()
+        carried = prefetcher.carried
+        prefetcher.release_all(carried)
         self.streamed = [w for w in eng.weights if w is not None and w.home != "hbm" and not w.in_place_ok()]
-        kv, room = self._budget()
+        kv, room = self._budget(sum(carried.values()))
         acct = eng.rt.tiers.acct["hbm"]
+        ahead = sorted((w.nbytes for w in self.streamed), reverse=True)
+        in_flight = sum(ahead[:eng.placement.knobs.prefetch_units + 1])
+        keep = 0 if eng.placement.weight_owners else max(0, room - kv - in_flight)
+        if sum(carried.values()) > keep:  # this call's KV cache needs their room
+            prefetcher.release_all()
+            carried = {}
         if kv:
             acct.charge(kv, "the KV cache of generate()")
             self.charged = kv
         for w in eng.weights:
             if w is not None and w.in_place_ok():
                 w.in_place = True
-        ahead = sorted((w.nbytes for w in self.streamed), reverse=True)
-        in_flight = sum(ahead[:eng.placement.knobs.prefetch_units + 1])
-        keep = 0 if eng.placement.weight_owners else max(0, room - kv - in_flight)
         trace = eng.pipeline.generation_trace
         self._saved = prefetcher.policy
         prefetcher.policy = ResidencyPolicy(trace, self._saved.nbytes, reuse_distance=0, reuse_bytes=keep,
                                             grad_reserve=0)
+        prefetcher.policy.resident.update(carried)  # the last call's units, kept as this call would keep them
+        prefetcher.policy.kept.update(carried)
         self._hook = self.model.register_forward_pre_hook(lambda *_: self._next_step(trace))
         return self
 
@@ -109,7 +120,9 @@ class GenerationSession:
             elif self._started:
                 eng.prefetcher.policy.trace.abandon_step()
         finally:
-            eng.prefetcher.release_all()
+            policy, weights = eng.prefetcher.policy, eng.weights
+            carry = {u: n for u, n in policy.kept.items() if weights[u].state is R.HBM and not weights[u].in_place}
+            eng.prefetcher.release_all(carry if exc[0] is None and self._saved is not None else None)
             for w in eng.weights:
                 if w is not None:
                     w.in_place = False
@@ -118,12 +131,13 @@ class GenerationSession:
             if self.charged:
                 eng.rt.tiers.acct["hbm"].refund(self.charged)
 
-    def _budget(self) -> tuple[int, int]:
-        """(KV cache bytes, hbm bytes free) of this call; refuses a call whose
-        tokens exceed the model's positions or whose KV cache does not fit beside the largest streamed unit."""
+    def _budget(self, carried: int) -> tuple[int, int]:
+        """(KV cache bytes, hbm bytes free once the `carried` bytes of the last call's units are) of this call;
+        refuses a call whose tokens exceed the model's positions or whose KV cache does not fit beside the
+        largest streamed unit."""
         eng = self.engine
         acct = eng.rt.tiers.acct["hbm"]
-        room = acct.budget_bytes - acct.used_bytes
+        room = acct.budget_bytes - acct.used_bytes + carried
         largest = max((w.nbytes for w in self.streamed), default=0)
         if self.shape is None:
             return 0, room

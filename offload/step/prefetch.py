@@ -31,6 +31,7 @@ class Prefetcher:
         self.weights, self.policy, self.hbm = weights, policy, hbm
         self.make_room, self.before_fetch, self.in_backward = make_room, before_fetch, in_backward
         self.room = room  # agreed_policy's: the policy's room is this less what it holds; None: the bytes free now
+        self.carried: dict[int, int] = {}  # units a generate() left fetched for the next one -> their bytes
 
     def fetch_for_use(self, unit: Unit, backward: bool = False) -> None:
         """Before `unit` runs: its own fetch first, the prefetches after it, then waits for it."""
@@ -74,13 +75,24 @@ class Prefetcher:
             with record_function("offload::release"):
                 self.weights[unit.index].release()
 
-    def release_all(self) -> None:
+    def release_carried(self) -> None:
+        """Before a training or eval forward: a generate()'s units are released ([Note: generation]); the
+        forward's room is its own."""
+        if self.carried:
+            self.release_all()
+
+    def release_all(self, carry: dict[int, int] | None = None) -> None:
         """Drops every fetched copy, kept ones too: before homes are updated outside a backward (a step
-        after it, flush()), since a forward without backward (eval under no_grad) may have kept units;
-        and after a failure, when fetches in flight are settled and dropped (WeightHandle.reset)."""
+        after it, flush()), since a forward without backward (eval under no_grad) or a generate() may have
+        kept units; and after a failure, when fetches in flight are settled and dropped (WeightHandle.reset).
+        carry: {unit: bytes} left fetched for the next generate() ([Note: generation] in
+        offload.step.generation), the units `carried` until the next call of this."""
+        carry = carry or {}
         for w in self.weights:
-            w.reset()
+            if w is not None and w.unit.index not in carry:
+                w.reset()
         self.policy.release_all()  # the buffers they give back stay cached for the next step's fetches
+        self.carried = carry
 
 
 def agreed_policy(placement, hbm, ahead: bool, agree) -> tuple[int, int, int, int, int | None]:
