@@ -2,15 +2,17 @@
 engine (weights and optimizer states on nvme), in rounds so that drift on a shared machine hits each mode alike.
 
 Each round: a step with no checkpoint (none); a background checkpoint asked, then the steps that run while it
-is written (background: each of them, until it is published; gated, with --gated: the same with no states held
-at the swap, so each unit's update waits for the saver); a step followed by a blocking checkpoint
-(blocking: the step plus the save, what training waits); and a step while fio moves the bytes a background save
-moves (beside_io: reading the checkpoint's bytes and writing them to a new file, each at that size over a plain
-step's time, O_DIRECT, in --dir; null without fio): what the host's compute and drive keep beside that I/O, the
-floor of any background save of that size. Goal: background <= 1.05 x none. exposed_s: the mean time training
-waited for a background checkpoint (its request, and units the step reached before the saver). held: per
-background save, its mode, the bytes of states held at the swap (copy-on-write), the units gated instead and the
-saver thread's CPU seconds; swap_growth_bytes: how much the swap file grew during each held one.
+is written (background: each of them, until it is published), then plain steps again until none has as many
+as background (the medians compare samples of one size, taken in the same minutes); gated, with --gated: the
+same with no states held at the swap, so each unit's update waits for the saver; a step followed by a blocking
+checkpoint (blocking: the step plus the save, what training waits); and a step while fio moves the bytes a
+background save moves (beside_io: reading the checkpoint's bytes and writing them to a new file, each at that
+size over a plain step's time, O_DIRECT, in --dir; null without fio): what the host's compute and drive keep
+beside that I/O, the floor of any background save of that size. Goal: background <= 1.05 x none. exposed_s:
+the mean time training waited for a background checkpoint (its request, and units the step reached before the
+saver). held: per background save, its mode, the bytes of states held at the swap (copy-on-write), the units
+gated instead and the saver thread's CPU seconds; swap_growth_bytes: how much the swap file grew during each
+held one (a first save grows it, later ones reuse that room).
 
     python bench/checkpoint.py [--model bench-200m|3b] [--batch 4] [--seq 512] [--rounds 3] [--dir DIR]
                                [--optimizer-states fp32|int8] [--gated] [--json]
@@ -137,6 +139,8 @@ def run(args, base: str) -> dict:
             links = engine.stats()["last_step"]["links"]
             step_io = {"read": links["nvme_to_dram"]["bytes"], "written": links["dram_to_nvme"]["bytes"]}
             background("background")
+            for _ in range(per_save[-1] - 1):  # as many plain steps as the save had beside it
+                times["none"].append(step())
             if args.gated:
                 background("gated")
             s = step()

@@ -39,6 +39,16 @@ from .pending import io_timeout_s, start_thread
 # Urgent blocks still take any free slot. The swap layer's default is no limit (what `offload bench nvme`
 # measures: the drive at full depth); the Engine passes `aio.background_bytes`.
 
+# [Note: idle blocks]
+# A block marked `idle` (a background checkpoint's read of held states: [Note: background saves] in
+# offload.checkpoint.background) goes after every other waiting block and, with libaio, only while nothing
+# else waits, IDLE_IN_FLIGHT at most, in the kernel's idle I/O class (the block layer's schedulers that take
+# priorities serve it after other I/O): so the steps' own reads and writes find the drive as if the saver
+# read nothing, and the saver reads in the gaps they leave. Its thread's idle class alone did not do that:
+# a block is submitted by whichever thread pumps the queue (often the reaper), at that thread's class.
+IDLE_IN_FLIGHT = 1
+IOPRIO_IDLE = 3 << 13  # IOPRIO_PRIO_VALUE(IOPRIO_CLASS_IDLE, 0): an iocb's aio_reqprio, or ioprio_set's value
+
 log = logging.getLogger("swap")
 
 BACKENDS = ("auto", "libaio", "threads")
@@ -55,6 +65,7 @@ class Block:
     nbytes: int
     done: Callable[["Block", int], None]
     urgent: bool = False  # [Note: urgent blocks]
+    idle: bool = False  # [Note: idle blocks]
     error: BaseException | None = None  # set by the backend when it fails the block for a reason errno cannot say
 
 
@@ -90,36 +101,44 @@ def _fail_with(blocks, error: BaseException) -> None:
 
 
 class _Queue:
-    """Blocks waiting for the drive: urgent ones ([Note: urgent blocks]) before the rest, each in order."""
+    """Blocks waiting for the drive: urgent ones ([Note: urgent blocks]) before the rest, idle ones ([Note: idle
+    blocks]) after them, each lane in order."""
 
     def __init__(self):
         self.urgent: collections.deque = collections.deque()
         self.normal: collections.deque = collections.deque()
+        self.idle: collections.deque = collections.deque()
 
     def __len__(self) -> int:
-        return len(self.urgent) + len(self.normal)
+        return len(self.urgent) + len(self.normal) + len(self.idle)
+
+    def _lane(self, b: Block) -> collections.deque:
+        return self.urgent if b.urgent else self.idle if b.idle else self.normal
 
     def extend(self, blocks) -> None:
         for b in blocks:
-            (self.urgent if b.urgent else self.normal).append(b)
+            self._lane(b).append(b)
 
-    def pop(self, room: int | None = None) -> Block | None:
-        """The next block: urgent first, else a non-urgent one of at most `room` bytes (None: any size);
-        None when there is no such block."""
+    def pop(self, room: int | None = None, idle: bool = True) -> Block | None:
+        """The next block: urgent first, else a non-urgent one of at most `room` bytes (None: any size), an
+        idle one only where nothing else waits and `idle` allows; None when there is no such block."""
         if self.urgent:
             return self.urgent.popleft()
-        if self.normal and (room is None or self.normal[0].nbytes <= room):
-            return self.normal.popleft()
+        if self.normal:
+            return self.normal.popleft() if room is None or self.normal[0].nbytes <= room else None
+        if self.idle and idle and (room is None or self.idle[0].nbytes <= room):
+            return self.idle.popleft()
         return None
 
     def push_back(self, b: Block) -> None:
         """A block taken but not submitted: first again in its own lane."""
-        (self.urgent if b.urgent else self.normal).appendleft(b)
+        self._lane(b).appendleft(b)
 
     def drain(self) -> list:
-        out = [*self.urgent, *self.normal]
+        out = [*self.urgent, *self.normal, *self.idle]
         self.urgent.clear()
         self.normal.clear()
+        self.idle.clear()
         return out
 
 
@@ -218,6 +237,7 @@ class LibaioBackend:
         self.queue_depth = queue_depth
         self.background_bytes = background_bytes  # [Note: urgent blocks]; None: no limit
         self._background_in_flight = 0
+        self._idle_in_flight = 0  # [Note: idle blocks]
         self._ctx = aio.io_context_t()
         aio.io_queue_init(queue_depth, ctypes.byref(self._ctx))
         self._iocbs = (aio.iocb * queue_depth)()
@@ -260,8 +280,11 @@ class LibaioBackend:
             for j, (slot, b) in enumerate(zip(slots, taken)):
                 if not b.urgent:
                     self._background_in_flight += b.nbytes
+                self._idle_in_flight += b.idle
                 cb = self._iocbs[slot]
                 cb.data = slot + 1  # 0 would read back as None
+                cb.u.c.flags = aio.IOCB_FLAG_IOPRIO if b.idle else 0
+                cb.aio_reqprio = IOPRIO_IDLE if b.idle else 0
                 cb.aio_lio_opcode = aio.IO_CMD_PWRITE if b.write else aio.IO_CMD_PREAD
                 cb.aio_fildes = b.fd
                 cb.u.c.buf = b.addr
@@ -291,12 +314,15 @@ class LibaioBackend:
         """Waiting blocks for the free slots: urgent ones first, the rest while background_bytes allows
         (one at least, when none is in flight, so a block larger than the limit still moves)."""
         taken, background, limit = [], self._background_in_flight, self.background_bytes
+        idle = self._idle_in_flight
         while len(taken) < len(self._free_slots):
-            b = self._waiting.pop(None if limit is None or background == 0 else max(limit - background, 0))
+            b = self._waiting.pop(None if limit is None or background == 0 else max(limit - background, 0),
+                                  idle=idle < IDLE_IN_FLIGHT)
             if b is None:
                 break
             taken.append(b)
             background += 0 if b.urgent else b.nbytes
+            idle += b.idle
         return taken
 
     def _release(self, slot: int) -> Block:
@@ -304,6 +330,7 @@ class LibaioBackend:
         self._free_slots.append(slot)
         if not b.urgent:
             self._background_in_flight -= b.nbytes
+        self._idle_in_flight -= b.idle
         return b
 
     def _reap(self) -> None:

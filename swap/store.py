@@ -225,7 +225,7 @@ class SwapStore:
         def read(key: str, entry: Entry, into: torch.Tensor) -> Ticket:
             self._check_open()
             _check_host(into, "into")
-            return _start_read(self._transfers, key, entry, into, True, False, tag=f"{key} (held)")
+            return _start_read(self._transfers, key, entry, into, True, False, tag=f"{key} (held)", idle=True)
 
         def release(key: str) -> None:  # the extent freed where a write superseded it
             with self._lock:
@@ -391,8 +391,9 @@ class Held:
 
 
 def _start_read(transfers: Transfers, key: str, entry: Entry, into: torch.Tensor, verify: bool, urgent: bool,
-                tag: str | None = None) -> Ticket:
-    """Starts reading `entry` (key's) into `into`; tag: the name its transfer goes by (default the key)."""
+                tag: str | None = None, idle: bool = False) -> Ticket:
+    """Starts reading `entry` (key's) into `into`; tag: the name its transfer goes by (default the key); idle:
+    [Note: idle blocks] in swap/backends.py (a held entry's read: a background checkpoint's)."""
     if not into.is_contiguous():
         raise ValueError(f"into: must be contiguous (shape {tuple(into.shape)}, strides {into.stride()}); "
                          f"read into a contiguous buffer and copy")
@@ -408,7 +409,7 @@ def _start_read(transfers: Transfers, key: str, entry: Entry, into: torch.Tensor
         _copy_out(into, dst, staged, nbytes)
 
     return transfers.start(tag or key, False, entry.offset, nbytes, dst, entry.crcs if verify else None, finish,
-                           urgent)
+                           urgent, idle)
 
 
 def _check_key(key) -> None:

@@ -97,10 +97,10 @@ class Transfers:
         self._digest_pool = ThreadPoolExecutor(2, thread_name_prefix="swap-digest") if serial else None
 
     def start(self, key: str, write: bool, offset: int, nbytes: int, buf: torch.Tensor, crcs: list[int] | None,
-              finish: Finish, urgent: bool = False) -> Ticket:
+              finish: Finish, urgent: bool = False, idle: bool = False) -> Ticket:
         """Moves `nbytes` between the aligned uint8 `buf` and the file at `offset`; `finish` runs on the thread
         that completes the last block. crcs: one digest per block that a write records and a read compares
-        (None: not hashed here). urgent: [Note: urgent blocks] in swap/backends.py."""
+        (None: not hashed here). urgent, idle: [Note: urgent blocks], [Note: idle blocks] in swap/backends.py."""
         body = nbytes - nbytes % ALIGN_BYTES
         tail_page = aligned_empty(ALIGN_BYTES) if nbytes > body else None
         if write and tail_page is not None:
@@ -122,10 +122,11 @@ class Transfers:
         blocks = []
         for i, (s, n) in enumerate(spans):
             done = functools.partial(self._block_done, ticket, i, n, crcs, write)
-            blocks.append(Block(write, self._fd, offset + s, buf.data_ptr() + s, n, done, urgent))
+            blocks.append(Block(write, self._fd, offset + s, buf.data_ptr() + s, n, done, urgent, idle))
         if tail_page is not None:
             done = functools.partial(self._block_done, ticket, len(spans), nbytes - body, crcs, write)
-            blocks.append(Block(write, self._fd, offset + body, tail_page.data_ptr(), ALIGN_BYTES, done, urgent))
+            blocks.append(Block(write, self._fd, offset + body, tail_page.data_ptr(), ALIGN_BYTES, done, urgent,
+                                idle))
         with held():  # [Note: held sections] in swap/pending.py: registered means queued, whole
             with self._lock:
                 self._pending.setdefault(key, set()).add(ticket)

@@ -142,3 +142,21 @@ def test_manifest_is_readable_json(tmp_path):
     text = (tmp_path / fmt.MANIFEST).read_text()
     assert {k: v for k, v in json.loads(text).items() if k != fmt.DIGEST} == m
     assert '\n  "w": {\n   "shape": [2, 2],\n   "master": {"dtype": "float32", "ranges": [{"begin": 0' in text
+
+
+def test_no_write_asks_more_than_write_bytes_of_the_drive(tmp_path, monkeypatch):
+    """Every write() is at most WRITE_BYTES, straight from a range's memory and through the bounce buffer alike
+    (a background save's write keeps the step's I/O waiting behind one such piece at most); the bytes are
+    the same."""
+    monkeypatch.setattr(datafile, "WRITE_BYTES", 16 << 10)
+    sizes, write = [], os.write
+    monkeypatch.setattr(datafile.os, "write", lambda fd, data: sizes.append(len(data)) or write(fd, data))
+    out, ranges = _write(tmp_path)
+    big = torch.randn(50_000, generator=torch.Generator().manual_seed(1))  # page-aligned: written straight
+    with DataFile(str(tmp_path), "rank1.bin") as one:
+        r = one.write(big, 0, big.numel())
+        one.sync()
+    assert max(sizes) == 16 << 10 and len(sizes) > 20
+    _check(tmp_path / "rank0.bin", ranges)
+    data = open(tmp_path / "rank1.bin", "rb").read()
+    assert data[r["offset"]:r["offset"] + r["nbytes"]] == big.numpy().tobytes()

@@ -169,3 +169,52 @@ def test_background_bytes_keeps_queued_state_blocks_from_the_drive_while_urgent_
             assert in_flight == 1  # block 1: blocks 2 and 3 wait for it
             assert set(order[1:4]) == {1, 4, 5} and order[4:] == [2, 3, 6]
             assert max(seen) <= limit
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_idle_blocks_wait_for_every_other_block_and_go_one_at_a_time(tmp_path, name):
+    """[Note: idle blocks]: idle blocks submitted with normal ones are served after them; with libaio only
+    while nothing else waits, one in flight at a time, each in the kernel's idle I/O class (which the kernel
+    takes: every block completes in full); every byte is written."""
+    backend = open_backend(name, queue_depth=8, threads=1)
+    size = ALIGN_BYTES
+    buf = aligned_empty(8 * size).random_(0, 256)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    order, idle_seen, held, release, all_done = [], [], threading.Event(), threading.Event(), threading.Event()
+
+    def done(block, res):
+        assert res == size
+        if name == "libaio":
+            idle_seen.append(backend._idle_in_flight)
+        if not order and not held.is_set():
+            held.set()
+            assert release.wait(30)  # block 0's completion holds the only worker / the reaper
+        order.append(block.offset // size)
+        if len(order) == 7:
+            all_done.set()
+
+    def block(i, idle=False):
+        return Block(True, fd, i * size, buf.data_ptr() + i * size, size, done, idle=idle)
+
+    try:
+        backend.submit([block(0)])
+        assert held.wait(30)
+        backend.submit([block(1, True), block(2, True), block(3), block(4, True), block(5)])
+        if name == "libaio":  # block 0's slot is free: 3 and 5 at once, then one idle block, the others wait
+            assert 8 - len(backend._free_slots) == 3 and backend._idle_in_flight == 1
+            slots = [cb for cb, b in zip(backend._iocbs, backend._slot_block) if b is not None]
+            assert sorted(cb.u.c.flags for cb in slots) == [0, 0, 2]  # IOCB_FLAG_IOPRIO
+            assert sorted(cb.aio_reqprio for cb in slots) == [0, 0, 3 << 13]  # the idle class
+        backend.submit([block(6)])
+        release.set()
+        assert all_done.wait(30)
+    finally:
+        backend.close()
+        os.close(fd)
+    if name == "threads":
+        assert order == [0, 3, 5, 6, 1, 2, 4]
+    else:
+        assert order[0] == 0 and sorted(order) == list(range(7)) and max(idle_seen) <= 1
+        assert order.index(1) < order.index(2) < order.index(4)  # in their order, each after the last
+    with open(tmp_path / "f", "rb") as f:
+        assert f.read(7 * size) == buf[:7 * size].numpy().tobytes()

@@ -15,6 +15,7 @@ from offload.checkpoint import saving
 from offload.checkpoint.format import CheckpointError
 from offload.plan.chunks import chunk_key
 from offload.state.tiers import ChunkPool
+from offload.swap.backends import IOPRIO_IDLE
 
 # [Note: background saves]
 # What the checkpoint must hold is the state at the step boundary where it was asked; what changes after it
@@ -27,12 +28,14 @@ from offload.state.tiers import ChunkPool
 # the saver writes the units the last first (backward's order, in which the next step updates them).
 # Everything else is taken at the request, in the caller's thread: the counters, the RNG states, the model's
 # buffers. The saver reads the states through a one-chunk pool of its own (three for a split master), so
-# that a step holding the runtime's pool never waits for it; it writes the same files as a blocking save,
-# published the same way: `latest` moves only once the whole checkpoint is written and verified. Over ranks
-# each rank writes its part; the manifest is merged and published at a later step boundary once every rank's
-# part is written (an agreement at each step()), or by wait() (every rank calls it). A failure in the saver is
-# raised at the next step(), save_checkpoint(), close() or wait(); the previous checkpoint and `latest` stay as
-# they were.
+# that a step holding the runtime's pool never waits for it; its reads of held states are idle blocks ([Note:
+# idle blocks] in swap/backends.py) and its writes go WRITE_BYTES at a time ([Note: direct checkpoint writes]
+# in offload/checkpoint/datafile.py), so the step's own I/O passes them and the saver takes the gaps. It
+# writes the same files as a blocking save, published the same way: `latest` moves only once the whole
+# checkpoint is written and verified. Over ranks each rank writes its part; the manifest is merged and
+# published at a later step boundary once every rank's part is written (an agreement at each step()), or by
+# wait() (every rank calls it). A failure in the saver is raised at the next step(), save_checkpoint(),
+# close() or wait(); the previous checkpoint and `latest` stay as they were.
 
 
 class BackgroundSaveError(CheckpointError):
@@ -222,7 +225,6 @@ def _lower_priority() -> None:
 
 
 IOPRIO_SET = {"x86_64": 251, "aarch64": 30}  # the ioprio_set syscall's number
-IOPRIO_IDLE = 3 << 13  # IOPRIO_PRIO_VALUE(IOPRIO_CLASS_IDLE, 0)
 
 
 def _set_io_idle(tid: int) -> bool:

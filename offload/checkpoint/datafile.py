@@ -26,8 +26,12 @@ from offload.checkpoint.format import CREATE_FLAGS, as_bytes, crc32
 # partial page goes through the buffer. Buffered, the file gets the same bytes: the manifest's offsets say
 # where each range is, so nothing that reads a checkpoint changes. Where O_DIRECT is refused (tmpfs on older
 # kernels, some network and FUSE file systems: EINVAL when it is set or at the first write) the file is
-# written through the page cache as before.
+# written through the page cache as before. Every write is at most WRITE_BYTES: a background save's write then
+# keeps the step's own I/O waiting behind one such piece at most (a 32 MiB write goes to the drive as eight
+# requests at once), and this VM's drive took them no slower: fio, one synchronous O_DIRECT write at a time to
+# a new file, 1.50 GB/s in 4 MiB writes, 1.26 GB/s in 32 MiB ones.
 BOUNCE_BYTES = 16 << 20
+WRITE_BYTES = 4 << 20  # the most one write() asks of the drive
 STRAIGHT_BYTES = 64 << 10  # a page-aligned range this large starts at a page of the file: written straight
 ALIGN = 4096  # O_DIRECT's alignment for offsets, lengths and memory on any block size up to 4 KiB
 
@@ -107,7 +111,7 @@ class DataFile:
         try:
             done = 0
             while done < len(view):
-                done += os.write(self.fd, view[done:])
+                done += os.write(self.fd, view[done:done + WRITE_BYTES])
         except OSError as e:  # a full disk: say which file and where
             if e.errno == errno.EINVAL and self.direct and not self._flushed:
                 raise
