@@ -89,42 +89,61 @@ def test_open_backend_validates_and_auto_says_which(caplog, monkeypatch):
         open_backend("libaio", background_bytes=0)
 
 
+class HeldFirst:
+    """Seven blocks of one page written to a file, the first one's completion held (the only worker or the
+    reaper waits in it: the drive busy) until finish(); `order`: the blocks in the order they completed;
+    `seen(backend)` runs at each completion."""
+
+    def __init__(self, tmp_path, seen=None):
+        self.size, self.seen = ALIGN_BYTES, seen
+        self.buf = aligned_empty(8 * self.size).random_(0, 256)
+        self.fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        self.order, self.held, self.release, self.all_done = [], *(threading.Event() for _ in range(3))
+
+    def done(self, block, res):
+        assert res == self.size
+        if self.seen is not None:
+            self.seen()
+        if not self.order and not self.held.is_set():
+            self.held.set()
+            assert self.release.wait(30)
+        self.order.append(block.offset // self.size)
+        if len(self.order) == 7:
+            self.all_done.set()
+
+    def block(self, i, urgent=False, idle=False):
+        return Block(True, self.fd, i * self.size, self.buf.data_ptr() + i * self.size, self.size, self.done,
+                     urgent, idle)
+
+    def start(self, backend):
+        """Block 0 submitted and with the drive, its completion held: what comes next queues behind it."""
+        backend.submit([self.block(0)])
+        assert self.held.wait(30)
+
+    def finish(self, backend):
+        """Block 6 submitted, the held completion let go, every block done, the backend and file closed."""
+        try:
+            backend.submit([self.block(6)])
+            self.release.set()
+            assert self.all_done.wait(30)
+        finally:
+            backend.close()
+            os.close(self.fd)
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 def test_urgent_blocks_go_ahead_of_queued_ones(tmp_path, name):
     """[Note: urgent blocks]: with the drive busy (one block in flight, its completion held), urgent blocks
     submitted after normal ones are served first, in their own order; nothing is lost."""
     backend = open_backend(name, queue_depth=1, threads=1)
-    size = ALIGN_BYTES
-    buf = aligned_empty(8 * size).random_(0, 256)
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-    order, held, release, all_done = [], threading.Event(), threading.Event(), threading.Event()
-
-    def done(block, res):
-        assert res == size
-        if not order and not held.is_set():
-            held.set()
-            assert release.wait(30)  # the first block's completion holds the only worker / the reaper
-        order.append(block.offset // size)
-        if len(order) == 7:
-            all_done.set()
-
-    try:
-        def block(i, urgent=False):
-            return Block(True, fd, i * size, buf.data_ptr() + i * size, size, done, urgent)
-
-        backend.submit([block(0)])
-        assert held.wait(30)  # block 0 is with the drive (done): the rest queue behind it
-        backend.submit([block(1), block(2), block(3)])
-        backend.submit([block(4, True), block(5, True)])
-        backend.submit([block(6)])
-        release.set()
-        assert all_done.wait(30)
-        # libaio's slot is free again while block 0's completion runs: block 1 went to the drive at once
-        in_flight = [0, 1] if name == "libaio" else [0]
-        assert order == in_flight + [4, 5] + [i for i in (1, 2, 3, 6) if i not in in_flight]
-    finally:
-        backend.close()
-        os.close(fd)
+    run = HeldFirst(tmp_path)
+    run.start(backend)
+    backend.submit([run.block(1), run.block(2), run.block(3)])
+    backend.submit([run.block(4, True), run.block(5, True)])
+    run.finish(backend)
+    # libaio's slot is free again while block 0's completion runs: block 1 went to the drive at once
+    in_flight = [0, 1] if name == "libaio" else [0]
+    assert run.order == in_flight + [4, 5] + [i for i in (1, 2, 3, 6) if i not in in_flight]
 
 
 @pytest.mark.skipif(not libaio_available(), reason="libaio.so.1 not installed")
@@ -134,40 +153,18 @@ def test_background_bytes_keeps_queued_state_blocks_from_the_drive_while_urgent_
     take the free slots at once; with no limit every free slot takes a queued block."""
     for limit in (ALIGN_BYTES, None):
         backend = open_backend("libaio", queue_depth=8, background_bytes=limit)
-        buf = aligned_empty(8 * ALIGN_BYTES).random_(0, 256)
-        fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-        order, seen, held, release, all_done = [], [], threading.Event(), threading.Event(), threading.Event()
-
-        def done(block, res):
-            assert res == ALIGN_BYTES
-            seen.append(backend._background_in_flight)
-            if not order and not held.is_set():
-                held.set()
-                assert release.wait(30)  # the reaper is held: what is in flight stays in flight
-            order.append(block.offset // ALIGN_BYTES)
-            if len(order) == 7:
-                all_done.set()
-
-        def block(i, urgent=False):
-            return Block(True, fd, i * ALIGN_BYTES, buf.data_ptr() + i * ALIGN_BYTES, ALIGN_BYTES, done, urgent)
-
-        try:
-            backend.submit([block(0)])
-            assert held.wait(30)
-            backend.submit([block(1), block(2), block(3)])
-            in_flight = 8 - len(backend._free_slots)
-            backend.submit([block(4, True), block(5, True)])
-            backend.submit([block(6)])
-            release.set()
-            assert all_done.wait(30)
-        finally:
-            backend.close()
-            os.close(fd)
+        seen = []
+        run = HeldFirst(tmp_path, lambda: seen.append(backend._background_in_flight))
+        run.start(backend)
+        backend.submit([run.block(1), run.block(2), run.block(3)])
+        in_flight = 8 - len(backend._free_slots)
+        backend.submit([run.block(4, True), run.block(5, True)])
+        run.finish(backend)
         if limit is None:
-            assert in_flight == 3 and sorted(order) == list(range(7))
+            assert in_flight == 3 and sorted(run.order) == list(range(7))
         else:
             assert in_flight == 1  # block 1: blocks 2 and 3 wait for it
-            assert set(order[1:4]) == {1, 4, 5} and order[4:] == [2, 3, 6]
+            assert set(run.order[1:4]) == {1, 4, 5} and run.order[4:] == [2, 3, 6]
             assert max(seen) <= limit
 
 
@@ -177,44 +174,21 @@ def test_idle_blocks_wait_for_every_other_block_and_go_one_at_a_time(tmp_path, n
     while nothing else waits, one in flight at a time, each in the kernel's idle I/O class (which the kernel
     takes: every block completes in full); every byte is written."""
     backend = open_backend(name, queue_depth=8, threads=1)
-    size = ALIGN_BYTES
-    buf = aligned_empty(8 * size).random_(0, 256)
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-    order, idle_seen, held, release, all_done = [], [], threading.Event(), threading.Event(), threading.Event()
-
-    def done(block, res):
-        assert res == size
-        if name == "libaio":
-            idle_seen.append(backend._idle_in_flight)
-        if not order and not held.is_set():
-            held.set()
-            assert release.wait(30)  # block 0's completion holds the only worker / the reaper
-        order.append(block.offset // size)
-        if len(order) == 7:
-            all_done.set()
-
-    def block(i, idle=False):
-        return Block(True, fd, i * size, buf.data_ptr() + i * size, size, done, idle=idle)
-
-    try:
-        backend.submit([block(0)])
-        assert held.wait(30)
-        backend.submit([block(1, True), block(2, True), block(3), block(4, True), block(5)])
-        if name == "libaio":  # block 0's slot is free: 3 and 5 at once, then one idle block, the others wait
-            assert 8 - len(backend._free_slots) == 3 and backend._idle_in_flight == 1
-            slots = [cb for cb, b in zip(backend._iocbs, backend._slot_block) if b is not None]
-            assert sorted(cb.u.c.flags for cb in slots) == [0, 0, 2]  # IOCB_FLAG_IOPRIO
-            assert sorted(cb.aio_reqprio for cb in slots) == [0, 0, 3 << 13]  # the idle class
-        backend.submit([block(6)])
-        release.set()
-        assert all_done.wait(30)
-    finally:
-        backend.close()
-        os.close(fd)
+    idle_seen = []
+    run = HeldFirst(tmp_path, lambda: idle_seen.append(getattr(backend, "_idle_in_flight", 0)))
+    run.start(backend)
+    backend.submit([run.block(1, idle=True), run.block(2, idle=True), run.block(3), run.block(4, idle=True),
+                    run.block(5)])
+    if name == "libaio":  # block 0's slot is free: 3 and 5 at once, then one idle block, the others wait
+        assert 8 - len(backend._free_slots) == 3 and backend._idle_in_flight == 1
+        slots = [cb for cb, b in zip(backend._iocbs, backend._slot_block) if b is not None]
+        assert sorted(cb.u.c.flags for cb in slots) == [0, 0, 2]  # IOCB_FLAG_IOPRIO
+        assert sorted(cb.aio_reqprio for cb in slots) == [0, 0, 3 << 13]  # the idle class
+    run.finish(backend)
     if name == "threads":
-        assert order == [0, 3, 5, 6, 1, 2, 4]
+        assert run.order == [0, 3, 5, 6, 1, 2, 4]
     else:
-        assert order[0] == 0 and sorted(order) == list(range(7)) and max(idle_seen) <= 1
-        assert order.index(1) < order.index(2) < order.index(4)  # in their order, each after the last
+        assert run.order[0] == 0 and sorted(run.order) == list(range(7)) and max(idle_seen) <= 1
+        assert run.order.index(1) < run.order.index(2) < run.order.index(4)  # in their order, each after the last
     with open(tmp_path / "f", "rb") as f:
-        assert f.read(7 * size) == buf[:7 * size].numpy().tobytes()
+        assert f.read(7 * run.size) == run.buf[:7 * run.size].numpy().tobytes()
