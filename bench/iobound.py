@@ -8,14 +8,21 @@ benchmark, on the same directory, with the engine's aio settings (engine, block 
 threads), in a subprocess so its buffer never adds to a measured process's memory. The bench runs with
 checksums off: the bound is what the drive moves through our swap path, and checksums are CPU work the
 engine must hide like any other. Reads and writes are added, not overlapped: one drive serves both.
+
+The probe's rates are the drive's on a few GB just written; over a step's tens of GB a drive may hold
+other rates. So a bench can also time the step's own requests again with nothing else running
+(SwapRecorder, replay): the same keys, sizes and order through the same store, no compute and no
+hashing. That is the step's I/O bound on this drive as it is now, measured in the same run.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # this checkout's offload and swap, as the subprocesses get them (PYTHONPATH=REPO)
@@ -75,3 +82,58 @@ def describe(nvme_bytes: dict, bw: dict, params: int, precision: str = "bf16") -
             f"{read / 1e9:.2f} GB / {bw['swap_read_gbps']:.2f} GB/s + {written / 1e9:.2f} GB / "
             f"{bw['swap_write_gbps']:.2f} GB/s ({read / params:.1f} B/param read, {written / params:.1f} written; "
             f"ledger {ledger_bytes_per_param(precision)} each way)")
+
+
+class SwapRecorder:
+    """While entered, the requests made through `store` (a SwapStore) as (op "r" | "w", key, nbytes), in
+    the order they were submitted: what replay() sends again. Held reads (a background save's) are not
+    recorded: they are not the step's."""
+
+    def __init__(self, store):
+        self.store, self.ops = store, []
+
+    def __enter__(self) -> "SwapRecorder":
+        read, write = self.store.read, self.store.write
+
+        def recorded_read(key, into, **kw):
+            self.ops.append(("r", key, into.numel() * into.element_size()))
+            return read(key, into, **kw)
+
+        def recorded_write(key, tensor, **kw):
+            self.ops.append(("w", key, tensor.numel() * tensor.element_size()))
+            return write(key, tensor, **kw)
+
+        self.store.read, self.store.write = recorded_read, recorded_write
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.store.read, self.store.write  # the class's methods again
+
+
+def replay(store, ops: list, window: int = 8) -> dict:
+    """Sends `ops` (SwapRecorder.ops) through `store` again in their order, nothing else running: reads into
+    and writes from a ring of `window` host buffers, at most `window` requests in flight (each is split into
+    the store's blocks, queue_depth of them in flight). No hashing: writes record zero digests and reads are
+    not verified, so the keys hold garbage afterwards: only for a run whose data is no longer needed.
+    Returns {"replay_s", "read_bytes", "written_bytes", "requests"}."""
+    from offload.swap.buffers import aligned_empty
+
+    if not ops:
+        return {"replay_s": 0.0, "read_bytes": 0, "written_bytes": 0, "requests": 0}
+    slots = [aligned_empty(max(n for _, _, n in ops)) for _ in range(window)]
+    flight: collections.deque = collections.deque()
+    t0 = time.perf_counter()
+    for i, (op, key, nbytes) in enumerate(ops):
+        if len(flight) == window:
+            flight.popleft().wait()  # the slot op i reuses was op i - window's, the oldest in flight
+        buf = slots[i % window][:nbytes]
+        if op == "r":
+            flight.append(store.read(key, buf, verify=False))
+        else:
+            zeros = [0] * (len(store.digest_bounds(nbytes, 1)) - 1) if store.checksum else None
+            flight.append(store.write(key, buf, digests=zeros))
+    while flight:
+        flight.popleft().wait()
+    return {"replay_s": time.perf_counter() - t0, "requests": len(ops),
+            "read_bytes": sum(n for op, _, n in ops if op == "r"),
+            "written_bytes": sum(n for op, _, n in ops if op == "w")}

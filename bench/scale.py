@@ -14,23 +14,28 @@ Peak RSS is sampled by this process every 0.2 s over the worker and its children
 builds count, on a first run before its op cache is warm). The I/O bound of a step is
 bench/iobound.py's: the step's nvme bytes over the swap bandwidth `offload bench nvme` measures in
 the same --dir, before and after ours' run (the mean of the two: the drive's speed drifts on a shared host;
-both are reported). Everything goes into one new directory under --dir, removed at the end.
+both are reported). That probe moves a few GB just written, at rates a drive may not hold over a step's
+tens of GB: after its last step ours also sends that step's swap requests again with nothing else running
+(io_replay_s, bench/iobound.py's replay; --no-replay skips it), the step's I/O bound on this drive as it is
+then. Everything goes into one new directory under --dir, removed at the end.
 Ours and DeepSpeed run at --precision (default auto: what the engine picks on this host); beside io_bound_s
 the JSON has precision, matmul_gflops (that dtype's F.linear speed measured in this run) and
 compute_floor_s = 6 x params x tokens / matmul_gflops (bench/limits.py), next to compute_bound_s (the same
 model's forward+backward in memory plus CPU Adam, measured). Each of ours' steps has a profile from its
-timeline (profile(): forward, backward, compute stalls, CPU Adam, the drive idle); --trace saves the last
+timeline (profile(): forward, backward, compute stalls, CPU Adam, the drive idle) and the CPU time the
+process used in it (cpu_s, every thread: a step near cpu_count() x its time is CPU-bound); --trace saves the last
 step's timeline.
 
 python bench/scale.py [--model 3b|PRESET|smollm2|HF_DIR] [--steps 20] [--batch 1] [--seq 256] --dir DIR
                       [--io-size 2G] [--precision auto|bf16|fp16|fp32] [--ds-python PATH] [--no-deepspeed]
-                      [--trace PATH] [--json]
+                      [--trace PATH] [--no-replay] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import resource
@@ -68,21 +73,33 @@ def worker(args) -> None:
     t0 = time.perf_counter()
     with offload.initialize(model, cfg, weights=weights) as engine:
         _emit({"params": info["params"], "init_s": time.perf_counter() - t0})
+        recorder = iobound.SwapRecorder(engine.store) if args.replay and engine.store is not None else None
         for i in range(args.steps):
             ids, labels = (t.to(engine.device) for t in sampler.batch(i))
             engine.start_trace()  # each step's own timeline: its profile (and with --trace, the last one saved)
-            t0 = time.perf_counter()
-            loss = loss_of(engine(ids, labels=labels))  # by name: a HF model's second argument is the mask
-            engine.backward(loss)
-            engine.step()
-            t1 = time.perf_counter()
+            last = i == args.steps - 1
+            with recorder if last and recorder else contextlib.nullcontext():
+                cpu0, t0 = _cpu_s(), time.perf_counter()
+                loss = loss_of(engine(ids, labels=labels))  # by name: a HF model's second argument is the mask
+                engine.backward(loss)
+                engine.step()
+                t1 = time.perf_counter()
             _emit({"step": i, "step_s": t1 - t0, "loss": loss.item(), "links": engine.stats()["last_step"]["links"],
-                   "profile": profile(engine.rt.telemetry.spans(), t0, t1)})
-            if args.trace and i == args.steps - 1:
+                   "profile": {**profile(engine.rt.telemetry.spans(), t0, t1), "cpu_s": _cpu_s() - cpu0}})
+            if args.trace and last:
                 engine.save_trace(args.trace)
+        _emit({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})  # the steps'
+        if recorder:  # the last step's requests again, nothing else running (its data is garbage after)
+            _emit({"replay_starts": True})
+            _emit({"io_replay": iobound.replay(engine.store, recorder.ops)})
     if weights is not None:
         weights.close()
-    _emit({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+
+
+def _cpu_s() -> float:
+    """CPU seconds this process has used, every thread, user and system."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def profile(spans: list, t0: float, t1: float) -> dict:
@@ -156,10 +173,13 @@ class PeakRss(Periodic):
 
     def __init__(self, pid: int, interval_s: float = 0.2):
         super().__init__(interval_s, "scale-rss")
-        self.pid, self.peak = pid, 0
+        self.pid, self.peak, self.frozen = pid, 0, False
 
     def sample(self) -> None:
         import psutil
+
+        if self.frozen:  # the worker's measured part is over (its I/O replay's buffers are not the step's)
+            return
 
         try:
             root = psutil.Process(self.pid)
@@ -177,8 +197,8 @@ class PeakRss(Periodic):
 
 def run_sampled(cmd: list[str], label: str, on_pause=None) -> dict:
     """Runs a worker, echoing its stderr and a line per step, sampling its RSS. Returns what it reported
-    (its once-per-run keys: params, init_s, deepspeed_version, ...; per-step lists), steps_completed, peak_rss_bytes (sampled), ru_maxrss_bytes (the worker's own
-    peak, if it got to say it) and error: its last stderr line, or null when it succeeded.
+    (its once-per-run keys: params, init_s, deepspeed_version, ...; per-step lists), steps_completed, peak_rss_bytes (sampled,
+    until a line {"replay_starts": ...}), ru_maxrss_bytes (the worker's own peak, if it got to say it) and error: its last stderr line, or null when it succeeded.
     on_pause: a worker that prints {"pause": i} waits for a line on its stdin; on_pause() runs first (while
     the worker holds still: a reference measured between its steps), and its results are out["pauses"]."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env(),
@@ -194,6 +214,9 @@ def run_sampled(cmd: list[str], label: str, on_pause=None) -> dict:
                     out.setdefault("pauses", []).append(on_pause())
                     proc.stdin.write("go\n")
                     proc.stdin.flush()
+                    continue
+                if line.startswith('{"replay_starts"'):
+                    rss.frozen = True
                     continue
                 _take(out, line, label)
             proc.wait()
@@ -282,6 +305,9 @@ def _ours_report(ours: dict, bw: dict | None, compute: dict | None = None) -> di
                       io_line=iobound.describe(iobound.step_nvme_bytes(links[-1]), bw, ours["params"]))
         if compute:
             report["step_vs_bound"] = steady(ours["step_s"]) / max(steady(bounds), compute["compute_bound_s"])
+    replayed = ours.get("io_replay")
+    report["io_replay_s"] = replayed["replay_s"] if replayed else None
+    report["last_step_vs_io_replay"] = ours["step_s"][-1] / replayed["replay_s"] if replayed else None
     return report
 
 
@@ -307,6 +333,12 @@ def _print_summary(report: dict) -> None:
     if report["io_bound_s"] is not None:
         print(report["io_line"])
         print(f"ours step / io bound = {report['step_vs_io_bound']:.2f} (step s: median after the first step)")
+    if report["io_replay_s"] is not None:
+        r = report["io_replay"]
+        print(f"io replay {report['io_replay_s']:.2f} s = the last step's {r['requests']} swap requests again, nothing "
+              f"else running ({r['read_bytes'] / 1e9:.2f} GB read, {r['written_bytes'] / 1e9:.2f} GB written: "
+              f"{(r['read_bytes'] + r['written_bytes']) / 1e9 / report['io_replay_s']:.2f} GB/s); ours last step / io "
+              f"replay = {report['last_step_vs_io_replay']:.2f}")
     if report["compute_bound_s"] is not None:
         print(f"compute floor {report['compute_bound_s']:.2f} s = forward+backward in memory {report['fwd_bwd_s']:.2f} s "
               f"+ CPU Adam over every parameter {report['adam_s']:.2f} s (measured in this run)")
@@ -315,7 +347,9 @@ def _print_summary(report: dict) -> None:
     for i, p in enumerate(report.get("profile") or []):
         print(f"ours step {i + 1} profile: forward {p['forward_s']:.2f} s, backward {p['backward_s']:.2f} s, after "
               f"{p['after_backward_s']:.2f} s; compute stalled {p['compute_stall_s']:.2f} s, CPU Adam "
-              f"{p['cpu_adam_s']:.2f} s, drive idle {p['drive_idle_s']:.2f} s")
+              f"{p['cpu_adam_s']:.2f} s, drive idle {p['drive_idle_s']:.2f} s; CPU time {p['cpu_s']:.2f} s "
+              f"({p['cpu_s'] / (p['forward_s'] + p['backward_s'] + p['after_backward_s']) / os.cpu_count():.0%} of "
+              f"{os.cpu_count()} cores)")
 
 
 def _parse_args() -> argparse.Namespace:
@@ -339,6 +373,9 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--no-compute-bound", action="store_true",
                     help="skip measuring the compute floor (an in-memory forward+backward of the same model "
                          "at --precision: needs 4-8 B per parameter of RAM) and CPU Adam's rate")
+    ap.add_argument("--no-replay", dest="replay", action="store_false",
+                    help="skip timing ours' last step's swap requests again with nothing else running (the io "
+                         "replay: the step's I/O bound on this drive, measured after it; bench/iobound.py)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: train ours here
     ap.add_argument("--compute-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -392,7 +429,7 @@ def _run(args, work: str) -> dict:
     os.makedirs(ours_dir)
     trace = ["--trace", os.path.abspath(args.trace)] if args.trace else []
     ours = run_sampled([sys.executable, os.path.abspath(__file__), "--worker", "--model", args.model,
-                        "--engine-config", args.engine_config, "--dir", ours_dir] + shape + trace, "ours")
+                        "--engine-config", args.engine_config, "--dir", ours_dir] + shape + trace + ([] if args.replay else ["--no-replay"]), "ours")
     shutil.rmtree(ours_dir, ignore_errors=True)  # a killed run's swap would crowd DeepSpeed's off the drive
     if bw:  # the drive's speed drifts on a shared host: measured again after ours, the bound uses the mean
         bw = bracketed(bw, iobound.measure_swap(work, args.io_size, json.loads(args.engine_config)))

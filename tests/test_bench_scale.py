@@ -2,6 +2,7 @@
 (tiny preset, 2 steps, DeepSpeed left out: tests/test_bench_ds.py covers it where installed)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,11 @@ def test_scale_reports_steps_memory_links_and_the_io_bound(tmp_path, tmp_path_fa
     assert r["fwd_bwd_s"] > 0 and r["adam_s"] > 0 and r["compute_bound_s"] == r["fwd_bwd_s"] + r["adam_s"]
     assert r["step_vs_bound"] == r["step_s"][1] / max(bound, r["compute_bound_s"])
     assert "compute floor" in proc.stdout
+    # the last step's swap requests sent again with nothing else running: the bytes the step moved
+    replayed = r["io_replay"]
+    assert replayed["read_bytes"] == read and replayed["written_bytes"] == written and replayed["requests"] > 0
+    assert r["io_replay_s"] == replayed["replay_s"] > 0 and r["last_step_vs_io_replay"] == r["step_s"][1] / r["io_replay_s"]
+    assert "ours last step / io replay" in proc.stdout
     # and the matmul floor at the precision it ran (bench/limits.py)
     assert r["precision"] == "bf16" and r["matmul_gflops"] > 0
     assert r["compute_floor_s"] == 6 * r["params"] * 2 * 32 / (r["matmul_gflops"] * 1e9)
@@ -45,6 +51,7 @@ def test_scale_reports_steps_memory_links_and_the_io_bound(tmp_path, tmp_path_fa
         assert abs(p["forward_s"] + p["backward_s"] + p["after_backward_s"] - step_s) < 1e-3
         assert min(p["forward_s"], p["backward_s"]) > 0 and p["cpu_adam_s"] > 0
         assert 0 <= p["drive_idle_s"] < step_s and p["compute_stall_s"] >= 0
+        assert 0 < p["cpu_s"] <= step_s * os.cpu_count() * 1.05
     assert "ours step 2 profile: forward" in proc.stdout
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e.get("cat") for e in events} >= {"compute", "nvme", "cpu_adam"}
@@ -66,3 +73,25 @@ def test_scale_rejects_a_missing_dir(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "scale.py"), "--dir", str(tmp_path / "nope")],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "not a directory" in proc.stderr
+
+
+def test_replay_sends_the_recorded_requests_again(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import torch
+    from iobound import SwapRecorder, replay
+
+    from offload.swap.store import SwapStore
+
+    with SwapStore(tmp_path, checksum=True) as store:
+        a, b = torch.arange(3 << 18, dtype=torch.int32), torch.ones(5000, dtype=torch.float32)
+        with SwapRecorder(store) as rec:
+            store.write("a", a).wait()
+            store.write("b", b).wait()
+            store.read("a", torch.empty_like(a)).wait()
+        assert "read" not in vars(store) and "write" not in vars(store)  # the store's own methods again
+        assert rec.ops == [("w", "a", a.numel() * 4), ("w", "b", 20000), ("r", "a", a.numel() * 4)]
+        r = replay(store, rec.ops, window=2)
+        assert (r["requests"], r["read_bytes"], r["written_bytes"]) == (3, a.numel() * 4, a.numel() * 4 + 20000)
+        back = torch.empty_like(a)
+        store.read("a", back, verify=False).wait()
+        assert not torch.equal(back, a)  # the replay wrote its ring's bytes over it
