@@ -1,6 +1,6 @@
 """The compiled 8-bit AdamW step (offload.kernels.adam8) against its reference, quant8.adam8_step: param,
-codes, absmax and the bf16/fp16 weight bit for bit over several steps, at every ISA this CPU has and
-several thread counts; the quantization's edge cases (midpoints, bucket boundaries, zeros); the map against
+codes, absmax and the bf16/fp16 weight bit for bit over several steps, at every ISA this CPU has (avx512bf16
+reads the maps by byte planes where the CPU has VBMI) and several thread counts; the quantization's edge cases (midpoints, bucket boundaries, zeros); the map against
 bitsandbytes'."""
 
 import pytest
@@ -135,6 +135,22 @@ def test_step_hits_the_edges(isa):
              *_states(numel, torch.Generator().manual_seed(6))] for _ in range(2)]
     for backend, (p, mc, ma, vc, va) in zip(("compiled", "torch"), runs):
         adam8.adam8_step(p, g, mc, ma, vc, va, step=3, lr=1e-3, beta1=0.0, beta2=0.5, eps=1e-8,
+                         weight_decay=0.0, backend=backend)
+    _assert_same(runs[0], runs[1])
+
+
+def test_every_code_in_every_position(isa):
+    """Each of the 256 codes of both maps at each place of a 64-element group (the VBMI path reads 64 at once,
+    reordered), through a step whose new moments and weights depend on the old ones."""
+    numel = 256 * 64
+    codes = ((torch.arange(numel) * 67 + torch.arange(numel) // 256) % 256).to(torch.uint8)
+    assert all(len(set(codes[j::64].tolist())) == 256 for j in range(64))
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(7)) * 1e-3
+    runs = [[torch.randn(numel, generator=torch.Generator().manual_seed(8)), codes.clone(),
+             torch.rand(numel // BLOCK, generator=torch.Generator().manual_seed(9)), codes.flip(0).clone(),
+             torch.rand(numel // BLOCK, generator=torch.Generator().manual_seed(10))] for _ in range(2)]
+    for backend, (p, mc, ma, vc, va) in zip(("compiled", "torch"), runs):
+        adam8.adam8_step(p, g, mc, ma, vc, va, step=2, lr=1e-3, beta1=0.9, beta2=0.5, eps=1e-8,
                          weight_decay=0.0, backend=backend)
     _assert_same(runs[0], runs[1])
 

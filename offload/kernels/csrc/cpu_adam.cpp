@@ -12,7 +12,8 @@
 // out-of-line copy of a shared inline function can be emitted with AVX-512 code in it. The AVX-512
 // region's target includes avx512bf16 for one intrinsic (vcvtneps2bf16), used only by the
 // `adam_range_ne` and `adam8_range<G, BF16, true>` instantiations, which only the avx512bf16 level (a CPU
-// reporting it) dispatches to.
+// reporting it) dispatches to. A third region adds avx512vbmi for the int8 step's map reads
+// ([Note: map reads by byte planes]): the avx512bf16 level runs it where the CPU also reports VBMI.
 //
 // [Note: matching torch bit for bit where it matters]
 // The math mirrors torch's fused CPU Adam (lerp for exp_avg, sqrt(v)/sqrt(bc2)+eps, AdamW decay applied
@@ -491,33 +492,50 @@ inline void quantize_range(const float* x, uint8_t* codes, float* absmax, const 
   }
 }
 
-template <int G, int O, bool kNe>
-void adam8_range(const Ptrs8& a, const Coeffs8& cf, int64_t begin, int64_t end) {
+// The 64 codes of m and of v at element i as fp32 values times their block's absmax (dequant16 four times).
+struct ScalarLookups {
+  const float *m_map, *v_map;
+  explicit ScalarLookups(const Tables8& t) : m_map(t.map[0]), v_map(t.map[1]) {}
+  void operator()(const uint8_t* mc, const uint8_t* vc, __m512 m_abs, __m512 v_abs, __m512* m, __m512* v) const {
+    for (int q = 0; q < 4; ++q) {
+      m[q] = dequant16(mc + 16 * q, m_map, m_abs);
+      v[q] = dequant16(vc + 16 * q, v_map, v_abs);
+    }
+  }
+};
+
+// The step, 64 elements at a time; Deq dequantizes them (ScalarLookups, or avx512vbmi::PlaneLookups where the
+// CPU has VBMI: that one is compiled for it and called, not inlined, once per 64 elements).
+template <int G, int O, bool kNe, class Deq>
+void adam8_loop(const Ptrs8& a, const Coeffs8& cf, int64_t begin, int64_t end) {
   const K8 c = broadcast8(cf);
   const Ptrs8 r = a;  // locals: see K
+  const Deq deq(r.t);
   alignas(64) float mb[kBlock], vb[kBlock];
   for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
     const int64_t blk = b0 / kBlock;
     const __m512 m_abs = _mm512_set1_ps(r.ma[blk]), v_abs = _mm512_set1_ps(r.va[blk]);
     __m512 m_max = _mm512_setzero_ps(), v_max = _mm512_setzero_ps();
-    for (int64_t j = 0; j < kBlock; j += 16) {
-      const int64_t i = b0 + j;
-      __m512 g = load_grad<G, false>(r.g, i, 0xFFFF);
-      if (c.scaled) g = _mm512_mul_ps(g, c.inv_scale);
-      __m512 p = _mm512_mul_ps(_mm512_loadu_ps(r.p + i), c.decay);
-      if (c.has_l2) g = _mm512_add_ps(g, _mm512_mul_ps(p, c.l2));
-      const __m512 m = _mm512_add_ps(_mm512_mul_ps(dequant16(r.mc + i, r.t.map[0], m_abs), c.beta1),
-                                     _mm512_mul_ps(g, c.beta1_c));
-      const __m512 v = _mm512_add_ps(_mm512_mul_ps(dequant16(r.vc + i, r.t.map[1], v_abs), c.beta2),
-                                     _mm512_mul_ps(_mm512_mul_ps(g, g), c.beta2_c));
-      const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), c.inv_bc2_sqrt), c.eps);
-      p = _mm512_add_ps(p, _mm512_mul_ps(_mm512_div_ps(m, denom), c.neg_step_size));
-      _mm512_storeu_ps(r.p + i, p);
-      store_out<O, kNe, false>(r.out, i, p, 0xFFFF, r.stream_out);
-      _mm512_store_ps(mb + j, m);
-      _mm512_store_ps(vb + j, v);
-      m_max = _mm512_max_ps(m_max, _mm512_abs_ps(m));
-      v_max = _mm512_max_ps(v_max, _mm512_abs_ps(v));
+    for (int64_t j0 = 0; j0 < kBlock; j0 += 64) {
+      __m512 m_old[4], v_old[4];
+      deq(r.mc + b0 + j0, r.vc + b0 + j0, m_abs, v_abs, m_old, v_old);
+      for (int q = 0; q < 4; ++q) {
+        const int64_t j = j0 + 16 * q, i = b0 + j;
+        __m512 g = load_grad<G, false>(r.g, i, 0xFFFF);
+        if (c.scaled) g = _mm512_mul_ps(g, c.inv_scale);
+        __m512 p = _mm512_mul_ps(_mm512_loadu_ps(r.p + i), c.decay);
+        if (c.has_l2) g = _mm512_add_ps(g, _mm512_mul_ps(p, c.l2));
+        const __m512 m = _mm512_add_ps(_mm512_mul_ps(m_old[q], c.beta1), _mm512_mul_ps(g, c.beta1_c));
+        const __m512 v = _mm512_add_ps(_mm512_mul_ps(v_old[q], c.beta2), _mm512_mul_ps(_mm512_mul_ps(g, g), c.beta2_c));
+        const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), c.inv_bc2_sqrt), c.eps);
+        p = _mm512_add_ps(p, _mm512_mul_ps(_mm512_div_ps(m, denom), c.neg_step_size));
+        _mm512_storeu_ps(r.p + i, p);
+        store_out<O, kNe, false>(r.out, i, p, 0xFFFF, r.stream_out);
+        _mm512_store_ps(mb + j, m);
+        _mm512_store_ps(vb + j, v);
+        m_max = _mm512_max_ps(m_max, _mm512_abs_ps(m));
+        v_max = _mm512_max_ps(v_max, _mm512_abs_ps(v));
+      }
     }
     const float m_new = _mm512_reduce_max_ps(m_max), v_new = _mm512_reduce_max_ps(v_max);
     r.ma[blk] = m_new;
@@ -528,9 +546,89 @@ void adam8_range(const Ptrs8& a, const Coeffs8& cf, int64_t begin, int64_t end) 
   if (r.stream_out) _mm_sfence();
 }
 
+template <int G, int O, bool kNe>
+void adam8_range(const Ptrs8& a, const Coeffs8& cf, int64_t begin, int64_t end) {
+  adam8_loop<G, O, kNe, ScalarLookups>(a, cf, begin, end);
+}
+
 OFFLOAD_DEFINE_DIGEST_RANGE
 
 }  // namespace avx512
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+// ---------------------------------------------------------------- AVX-512 VBMI: the int8 step's map reads
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c"))), \
+                             apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c")
+#endif
+namespace avx512vbmi {
+
+// [Note: map reads by byte planes]
+// Dequantizing reads 256-entry fp32 maps at 64 random codes; as loads (or gathers) that is 64 table reads.
+// With VBMI, vpermt2b reads 64 bytes from a 128-byte table at once: each map is kept as four byte planes
+// (byte k of every value, 256 bytes, four registers), each plane read with two vpermt2b (codes < 128 and
+// >= 128) and a blend on the code's top bit, and the four planes' bytes interleaved into fp32 with the
+// unpack instructions. Those interleave within 128-bit lanes, so the codes are first put in the order that
+// makes the result come out in element order (kOrder). The same bits as the map's loads: 23 instructions
+// for 64 values instead of 64 loads and the inserts that gather them into vectors.
+struct PlaneLookups {
+  __m512i planes[2][4][4];  // [map: m, v][byte k of the fp32 value][entries 64 q .. 64 q + 63]
+  __m512i order;            // kOrder: position 16 L + 4 q + j takes code 16 q + 4 L + j
+
+  explicit PlaneLookups(const Tables8& t) {
+    alignas(64) uint8_t bytes[256], idx[64];
+    for (int m = 0; m < 2; ++m)
+      for (int k = 0; k < 4; ++k) {
+        for (int e = 0; e < 256; ++e) {
+          uint32_t u;
+          std::memcpy(&u, t.map[m] + e, sizeof u);
+          bytes[e] = static_cast<uint8_t>(u >> (8 * k));
+        }
+        for (int q = 0; q < 4; ++q) planes[m][k][q] = _mm512_load_si512((const __m512i*)(bytes + 64 * q));
+      }
+    for (int lane = 0; lane < 4; ++lane)
+      for (int q = 0; q < 4; ++q)
+        for (int j = 0; j < 4; ++j) idx[16 * lane + 4 * q + j] = static_cast<uint8_t>(16 * q + 4 * lane + j);
+    order = _mm512_load_si512((const __m512i*)idx);
+  }
+
+  static __m512i plane(const __m512i* p, __m512i codes, __mmask64 high) {
+    return _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(p[0], codes, p[1]),
+                                  _mm512_permutex2var_epi8(p[2], codes, p[3]));
+  }
+
+  void dequant64(const uint8_t* c, const __m512i (*p)[4], __m512 absmax, __m512* out) const {
+    const __m512i codes = _mm512_permutexvar_epi8(order, _mm512_loadu_si512((const __m512i*)c));
+    const __mmask64 high = _mm512_movepi8_mask(codes);
+    const __m512i b0 = plane(p[0], codes, high), b1 = plane(p[1], codes, high);
+    const __m512i b2 = plane(p[2], codes, high), b3 = plane(p[3], codes, high);
+    const __m512i lo01 = _mm512_unpacklo_epi8(b0, b1), hi01 = _mm512_unpackhi_epi8(b0, b1);
+    const __m512i lo23 = _mm512_unpacklo_epi8(b2, b3), hi23 = _mm512_unpackhi_epi8(b2, b3);
+    out[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23)), absmax);
+    out[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23)), absmax);
+    out[2] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23)), absmax);
+    out[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23)), absmax);
+  }
+
+  void operator()(const uint8_t* mc, const uint8_t* vc, __m512 m_abs, __m512 v_abs, __m512* m, __m512* v) const {
+    dequant64(mc, planes[0], m_abs, m);
+    dequant64(vc, planes[1], v_abs, v);
+  }
+};
+
+template <int G, int O>
+void adam8_range(const Ptrs8& a, const Coeffs8& cf, int64_t begin, int64_t end) {
+  avx512::adam8_loop<G, O, (O == BF16), PlaneLookups>(a, cf, begin, end);
+}
+
+}  // namespace avx512vbmi
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -783,6 +881,15 @@ int best_isa() {
   return SCALAR;
 }
 
+bool has_vbmi() {
+#ifdef OFFLOAD_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vbmi");
+#else
+  return false;
+#endif
+}
+
 int resolve_isa(int64_t requested) {
   int best = best_isa();
   if (requested < 0) return best;
@@ -834,7 +941,8 @@ DigestFn pick_digest(int isa) {
 template <int G, int O>
 Adam8Fn pick_adam8_isa(int isa) {
 #ifdef OFFLOAD_X86
-  if (isa == AVX512BF16) return avx512::adam8_range<G, O, (O == BF16)>;
+  if (isa == AVX512BF16)  // with VBMI where the CPU has it ([Note: map reads by byte planes])
+    return has_vbmi() ? avx512vbmi::adam8_range<G, O> : avx512::adam8_range<G, O, (O == BF16)>;
   if (isa == AVX512) return avx512::adam8_range<G, O, false>;
   if (isa == AVX2) return avx2::adam8_range<G, O>;
 #endif
