@@ -10,6 +10,12 @@ DeepSpeed ZeRO-Inference (ZeRO-3, offload_param nvme, --budget bytes of live par
 in the venv of bench/ds_venv.sh; null where there is none).
 link_bound_tok_s: batch x the swap's read bandwidth (measured in the run, `offload bench nvme`) over the
 weights' bytes: the rate if every decode step read every weight once at that bandwidth.
+accelerate_capped: accelerate's disk offload again, in a memory cgroup capped at the peak RSS of ours on nvme
+(measured in a worker of its own first; bench/memcap.py), and memory_cap: the cap and, under that same cap,
+ours on nvme again and accelerate (each in a new subprocess, the model's files evicted from the page cache
+first), with what the kernel charged each. Uncapped, a host whose RAM holds the model keeps accelerate's
+offload folder in its page cache, which a model larger than the RAM never has (null, with memory_cap's
+reason, where no cgroup can be made; --no-cap skips it).
 in_memory_beside_reads: transformers in memory again while fio reads --dir with O_DIRECT at the rate ours read
 in its nvme mode (what the host's compute keeps beside those reads: the ceiling of streaming them; null
 without fio). nvme_read_per_token_gb: what ours on nvme read a decode step at --budget. same_tokens: each
@@ -17,7 +23,7 @@ mode's tokens equal the in-memory ones.
 
     python bench/generate.py [--model bench-200m|1b|smollm2|DIR] [--batch 1 8 32] [--prompt-tokens 32]
                              [--new-tokens 64] [--budget SIZE] [--dir DIR] [--io-size 1G] [--ds-python PY]
-                             [--precision auto|bf16|fp16|fp32] [--json]
+                             [--precision auto|bf16|fp16|fp32] [--no-cap] [--json]
 
 Beside them, as every bench (bench/limits.py): precision, matmul_gflops (measured in the run) and
 compute_floor_tok_s = matmul_gflops / (2 x params): a token needs 2 FLOPs a parameter, at any batch.
@@ -40,7 +46,7 @@ import limits  # noqa: E402  (bench/limits.py)
 from e2e import default_ds_python, worker_env  # noqa: E402  (bench/e2e.py)
 
 MODES = ("in_memory", "dram", "nvme", "nvme_resident", "accelerate")
-COLUMNS = (*MODES, "deepspeed", "in_memory_beside_reads")
+COLUMNS = (*MODES, "accelerate_capped", "deepspeed", "in_memory_beside_reads")
 
 
 def main() -> None:
@@ -56,9 +62,15 @@ def main() -> None:
     ap.add_argument("--ds-python", default=default_ds_python(),
                     help="python of a venv with DeepSpeed (bench/ds_venv.sh), for the deepspeed column")
     limits.add_precision_argument(ap)
+    ap.add_argument("--no-cap", dest="cap", action="store_false",
+                    help="leave out accelerate_capped (accelerate in a memory cgroup capped at ours' peak RSS)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one mode, --model a directory
+    ap.add_argument("--prompts", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.precision = limits.resolve(args.precision)  # every mode at the same one
+    if args.worker:
+        return worker(args)
     base = tempfile.mkdtemp(prefix="generate-bench-", dir=args.dir)
     try:
         rows, info = run(args, base)
@@ -76,6 +88,16 @@ def main() -> None:
                  if r[m + "_tok_s"] is not None else "-" for m in COLUMNS]
         print(f"  {r['batch']:5d} " + " ".join(f"{c:>18s}" for c in cells) + f" {r['link_bound_tok_s']:11.1f} "
               f"{r['nvme_read_per_token_gb']:11.3f}  " + ", ".join(m for m in r["same_tokens"] if r["same_tokens"][m]))
+    for r in rows:
+        cap = r["memory_cap"]
+        if cap and cap.get("error"):
+            print(f"  batch {r['batch']}: accelerate_capped not measured: {cap['error']}")
+        elif cap:
+            print(f"  batch {r['batch']}: memory cgroups capped at {cap['limit_bytes'] / 1e9:.2f} GB (ours' peak RSS on "
+                  f"nvme, uncapped: {cap['ours_tok_s']:.1f} tok/s): ours {cap['ours_capped_tok_s']:.1f} tok/s, charged "
+                  f"{cap['ours_capped_peak_bytes'] / 1e9:.2f} GB at most, cap reached {cap['ours_capped_hit_limit']} "
+                  f"times; accelerate {cap['accelerate_capped_tok_s']:.1f} tok/s, charged "
+                  f"{cap['accelerate_capped_peak_bytes'] / 1e9:.2f} GB, cap reached {cap['accelerate_capped_hit_limit']} times")
     if args.json:
         print(json.dumps({**rows[-1], "model": args.model, **info, "rows": rows}))  # API.md's keys: the last batch's
 
@@ -105,10 +127,14 @@ def run(args, base: str) -> tuple[list[dict], dict]:
             if mode == "nvme":
                 row["nvme_read_per_token_gb"] = read / args.new_tokens / 1e9
                 rate = read / seconds
+        row.update(capped(args, directory, prompts, base, budget) if args.cap else
+                   {"accelerate_capped_tok_s": None, "memory_cap": None})
+        if row["accelerate_capped_tok_s"] is not None:
+            tokens["accelerate_capped"] = row.pop("accelerate_capped_tokens")
         row["in_memory_beside_reads_tok_s"] = beside_reads(directory, prompts, args.new_tokens, rate, base,
                                                            args.precision)
         row["deepspeed_tok_s"] = None
-        row["same_tokens"] = {m: bool(torch.equal(tokens[m], tokens["in_memory"])) for m in MODES[1:]}
+        row["same_tokens"] = {m: bool(torch.equal(tokens[m], tokens["in_memory"])) for m in tokens if m != "in_memory"}
         row["in_memory_tokens"] = tokens["in_memory"]
         rows.append(row)
     info = {"deepspeed_version": None, "deepspeed_error": None}
@@ -129,6 +155,63 @@ def run(args, base: str) -> tuple[list[dict], dict]:
     return rows, {"params": params, "weight_bytes": weight_bytes, "budget_bytes": budget, **info, **bw,
                   "precision": args.precision, "matmul_gflops": gflops,
                   "compute_floor_tok_s": gflops * 1e9 / (2 * params)}  # 2 FLOPs a parameter a token: no batch beats it
+
+
+def capped(args, directory: str, prompts, base: str, budget: int) -> dict:
+    """accelerate_capped_tok_s (None where it could not run, memory_cap saying why), its tokens, and memory_cap:
+    the cap (the peak RSS of ours on nvme in a worker of its own) and, under that same cap, ours on nvme again
+    and accelerate, each with what the kernel charged it."""
+    import torch
+
+    import memcap
+
+    batch = prompts.shape[0]
+    out = {"accelerate_capped_tok_s": None, "memory_cap": None}
+    if memcap.cgroup_parent() is None:
+        out["memory_cap"] = {"error": "no memory cgroup to make here (Linux cgroups, as root)"}
+        return out
+    path = os.path.join(base, f"prompts-{batch}.json")
+    with open(path, "w") as f:
+        json.dump(prompts.tolist(), f)
+    runs = {}
+    for name, mode in (("ours", "nvme"), ("ours_capped", "nvme"), ("accelerate_capped", "accelerate")):
+        work = os.path.join(base, f"{name}-worker-{batch}")
+        os.makedirs(work)
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--model", directory, "--prompts", path,
+               "--new-tokens", str(args.new_tokens), "--budget", str(budget), "--precision", args.precision,
+               "--dir", work]
+        memcap.evict(directory)  # its reads come from the drive, charged to the worker
+        proc, mem = memcap.run(cmd, runs["ours"]["peak_rss_bytes"] if runs else None, env=worker_env())
+        shutil.rmtree(work, ignore_errors=True)
+        if proc.returncode:
+            out["memory_cap"] = {**mem, "error": f"{name} worker failed (exit {proc.returncode}): "
+                                                 f"{(proc.stderr.strip().splitlines() or [''])[-1]}"}
+            return out
+        runs[name] = {**json.loads(proc.stdout.strip().splitlines()[-1]), **mem}
+        runs[name]["tok_s"] = batch * args.new_tokens / runs[name]["seconds"]
+    acc = runs["accelerate_capped"]
+    out.update(accelerate_capped_tok_s=acc["tok_s"], accelerate_capped_tokens=torch.tensor(acc["tokens"]),
+               memory_cap={"limit_bytes": runs["ours"]["peak_rss_bytes"],
+                           **{f"{n}_{k}": runs[n][k] for n in runs for k in ("tok_s", "peak_bytes", "hit_limit")}})
+    return out
+
+
+def worker(args) -> None:
+    """In a subprocess: one greedy generate() of --prompts in mode --worker; a JSON line with its tokens,
+    seconds, bytes read from nvme and this process's peak RSS."""
+    import torch
+
+    with open(args.prompts) as f:
+        prompts = torch.tensor(json.load(f))
+    tokens, seconds, read = generate(args.worker, args.model, prompts, args.new_tokens, args.dir, int(args.budget),
+                                     args.precision)
+    print(json.dumps({"tokens": tokens.tolist(), "seconds": seconds, "read": read, "peak_rss_bytes": _peak_rss()}))
+
+
+def _peak_rss() -> int:
+    """VmHWM: this process's peak resident set, bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def beside_reads(directory: str, prompts, new_tokens: int, rate: float, base: str, precision: str) -> float | None:

@@ -3,6 +3,7 @@ greedy tokens equal transformers' in memory; ours on nvme at under half the weig
 weights once a token."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -23,15 +24,25 @@ def test_generate_bench_json(tmp_path):
     (row,) = r["rows"]
     assert {k: r[k] for k in row} == row  # the contract's keys at the top too (the last batch's)
     for key in ("batch", "prompt_tokens", "new_tokens", "in_memory_tok_s", "dram_tok_s", "nvme_tok_s",
-                "accelerate_tok_s", "deepspeed_tok_s", "link_bound_tok_s"):
+                "accelerate_tok_s", "accelerate_capped_tok_s", "memory_cap", "deepspeed_tok_s", "link_bound_tok_s"):
         assert key in row
     assert (row["batch"], row["prompt_tokens"], row["new_tokens"]) == (2, 8, 4) and row["deepspeed_tok_s"] is None
-    assert row["same_tokens"] == {"dram": True, "nvme": True, "nvme_resident": True, "accelerate": True}
+    assert {m: row["same_tokens"][m] for m in ("dram", "nvme", "nvme_resident", "accelerate")} == dict.fromkeys(
+        ("dram", "nvme", "nvme_resident", "accelerate"), True)
     assert row["nvme_tok_s"] > 0 and row["link_bound_tok_s"] > 0 and r["swap_read_gbps"] > 0
     # under half the weights' bytes for weights: most units stream, each read about once a token
     assert r["budget_bytes"] == 1500000 < r["weight_bytes"] // 2  # fp32 weights, on any host
     assert r["weight_bytes"] == 4 * r["params"]  # the weights at the precision that runs
     assert 0.5 * r["weight_bytes"] < row["nvme_read_per_token_gb"] * 1e9 < 1.5 * r["weight_bytes"]
+    # accelerate again in a memory cgroup capped at ours' peak RSS, and ours under the same cap
+    cap = row["memory_cap"]
+    if row["accelerate_capped_tok_s"] is None:
+        assert "cgroup" in cap["error"]
+    else:
+        assert row["same_tokens"]["accelerate_capped"] and cap["limit_bytes"] > 100e6
+        assert cap["ours_capped_tok_s"] > 0 and cap["accelerate_capped_tok_s"] == row["accelerate_capped_tok_s"]
+        assert 0 < cap["accelerate_capped_peak_bytes"] <= cap["limit_bytes"]
+        assert 0 < cap["ours_capped_peak_bytes"] <= cap["limit_bytes"]
     beside = row["in_memory_beside_reads_tok_s"]  # in memory again while fio reads at our nvme mode's rate
     assert beside is None if shutil.which("fio") is None else beside > 0
 
@@ -50,3 +61,29 @@ def test_generate_bench_beside_deepspeed_zero_inference(tmp_path):
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["deepspeed_error"] is None and r["deepspeed_version"] and r["deepspeed_tok_s"] > 0
     assert r["same_tokens"]["deepspeed"]
+
+
+def test_memcap_caps_what_a_command_is_charged(tmp_path):
+    """Reading a 64 MiB file through the page cache is charged its size; capped at 24 MiB above what the bare
+    interpreter is charged, the same reads finish within the cap, which they reach."""
+    sys.path.insert(0, str(BENCH.parent))
+    import memcap
+
+    if memcap.cgroup_parent() is None:
+        pytest.skip("no memory cgroup to make here (Linux cgroups, as root)")
+    data = tmp_path / "data"
+    data.write_bytes(b"x" * (64 << 20))
+    os.sync()  # clean pages, which evict() drops
+    reads = [sys.executable, "-c", f"import os\nfd = os.open({str(data)!r}, os.O_RDONLY)\n"
+             "while os.read(fd, 1 << 20):\n    pass"]
+    proc, bare = memcap.run([sys.executable, "-c", "pass"])
+    assert proc.returncode == 0 and bare["limit_bytes"] is None
+    memcap.evict(str(tmp_path))
+    proc, free = memcap.run(reads)
+    assert proc.returncode == 0 and free["peak_bytes"] >= bare["peak_bytes"] + (56 << 20)
+    memcap.evict(str(tmp_path))
+    limit = bare["peak_bytes"] + (24 << 20)
+    proc, capped = memcap.run(reads, limit)
+    assert proc.returncode == 0, proc.stderr
+    assert capped["peak_bytes"] <= limit and capped["hit_limit"] > 0 and not capped["oom_killed"]
+    assert not [p for p in os.listdir(memcap.cgroup_parent()[0]) if p.startswith("offload-bench-")]
