@@ -10,12 +10,12 @@ DeepSpeed ZeRO-Inference (ZeRO-3, offload_param nvme, --budget bytes of live par
 in the venv of bench/ds_venv.sh; null where there is none).
 link_bound_tok_s: batch x the swap's read bandwidth (measured in the run, `offload bench nvme`) over the
 weights' bytes: the rate if every decode step read every weight once at that bandwidth.
-accelerate_capped: accelerate's disk offload again, in a memory cgroup capped at the peak RSS of ours on nvme
-(measured in a worker of its own first; bench/memcap.py), and memory_cap: the cap and, under that same cap,
-ours on nvme again and accelerate (each in a new subprocess, the model's files evicted from the page cache
-first), with what the kernel charged each. Uncapped, a host whose RAM holds the model keeps accelerate's
-offload folder in its page cache, which a model larger than the RAM never has (null, with memory_cap's
-reason, where no cgroup can be made; --no-cap skips it).
+accelerate runs in a process of its own (in this one it ran 2.5x slower). With --memory-cap SIZE, ours on nvme
+and accelerate run again, each in a new process in a memory cgroup capped at SIZE, page cache included
+(bench/memcap.py; the model's files evicted from the page cache first): nvme_capped and accelerate_capped, and
+memory_cap (what the kernel charged each, how often it reached the cap). Uncapped, a host whose RAM holds the
+model keeps accelerate's offload folder in its page cache, its "disk" reads memory copies; a model larger than
+the RAM never has that.
 in_memory_beside_reads: transformers in memory again while fio reads --dir with O_DIRECT at the rate ours read
 in its nvme mode (what the host's compute keeps beside those reads: the ceiling of streaming them; null
 without fio). nvme_read_per_token_gb: what ours on nvme read a decode step at --budget. same_tokens: each
@@ -23,7 +23,7 @@ mode's tokens equal the in-memory ones.
 
     python bench/generate.py [--model bench-200m|1b|smollm2|DIR] [--batch 1 8 32] [--prompt-tokens 32]
                              [--new-tokens 64] [--budget SIZE] [--dir DIR] [--io-size 1G] [--ds-python PY]
-                             [--precision auto|bf16|fp16|fp32] [--no-cap] [--json]
+                             [--precision auto|bf16|fp16|fp32] [--memory-cap SIZE] [--json]
 
 Beside them, as every bench (bench/limits.py): precision, matmul_gflops (measured in the run) and
 compute_floor_tok_s = matmul_gflops / (2 x params): a token needs 2 FLOPs a parameter, at any batch.
@@ -46,7 +46,7 @@ import limits  # noqa: E402  (bench/limits.py)
 from e2e import default_ds_python, worker_env  # noqa: E402  (bench/e2e.py)
 
 MODES = ("in_memory", "dram", "nvme", "nvme_resident", "accelerate")
-COLUMNS = (*MODES, "accelerate_capped", "deepspeed", "in_memory_beside_reads")
+COLUMNS = (*MODES, "deepspeed", "nvme_capped", "accelerate_capped", "in_memory_beside_reads")
 
 
 def main() -> None:
@@ -62,8 +62,9 @@ def main() -> None:
     ap.add_argument("--ds-python", default=default_ds_python(),
                     help="python of a venv with DeepSpeed (bench/ds_venv.sh), for the deepspeed column")
     limits.add_precision_argument(ap)
-    ap.add_argument("--no-cap", dest="cap", action="store_false",
-                    help="leave out accelerate_capped (accelerate in a memory cgroup capped at ours' peak RSS)")
+    ap.add_argument("--memory-cap", default=None,
+                    help="also run ours on nvme and accelerate, each in a memory cgroup capped at SIZE (page cache "
+                         "included): a host with that much memory (nvme_capped, accelerate_capped)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one mode, --model a directory
     ap.add_argument("--prompts", default=None, help=argparse.SUPPRESS)
@@ -71,6 +72,10 @@ def main() -> None:
     args.precision = limits.resolve(args.precision)  # every mode at the same one
     if args.worker:
         return worker(args)
+    if args.memory_cap:
+        from offload.swap.measure import parse_size
+
+        args.memory_cap = parse_size(args.memory_cap)
     base = tempfile.mkdtemp(prefix="generate-bench-", dir=args.dir)
     try:
         rows, info = run(args, base)
@@ -91,13 +96,11 @@ def main() -> None:
     for r in rows:
         cap = r["memory_cap"]
         if cap and cap.get("error"):
-            print(f"  batch {r['batch']}: accelerate_capped not measured: {cap['error']}")
+            print(f"  batch {r['batch']}: --memory-cap not applied: {cap['error']}")
         elif cap:
-            print(f"  batch {r['batch']}: memory cgroups capped at {cap['limit_bytes'] / 1e9:.2f} GB (ours' peak RSS on "
-                  f"nvme, uncapped: {cap['ours_tok_s']:.1f} tok/s): ours {cap['ours_capped_tok_s']:.1f} tok/s, charged "
-                  f"{cap['ours_capped_peak_bytes'] / 1e9:.2f} GB at most, cap reached {cap['ours_capped_hit_limit']} "
-                  f"times; accelerate {cap['accelerate_capped_tok_s']:.1f} tok/s, charged "
-                  f"{cap['accelerate_capped_peak_bytes'] / 1e9:.2f} GB, cap reached {cap['accelerate_capped_hit_limit']} times")
+            print(f"  batch {r['batch']}: in memory cgroups capped at {cap['limit_bytes'] / 1e9:.2f} GB: " + "; ".join(
+                f"{m} charged {cap[m + '_peak_bytes'] / 1e9:.2f} GB at most, reached the cap {cap[m + '_hit_limit']} "
+                "times" if m + "_peak_bytes" in cap else f"{m}: {cap[m + '_error']}" for m in ("nvme", "accelerate")))
     if args.json:
         print(json.dumps({**rows[-1], "model": args.model, **info, "rows": rows}))  # API.md's keys: the last batch's
 
@@ -121,14 +124,20 @@ def run(args, base: str) -> tuple[list[dict], dict]:
                                                      generator=torch.Generator().manual_seed(batch))
         row, tokens = {"batch": batch, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}, {}
         for mode in MODES:
-            tokens[mode], seconds, read = generate(mode, directory, prompts, args.new_tokens, base, budget,
-                                                   args.precision)
+            if mode == "accelerate":  # in a process of its own: in this one it ran 2.5x slower (bench/RESULTS.md)
+                r = run_worker(args, mode, directory, prompts, base, budget)
+                tokens[mode], seconds, read = torch.tensor(r["tokens"]), r["seconds"], r["read"]
+            else:
+                tokens[mode], seconds, read = generate(mode, directory, prompts, args.new_tokens, base, budget,
+                                                       args.precision)
             row[f"{mode}_tok_s"] = batch * args.new_tokens / seconds
             if mode == "nvme":
                 row["nvme_read_per_token_gb"] = read / args.new_tokens / 1e9
                 rate = read / seconds
-        row.update(capped(args, directory, prompts, base, budget) if args.cap else
-                   {"accelerate_capped_tok_s": None, "memory_cap": None})
+        row.update(capped(args, directory, prompts, base, budget) if args.memory_cap else
+                   {"nvme_capped_tok_s": None, "accelerate_capped_tok_s": None, "memory_cap": None})
+        if row["nvme_capped_tok_s"] is not None:
+            tokens["nvme_capped"] = row.pop("nvme_capped_tokens")
         if row["accelerate_capped_tok_s"] is not None:
             tokens["accelerate_capped"] = row.pop("accelerate_capped_tokens")
         row["in_memory_beside_reads_tok_s"] = beside_reads(directory, prompts, args.new_tokens, rate, base,
@@ -158,42 +167,56 @@ def run(args, base: str) -> tuple[list[dict], dict]:
 
 
 def capped(args, directory: str, prompts, base: str, budget: int) -> dict:
-    """accelerate_capped_tok_s (None where it could not run, memory_cap saying why), its tokens, and memory_cap:
-    the cap (the peak RSS of ours on nvme in a worker of its own) and, under that same cap, ours on nvme again
-    and accelerate, each with what the kernel charged it."""
+    """nvme_capped_tok_s and accelerate_capped_tok_s (None where they could not run, memory_cap saying why), their
+    tokens, and memory_cap: --memory-cap and what the kernel charged each worker under it."""
     import torch
 
     import memcap
 
-    batch = prompts.shape[0]
-    out = {"accelerate_capped_tok_s": None, "memory_cap": None}
+    out = {"nvme_capped_tok_s": None, "accelerate_capped_tok_s": None, "memory_cap": {"limit_bytes": args.memory_cap}}
     if memcap.cgroup_parent() is None:
-        out["memory_cap"] = {"error": "no memory cgroup to make here (Linux cgroups, as root)"}
+        out["memory_cap"]["error"] = "no memory cgroup to make here (Linux cgroups, as root)"
         return out
-    path = os.path.join(base, f"prompts-{batch}.json")
-    with open(path, "w") as f:
-        json.dump(prompts.tolist(), f)
-    runs = {}
-    for name, mode in (("ours", "nvme"), ("ours_capped", "nvme"), ("accelerate_capped", "accelerate")):
-        work = os.path.join(base, f"{name}-worker-{batch}")
-        os.makedirs(work)
+    for mode in ("nvme", "accelerate"):
+        try:
+            r = run_worker(args, mode, directory, prompts, base, budget, args.memory_cap)
+        except RuntimeError as e:
+            out["memory_cap"][f"{mode}_error"] = str(e)
+            continue
+        out[f"{mode}_capped_tok_s"] = prompts.shape[0] * args.new_tokens / r["seconds"]
+        out[f"{mode}_capped_tokens"] = torch.tensor(r["tokens"])
+        out["memory_cap"].update({f"{mode}_{k}": r["memory"][k] for k in ("peak_bytes", "hit_limit")})
+    return out
+
+
+def run_worker(args, mode: str, directory: str, prompts, base: str, budget: int, cap: int | None = None) -> dict:
+    """One mode's greedy generate() in a new process (`worker`), in a memory cgroup capped at `cap` bytes if
+    given (bench/memcap.py; the model's files evicted from the page cache first, so its reads are charged to
+    it): worker()'s result, with "memory" (memcap's figures; {} uncapped). RuntimeError if it failed."""
+    import subprocess
+
+    import memcap
+
+    work = tempfile.mkdtemp(prefix=f"{mode}-worker-", dir=base)
+    try:
+        path = os.path.join(work, "prompts.json")
+        with open(path, "w") as f:
+            json.dump(prompts.tolist(), f)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--model", directory, "--prompts", path,
                "--new-tokens", str(args.new_tokens), "--budget", str(budget), "--precision", args.precision,
                "--dir", work]
-        memcap.evict(directory)  # its reads come from the drive, charged to the worker
-        proc, mem = memcap.run(cmd, runs["ours"]["peak_rss_bytes"] if runs else None, env=worker_env())
+        if cap is None:
+            proc, mem = subprocess.run(cmd, capture_output=True, text=True, env=worker_env()), {}
+        else:
+            memcap.evict(directory)
+            proc, mem = memcap.run(cmd, cap, env=worker_env())
+    finally:
         shutil.rmtree(work, ignore_errors=True)
-        if proc.returncode:
-            out["memory_cap"] = {**mem, "error": f"{name} worker failed (exit {proc.returncode}): "
-                                                 f"{(proc.stderr.strip().splitlines() or [''])[-1]}"}
-            return out
-        runs[name] = {**json.loads(proc.stdout.strip().splitlines()[-1]), **mem}
-        runs[name]["tok_s"] = batch * args.new_tokens / runs[name]["seconds"]
-    acc = runs["accelerate_capped"]
-    out.update(accelerate_capped_tok_s=acc["tok_s"], accelerate_capped_tokens=torch.tensor(acc["tokens"]),
-               memory_cap={"limit_bytes": runs["ours"]["peak_rss_bytes"],
-                           **{f"{n}_{k}": runs[n][k] for n in runs for k in ("tok_s", "peak_bytes", "hit_limit")}})
-    return out
+    if proc.returncode:
+        killed = " (killed: out of memory under the cap)" if mem.get("oom_killed") else ""
+        raise RuntimeError(f"{mode} worker failed (exit {proc.returncode}){killed}: "
+                           f"{(proc.stderr.strip().splitlines() or [''])[-1]}")
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "memory": mem}
 
 
 def worker(args) -> None:
@@ -205,13 +228,14 @@ def worker(args) -> None:
         prompts = torch.tensor(json.load(f))
     tokens, seconds, read = generate(args.worker, args.model, prompts, args.new_tokens, args.dir, int(args.budget),
                                      args.precision)
-    print(json.dumps({"tokens": tokens.tolist(), "seconds": seconds, "read": read, "peak_rss_bytes": _peak_rss()}))
+    print(json.dumps({"tokens": tokens.tolist(), "seconds": seconds, "read": read, "rss_bytes": _status("VmRSS"),
+                      "peak_rss_bytes": _status("VmHWM")}))
 
 
-def _peak_rss() -> int:
-    """VmHWM: this process's peak resident set, bytes."""
+def _status(key: str) -> int:
+    """A size in bytes from /proc/self/status (VmRSS: this process's resident set now; VmHWM: its peak)."""
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
 
 def beside_reads(directory: str, prompts, new_tokens: int, rate: float, base: str, precision: str) -> float | None:
