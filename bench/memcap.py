@@ -1,10 +1,10 @@
 """A command run in a memory cgroup of its own: what the kernel charges it (anonymous memory and page cache)
 measured, or capped.
 
-bench/generate.py runs accelerate's disk offload capped at the memory ours used: on a host whose RAM holds the
-whole model, accelerate's offload folder sits in the page cache and its "disk" reads are memory copies, which
-is not the case offload is for (a model larger than the RAM). Under a cap the kernel keeps only what fits, as
-it would on a machine with that much memory.
+bench/generate.py --memory-cap SIZE runs ours on nvme and accelerate's disk offload each capped at SIZE: on a
+host whose RAM holds the whole model, accelerate's offload folder sits in the page cache and its "disk" reads
+are memory copies, which is not the case offload is for (a model larger than the RAM). Under a cap the kernel
+keeps only what fits, as it would on a machine with that much memory.
 
 Linux only, cgroup v1 (the memory controller's hierarchy) or v2, where this process may create a child of its
 own cgroup (root, or a delegated subtree); cgroup_parent() is None elsewhere and the callers leave the column
