@@ -10,7 +10,8 @@ DeepSpeed ZeRO-Inference (ZeRO-3, offload_param nvme, --budget bytes of live par
 in the venv of bench/ds_venv.sh; null where there is none).
 link_bound_tok_s: batch x the swap's read bandwidth (measured in the run, `offload bench nvme`) over the
 weights' bytes: the rate if every decode step read every weight once at that bandwidth.
-accelerate runs in a process of its own (in this one it ran 2.5x slower). With --memory-cap SIZE, ours on nvme
+accelerate runs in a process of its own (in this one, after ours' engines had closed, it ran 2.5x slower
+until close() gave back the host memory settings it had made process-wide: bench/RESULTS.md). With --memory-cap SIZE, ours on nvme
 and accelerate run again, each in a new process in a memory cgroup capped at SIZE, page cache included
 (bench/memcap.py; the model's files evicted from the page cache first): nvme_capped and accelerate_capped, and
 memory_cap (what the kernel charged each, how often it reached the cap). Uncapped, a host whose RAM holds the
@@ -124,7 +125,7 @@ def run(args, base: str) -> tuple[list[dict], dict]:
                                                      generator=torch.Generator().manual_seed(batch))
         row, tokens = {"batch": batch, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}, {}
         for mode in MODES:
-            if mode == "accelerate":  # in a process of its own: in this one it ran 2.5x slower (bench/RESULTS.md)
+            if mode == "accelerate":  # in a process of its own: nothing ours did in this one touches it
                 r = run_worker(args, mode, directory, prompts, base, budget)
                 tokens[mode], seconds, read = torch.tensor(r["tokens"]), r["seconds"], r["read"]
             else:

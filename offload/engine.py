@@ -45,7 +45,7 @@ from offload.step.activations import Checkpointing, UnitInputs, no_cache
 from offload.step.generation import serve_generate
 from offload.step.pipeline import EngineClosed, Phase, StepPipeline
 from offload.step.prefetch import agreed_policy
-from offload.swap.buffers import map_large_allocations
+from offload.swap.buffers import map_large_allocations, release_large_allocations
 
 log = logging.getLogger("offload")
 _WRAPPED: weakref.WeakSet = weakref.WeakSet()  # models an Engine has taken over: their parameters are placeholders
@@ -76,7 +76,8 @@ class Engine(nn.Module):
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.precision = resolve_precision(cfg.precision, self.device, warn=True)  # "auto" chosen for this device
         if self.device.type == "cpu":  # activations live in host memory: freed ones must leave RSS (swap.buffers)
-            map_large_allocations()
+            map_large_allocations()  # counted: close() releases it
+            self._large_allocations = True
         check_split_master(cfg, self.precision)  # before replace() validates the resolved precision
         cfg = replace(cfg, precision=self.precision.name)  # everything below sees the precision that runs
         self.cfg, self.module = cfg, model
@@ -347,6 +348,8 @@ class Engine(nn.Module):
             self.rt.close(self.weights + self.states)
         if getattr(self, "_host_cache", False):
             cpu_adam.close_host_cache()
+        if getattr(self, "_large_allocations", False):
+            release_large_allocations()
         if getattr(self, "_inference", None) is not None:
             self._inference.close(restore=kept is not None)
         for h in getattr(self, "_guards", []):

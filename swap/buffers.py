@@ -87,7 +87,9 @@ class _Mapping(mmap.mmap):
 POPULATE_PIECE_BYTES = 32 << 20  # one madvise call's share (populate)
 
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD = -3, -1  # glibc's mallopt parameters
+HEAP_THRESHOLD_BYTES = 32 << 20  # where glibc's own threshold rises to on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+_large = {"holders": 0, "lock": threading.Lock()}
 
 
 def map_large_allocations(threshold_bytes: int = 1 << 20) -> bool:
@@ -99,9 +101,28 @@ def map_large_allocations(threshold_bytes: int = 1 << 20) -> bool:
     then grew step after step past what was live (bench/RESULTS.md, LoRA on the 7b preset). Setting the
     threshold also stops that adjustment. Process-wide; the engine sets it on the CPU backend only, where
     torch's own tensors of that size go to the compiled library's allocator instead when it loads
-    (offload.kernels.cpu_adam.open_host_cache): this keeps what other libraries allocate honest."""
+    (offload.kernels.cpu_adam.open_host_cache): this keeps what other libraries allocate honest. Counted:
+    release_large_allocations() ends one."""
+    with _large["lock"]:
+        _large["holders"] += 1
+        return _mallopt_threshold(threshold_bytes)
+
+
+def release_large_allocations() -> None:
+    """Ends one map_large_allocations(); with none left, the threshold goes to HEAP_THRESHOLD_BYTES, where
+    glibc's own adjustment takes it after the first large free (setting it stopped that adjustment for good),
+    and the heap's trim threshold to twice that, as that adjustment sets it: blocks under it come from the
+    heap again, reused without their pages faulted in anew each time (with every such block mapped afresh,
+    torch work after an engine closed ran 2.2x slower: bench/RESULTS.md)."""
+    with _large["lock"]:
+        _large["holders"] = max(0, _large["holders"] - 1)
+        if _large["holders"] == 0 and _mallopt_threshold(HEAP_THRESHOLD_BYTES):
+            _libc.mallopt(ctypes.c_int(_M_TRIM_THRESHOLD), ctypes.c_int(2 * HEAP_THRESHOLD_BYTES))
+
+
+def _mallopt_threshold(nbytes: int) -> bool:
     mallopt = getattr(_libc, "mallopt", None)
-    return bool(mallopt is not None and mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(threshold_bytes)) == 1)
+    return bool(mallopt is not None and mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(nbytes)) == 1)
 
 
 def populate(t: torch.Tensor) -> bool:

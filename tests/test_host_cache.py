@@ -80,6 +80,44 @@ out(worst=worst, stats=stats(), grew=rss() - base)
     assert r["grew"] < s["peak_live_bytes"] * 9 // 8 + (40 << 20)  # about what was live at once, not 30 steps' worth
 
 
+def test_after_the_last_engine_closes_large_blocks_come_from_the_replaced_allocator():
+    """With no engine open, a large tensor is not mapped afresh by the cache (each one's pages faulted in anew:
+    torch work after close() ran 2.2x slower, bench/RESULTS.md) but served as before the first engine."""
+    r = _run("""
+assert cpu_adam.open_host_cache()
+t = torch.empty(64 * MB // 4).fill_(1.0)
+del t
+cpu_adam.close_host_cache()
+closed = stats()
+u = torch.empty(64 * MB // 4).fill_(1.0)
+out(closed=closed, with_u=stats())
+""")
+    assert r["closed"]["engines"] == 0 and r["closed"]["mapped_fresh_bytes"] == 64 << 20
+    assert r["with_u"]["mapped_fresh_bytes"] == 64 << 20 and r["with_u"]["live_bytes"] == 0
+
+
+def test_the_heap_threshold_is_given_back_when_the_last_holder_releases(monkeypatch):
+    """map_large_allocations() is counted; the last release_large_allocations() sets glibc's mmap threshold to
+    32 MiB and its trim threshold to 64 MiB (where its own adjustment takes them), and only the last."""
+    from offload.swap import buffers
+
+    calls = []
+
+    class Libc:
+        def mallopt(self, param, value):
+            calls.append((param.value, value.value))
+            return 1
+
+    monkeypatch.setattr(buffers, "_libc", Libc())
+    monkeypatch.setitem(buffers._large, "holders", 0)
+    assert buffers.map_large_allocations() and buffers.map_large_allocations()
+    assert calls == [(-3, 1 << 20)] * 2
+    buffers.release_large_allocations()
+    assert len(calls) == 2  # one holder left
+    buffers.release_large_allocations()
+    assert calls[2:] == [(-3, 32 << 20), (-1, 64 << 20)]
+
+
 def test_closing_the_last_engine_unmaps_what_was_kept_and_frees_unmap_at_once():
     r = _run("""
 assert cpu_adam.open_host_cache() and cpu_adam.open_host_cache()  # two engines
