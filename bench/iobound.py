@@ -17,7 +17,6 @@ hashing. That is the step's I/O bound on this drive as it is now, measured in th
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import subprocess
@@ -113,27 +112,22 @@ class SwapRecorder:
 def replay(store, ops: list, window: int = 8) -> dict:
     """Sends `ops` (SwapRecorder.ops) through `store` again in their order, nothing else running: reads into
     and writes from a ring of `window` host buffers, at most `window` requests in flight (each is split into
-    the store's blocks, queue_depth of them in flight). No hashing: writes record zero digests and reads are
-    not verified, so the keys hold garbage afterwards: only for a run whose data is no longer needed.
-    Returns {"replay_s", "read_bytes", "written_bytes", "requests"}."""
+    the store's blocks, queue_depth of them in flight), as `offload bench nvme` moves its keys. No hashing:
+    writes record zero digests and reads are not verified, so the keys hold garbage afterwards: only for a run
+    whose data is no longer needed. Returns {"replay_s", "read_bytes", "written_bytes", "requests"}."""
     from offload.swap.buffers import aligned_empty
+    from offload.swap.measure import _cycle
 
-    if not ops:
-        return {"replay_s": 0.0, "read_bytes": 0, "written_bytes": 0, "requests": 0}
-    slots = [aligned_empty(max(n for _, _, n in ops)) for _ in range(window)]
-    flight: collections.deque = collections.deque()
-    t0 = time.perf_counter()
-    for i, (op, key, nbytes) in enumerate(ops):
-        if len(flight) == window:
-            flight.popleft().wait()  # the slot op i reuses was op i - window's, the oldest in flight
-        buf = slots[i % window][:nbytes]
+    def submit(op_key, buf):
+        op, key = op_key
         if op == "r":
-            flight.append(store.read(key, buf, verify=False))
-        else:
-            zeros = [0] * (len(store.digest_bounds(nbytes, 1)) - 1) if store.checksum else None
-            flight.append(store.write(key, buf, digests=zeros))
-    while flight:
-        flight.popleft().wait()
+            return store.read(key, buf, verify=False)
+        zeros = [0] * (len(store.digest_bounds(buf.numel(), 1)) - 1) if store.checksum else None
+        return store.write(key, buf, digests=zeros)
+
+    slots = [aligned_empty(max(n for _, _, n in ops)) for _ in range(window)] if ops else []
+    t0 = time.perf_counter()
+    _cycle(submit, [((op, key), n) for op, key, n in ops], slots)
     return {"replay_s": time.perf_counter() - t0, "requests": len(ops),
             "read_bytes": sum(n for op, _, n in ops if op == "r"),
             "written_bytes": sum(n for op, _, n in ops if op == "w")}

@@ -58,8 +58,6 @@ def run(cmd: list[str], limit_bytes: int | None = None, **popen) -> tuple[subpro
     try:
         if limit_bytes is not None:
             _write(path, "memory.limit_in_bytes" if version == 1 else "memory.max", limit_bytes)
-        if version == 1:
-            _write(path, "memory.max_usage_in_bytes", 0)
         proc = subprocess.run(cmd, capture_output=True, text=True,
                               preexec_fn=lambda: _write(path, "cgroup.procs", os.getpid()), **popen)
         return proc, {"limit_bytes": limit_bytes, **_charged(path, version), "oom_killed": proc.returncode == -9}
