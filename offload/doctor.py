@@ -103,11 +103,13 @@ def probe_devices(report: dict) -> list[Check]:
     name, flags = _cpu_model()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    from offload.swap import hostmem
+
     mem = psutil.virtual_memory()
     report["devices"] = {"cpu": name, "cores": cores, "isa": isa, "ram_bytes": mem.total,
-                         "ram_available_bytes": mem.available, "gpus": []}
+                         "ram_available_bytes": hostmem.available(), "gpus": []}
     checks = [Check("cpu", f"{name}, {cores} cores usable, {' '.join(isa) or 'no AVX2'}"),
-              Check("memory", f"{mem.total / 2**30:.1f} GiB RAM, {mem.available / 2**30:.1f} GiB available")]
+              Check("memory", f"{mem.total / 2**30:.1f} GiB RAM, {hostmem.describe()}")]
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)

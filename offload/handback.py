@@ -6,9 +6,9 @@ every rank gets the whole model (partitioned weights are gathered)."""
 
 from __future__ import annotations
 
-import psutil
 import torch
 
+from offload.swap import hostmem
 from offload.checkpoint.values import unit_weights
 from offload.plan.placement import PlacementError
 
@@ -28,7 +28,7 @@ def check_room(engines: list) -> None:
     for engine in engines:
         engine.pipeline.check_usable("close(keep_weights=True)")
     need = sum(w.nbytes for engine in engines for w in engine.weights if not _in_place(w))
-    free = psutil.virtual_memory().available
+    free = hostmem.available()
     fits = engines[0].rt.ranks.agree([float(need <= free)], "min", "close(keep_weights=True): the RAM check")[0]
     if not fits:
         where = "here" if need > free else "on another rank"

@@ -1,4 +1,5 @@
-"""swap: how bytes reach NVMe. Aligned host buffers and pools, the swap store, I/O backends.
+"""swap: how bytes reach NVMe. Aligned host buffers and pools, the swap store, I/O backends, and the host
+memory this process may use (hostmem).
 
 Installed as offload.swap. Knows keys and bytes, never parameters; imports nothing else of offload.
 """

@@ -132,9 +132,9 @@ def test_bench_nvme_detects_bytes_that_did_not_come_back(tmp_path, monkeypatch, 
 
 
 def test_bench_nvme_refuses_a_ring_larger_than_half_the_available_ram(tmp_path, capsys, monkeypatch):
-    import psutil
+    from offload.swap import hostmem
 
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": 3 << 20})())
+    monkeypatch.setattr(hostmem, "available", lambda: 3 << 20)
     assert main(["bench", "nvme", "--dir", str(tmp_path), "--size", "64M", "--block-bytes", "1M",
                  "--queue-depth", "4"]) == 2
     err = capsys.readouterr().err

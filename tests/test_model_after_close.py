@@ -3,7 +3,6 @@ model's own parameters (the compute dtype) and the model then runs in plain PyTo
 last forward, in every placement and over ranks; refused, with nothing freed, when they do not fit the RAM
 available. After a plain close() any use of the model raises a clear error instead of torch's shape errors."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -75,13 +74,13 @@ def test_keep_weights_that_do_not_fit_the_ram_are_refused_with_nothing_freed(tmp
     with offload.initialize(model, cfg(tmp_path, "nvme", "bf16")) as eng:
         train(eng, mlp_batches(2))
         before = eng.full_state_dict()
-        real = handback.psutil.virtual_memory
-        monkeypatch.setattr(handback.psutil, "virtual_memory", lambda: SimpleNamespace(available=4096))
+        real = handback.hostmem.available
+        monkeypatch.setattr(handback.hostmem, "available", lambda: 4096)
         with pytest.raises(PlacementError, match=r"close\(keep_weights=True\): the weights need 0\.00 GiB of RAM and "
                                                  r"0\.00 GiB is available here; nothing was freed: .*state_items\(\).*"
                                                  r"offload train --save"):
             eng.close(keep_weights=True)
-        monkeypatch.setattr(handback.psutil, "virtual_memory", real)
+        monkeypatch.setattr(handback.hostmem, "available", real)
         after = eng.full_state_dict()
         assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
         train(eng, mlp_batches(3)[2:])  # it trains on

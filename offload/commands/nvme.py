@@ -102,9 +102,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def _check_host_memory(nbytes: int, knobs: str) -> None:
     """The bench's ring of host memory ([Note: bounded host memory] in swap/measure.py) must fit in RAM."""
-    import psutil
+    from offload.swap import hostmem
 
-    avail = psutil.virtual_memory().available
+    avail = hostmem.available()
     if nbytes > avail // 2:
         raise ValueError(f"{knobs}: the bench would hold {nbytes / 2**20:.0f} MiB of host memory, more than half "
                          f"of the {avail / 2**20:.0f} MiB available; use smaller blocks or a lower queue depth")

@@ -14,9 +14,9 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field, replace
 
-import psutil
 import torch
 
+from offload.swap import hostmem
 from offload.plan.activation_memory import ActivationModel, activation_model, longest_seq
 from offload.plan.chunks import chunk_spans, planned_chunk_bytes, weight_chunks, window_owners
 from offload.plan.config import load_config
@@ -117,7 +117,7 @@ class Placement:
 
 
 def _default_budgets(device: torch.device) -> tuple[int, int]:
-    avail = psutil.virtual_memory().available
+    avail = hostmem.available()
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * SAFETY), int(avail * SAFETY)
@@ -336,7 +336,7 @@ def reuse_allowance(fetched: list[int], itemsize: int, p: Placement, device: tor
     also less the dram need), the other half left to activations, which no accountant sees."""
     room = p.hbm_budget - p.need["hbm"]
     if device.type == "cpu":
-        room = min(room, int(psutil.virtual_memory().available * SAFETY) - p.need["hbm"] - p.need["dram"])
+        room = min(room, int(hostmem.available() * SAFETY) - p.need["hbm"] - p.need["dram"])
     return max(0, min(sum(fetched) * itemsize, room // 2))
 
 
@@ -379,10 +379,10 @@ def preflight(p: Placement, device: torch.device, cfg, minimum: dict[str, int]) 
             problems.append(f"{tier} needs {p.need[tier]} bytes ({p.need[tier] / 2**30:.2f} GiB){kept} but the "
                             f"{what} is {budget} bytes ({budget / 2**30:.2f} GiB){least}{_int8_hint(p, tier)}")
     host = p.need["dram"] + (p.need["hbm"] if device.type == "cpu" else 0)
-    avail = psutil.virtual_memory().available
+    avail = hostmem.available()
     if host > avail:
         problems.append(f"host memory: needs {host} bytes ({host / 2**30:.2f} GiB) but only {avail} bytes "
-                        f"({avail / 2**30:.2f} GiB) are available")
+                        f"are available ({hostmem.describe()})")
     over = {t for t in TIERS if p.need[t] > getattr(p, f"{t}_budget")}
     if over and p.activation_shape is not None and over & {q["tier"] for q in p.activations.parts(*p.activation_shape)}:
         problems.append(activations_advice(p, *p.activation_shape, p.least_need))
