@@ -71,6 +71,9 @@ def run(args, emit) -> None:
         batches = json.load(f)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+    from offload.step.generation import contiguous_head  # as ours and the in-memory model (bench/generate.py)
+
+    contiguous_head(model)
     largest = max(p.numel() for p in model.parameters())
     nvme_dir = os.path.join(args.dir, f"deepspeed-{os.getpid()}")
     os.makedirs(nvme_dir)

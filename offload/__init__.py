@@ -18,7 +18,8 @@ def initialize(model, config=None, weights=None):
     config: an offload.Config, a dict, or the path of a .json / .yaml file (see docs/config.md).
     weights: optional callable `name -> tensor` giving each parameter's initial value (for example
     streamed from a safetensors directory); with a model built on the meta device, the model is
-    then never materialized whole.
+    then never materialized whole. Once the values are placed the engine lets it go, calling its close()
+    if it has one (offload.integrations.hf_io.SafetensorsWeights unmaps its files).
     """
     from offload.engine import Engine
 

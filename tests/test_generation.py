@@ -265,3 +265,33 @@ def test_kv_bytes_is_the_size_of_transformers_cache():
     tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
     assert len(tensors) == 6
     assert sum(t.numel() * t.element_size() for t in tensors) == kv_bytes(model.config, 3, 7 + new - 1, 4)
+
+
+def test_the_heads_input_is_made_contiguous_during_generate_on_the_cpu(tmp_path):
+    """transformers feeds lm_head the prefill's last positions, a non-contiguous slice (torch's bf16 CPU linear
+    materializes the weight per sequence for it: [Note: the prefill's last positions]): while ours generates, the
+    head gets it contiguous; after the call the hook is gone; in bf16 at batch 4 the tokens are the in-memory
+    model's with the same hook (offload.step.generation.contiguous_head)."""
+    from offload.step.generation import contiguous_head
+
+    x, new, seen = prompts(4), 4, []
+    plain = llama().eval().to(torch.bfloat16)
+    contiguous_head(plain)
+    model = llama(frozen=True)
+    head = model.get_output_embeddings()
+    head.register_forward_hook(lambda m, args, out: seen.append(args[0].is_contiguous()))
+    with offload.initialize(model, {**config(tmp_path), "precision": "bf16"}) as eng:
+        eng.eval()
+        hooks = len(head._forward_pre_hooks)
+        got = generate(eng.module, x, new)
+        assert len(head._forward_pre_hooks) == hooks
+        assert len(seen) == new and all(seen)
+        seen.clear()
+        eng.module(x[:, :3])  # a forward outside generate(): as the caller passed it
+    assert seen == [True]
+    assert torch.equal(got, generate(plain, x, new))
+    seen.clear()
+    probe = llama().eval()
+    probe.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].is_contiguous()))
+    generate(probe, x, 1)
+    assert seen == [False]

@@ -44,10 +44,13 @@ def test_first_logits_equal_transformers_loading(hf_dir, tmp_path):
     ref = transformers.LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         expected = ref(input_ids=_ids()).logits
+    del ref  # its tensors map the shards too
     with offload.initialize(model, cfg, weights=weights) as eng, torch.no_grad():
+        # the values placed, the engine let the source go and closed it: no shard stays mapped
+        assert eng.weights_source is None and weights._open == {}
+        assert not [line for line in open("/proc/self/maps") if hf_dir in line]
         eng.eval()
         got = eng(input_ids=_ids()).logits
-    weights.close()
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 

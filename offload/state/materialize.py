@@ -50,7 +50,9 @@ PROGRESS_EVERY_S = 5.0
 
 def materialize(engine) -> None:
     """Fills engine.weights and engine.states (one slot a unit) with the initial values of engine.module:
-    its own, or engine.weights_source's; then moves the module's buffers to the device."""
+    its own, or engine.weights_source's; then moves the module's buffers to the device. The source is not
+    needed after: the engine lets it go, calling its close() if it has one (SafetensorsWeights unmaps its
+    shards: kept mapped, a 1B model's fp32 file stayed in the process's RSS, 4.3 GB, for the engine's life)."""
     model, rt, source = engine.module, engine.rt, engine.weights_source
     if any(p.is_meta for p in model.parameters()):
         _from_meta(rt, model, engine.units, source, engine.weights, engine.states)
@@ -63,6 +65,9 @@ def materialize(engine) -> None:
                 raise ValueError(f"buffer {type(module).__name__}.{name}: still on the meta device after "
                                  "reset_parameters(); initialize buffers in reset_parameters() too")
             module._buffers[name] = b.to(rt.device)
+    if callable(getattr(source, "close", None)):
+        source.close()
+    engine.weights_source = None
 
 
 def _from_meta(rt: Runtime, model: nn.Module, units: list[Unit], source, weights: list, states: list) -> None:
