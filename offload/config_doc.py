@@ -59,8 +59,8 @@ HELP = {
                  'list of several, one per drive: each local rank takes its turn',
     "budgets.hbm_bytes": 'accelerator memory budget, e.g. "2.5G" (null: derived from the free memory with a safety '
                          "margin; `offload train --hbm`)",
-    "budgets.dram_bytes": 'host memory budget, e.g. "8G" (null: derived from the available RAM with a safety margin; '
-                          "`offload train --dram`)",
+    "budgets.dram_bytes": 'host memory budget, e.g. "8G" (null: derived from the available RAM, or what a memory '
+                          "cgroup's limit leaves, with a safety margin; `offload train --dram`)",
     "aio.engine": '"auto" (libaio when importable, else threads), "libaio" or "threads"',
     "aio.block_bytes": "bytes per I/O request, a multiple of 4096",
     "aio.queue_depth": "I/O requests in flight",
