@@ -42,7 +42,7 @@ from offload.state.residency import WeightHandle
 from offload.state.runtime import Runtime
 from offload.step import hooks
 from offload.step.activations import Checkpointing, UnitInputs, no_cache
-from offload.step.generation import serve_generate
+from offload.step.generation import contiguous_head, serve_generate
 from offload.step.pipeline import EngineClosed, Phase, StepPipeline
 from offload.step.prefetch import agreed_policy
 from offload.swap.buffers import map_large_allocations, release_large_allocations
@@ -120,6 +120,8 @@ class Engine(nn.Module):
         self.prefetcher = self.pipeline.prefetch
         self._handles = [h for u in self.units if not u.persistent for m in [u.module, *u.users]
                          for h in hooks.register(self.prefetcher, self.weights[u.index], rt, u, m)]
+        if self.device.type == "cpu":  # [Note: the prefill's last positions] in offload.step.generation
+            self._handles += contiguous_head(model)
         self._grad_hooks = [s.param.register_post_accumulate_grad_hook(self.pipeline.grads.hook(u))
                             for u in self.units for s in u.slots if s.trainable]
         tier = cfg.offload_activations.device  # [Note: kept inputs in a tier] in offload.state.activation_tier

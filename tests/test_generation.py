@@ -267,31 +267,32 @@ def test_kv_bytes_is_the_size_of_transformers_cache():
     assert sum(t.numel() * t.element_size() for t in tensors) == kv_bytes(model.config, 3, 7 + new - 1, 4)
 
 
-def test_the_heads_input_is_made_contiguous_during_generate_on_the_cpu(tmp_path):
-    """transformers feeds lm_head the prefill's last positions, a non-contiguous slice (torch's bf16 CPU linear
-    materializes the weight per sequence for it: [Note: the prefill's last positions]): while ours generates, the
-    head gets it contiguous; after the call the hook is gone; in bf16 at batch 4 the tokens are the in-memory
-    model's with the same hook (offload.step.generation.contiguous_head)."""
+def test_the_heads_sliced_input_is_made_contiguous_under_no_grad_on_the_cpu(tmp_path):
+    """transformers feeds lm_head the last positions, a non-contiguous slice (torch's bf16 CPU linear under no_grad
+    materializes the weight per sequence for it: [Note: the prefill's last positions]): from init to close the
+    engine's head gets it contiguous, in generate() and in a no_grad forward with logits_to_keep, and as given
+    with grad; in bf16 at batch 4 the tokens are the in-memory model's with the same hook (contiguous_head)."""
     from offload.step.generation import contiguous_head
 
     x, new, seen = prompts(4), 4, []
     plain = llama().eval().to(torch.bfloat16)
     contiguous_head(plain)
-    model = llama(frozen=True)
-    head = model.get_output_embeddings()
-    head.register_forward_hook(lambda m, args, out: seen.append(args[0].is_contiguous()))
-    with offload.initialize(model, {**config(tmp_path), "precision": "bf16"}) as eng:
-        eng.eval()
-        hooks = len(head._forward_pre_hooks)
-        got = generate(eng.module, x, new)
-        assert len(head._forward_pre_hooks) == hooks
-        assert len(seen) == new and all(seen)
-        seen.clear()
-        eng.module(x[:, :3])  # a forward outside generate(): as the caller passed it
-    assert seen == [True]
-    assert torch.equal(got, generate(plain, x, new))
-    seen.clear()
-    probe = llama().eval()
+    probe = llama().eval().to(torch.bfloat16)  # stock: the slice the hook is for
     probe.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].is_contiguous()))
     generate(probe, x, 1)
     assert seen == [False]
+    model = llama()
+    head = model.get_output_embeddings()
+    head.register_forward_hook(lambda m, args, out: seen.append(args[0].is_contiguous()))
+    with offload.initialize(model, {**config(tmp_path), "precision": "bf16"}) as eng:
+        assert [h.__name__ for h in head._forward_pre_hooks.values()].count("contiguous") == 1
+        seen.clear()
+        got = generate(eng.module, x, new)
+        assert len(seen) == new and all(seen)
+        seen.clear()
+        with torch.no_grad():
+            eng.module(input_ids=x, logits_to_keep=3)
+        eng.backward(eng(input_ids=x, logits_to_keep=3).logits.float().sum())  # with grad: as torch folds it
+        assert seen == [True, False]
+    assert torch.equal(got, generate(plain, x, new))
+    assert "contiguous" not in [h.__name__ for h in head._forward_pre_hooks.values()]  # close() took it off

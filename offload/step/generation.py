@@ -37,13 +37,14 @@ from offload.state.residency import R
 #
 # [Note: the prefill's last positions]
 # transformers computes the prefill's logits for the last position only: lm_head(hidden[:, -1:, :]), a slice
-# that is not contiguous. On the CPU torch's bf16 linear of a 3-d input it cannot fold into one matrix runs a
-# batched matmul over the weight expanded to every sequence, materialized: batch x vocab x hidden x 2 bytes
-# (TinyLlama-1.1B at batch 32: 4.2 GB more RSS and 12 s, against 0.01 s for the same rows made contiguous;
-# torch 2.13). So on the CPU backend, while a generate() runs, the output embeddings get their input made
-# contiguous (contiguous_head; a copy of batch x hidden values). Its logits equal the contiguous input's, which
-# at batch >= 2 may differ from the batched matmul's by a bf16 rounding: bench/generate.py applies the same to
-# the in-memory model it compares tokens with.
+# that is not contiguous (TRL's log-probabilities of completions slice the last k positions alike). Under
+# no_grad on the CPU, torch's bf16 linear of such a 3-d input runs a batched matmul over the weight expanded to
+# every sequence, materialized: batch x vocab x hidden x 2 bytes (TinyLlama-1.1B at batch 32: 4.2 GB more RSS
+# and 12 s, against 0.01 s for the same rows made contiguous; torch 2.13; with grad it folds the batch, as for
+# a contiguous input). So on the CPU backend the engine gives the output embeddings a pre-hook, from init to
+# close (contiguous_head), that makes such an input contiguous (a copy of batch x k x hidden values). Its
+# logits are the contiguous input's, which at batch >= 2 may differ from the batched matmul's by a bf16
+# rounding: bench/generate.py applies the same to the in-memory model it compares tokens with.
 
 
 def kv_bytes(config, batch: int, tokens: int, itemsize: int) -> int | None:
@@ -75,20 +76,23 @@ def call_shape(model, args: tuple, kwargs: dict) -> tuple[int, int, int] | None:
     return x.shape[0] * setting("num_return_sequences", 1) * setting("num_beams", 1), x.shape[1], tokens
 
 
-def contiguous_head(model):
-    """A forward pre-hook on `model`'s output embeddings (a removable handle; None where it has none) that makes
-    a non-contiguous input contiguous ([Note: the prefill's last positions])."""
+def contiguous_head(model) -> list:
+    """A forward pre-hook on `model`'s output embeddings that makes a non-contiguous bf16 input under no_grad
+    contiguous ([Note: the prefill's last positions]): its removable handle, in a list; [] where the model has
+    no output embeddings."""
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     if head is None:
-        return None
+        return []
 
     def contiguous(module, args):
-        if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
-            return (args[0].contiguous(), *args[1:])
+        x = args[0] if args else None
+        if (isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and not x.is_contiguous()
+                and not torch.is_grad_enabled()):
+            return (x.contiguous(), *args[1:])
         return None
 
-    return head.register_forward_pre_hook(contiguous)
+    return [head.register_forward_pre_hook(contiguous)]
 
 
 class GenerationSession:
@@ -96,7 +100,7 @@ class GenerationSession:
 
     def __init__(self, engine, model, shape: tuple[int, int, int] | None):
         self.engine, self.model, self.shape = engine, model, shape
-        self.charged, self._hook, self._head, self._saved, self._started = 0, None, None, None, False
+        self.charged, self._hook, self._saved, self._started = 0, None, None, False
         self.streamed: list = []  # the handles of the units fetched from their tier (not hbm, not read in place)
 
     def __enter__(self) -> "GenerationSession":
@@ -128,7 +132,6 @@ class GenerationSession:
         prefetcher.policy.resident.update(carried)  # the last call's units, kept as this call would keep them
         prefetcher.policy.kept.update(carried)
         self._hook = self.model.register_forward_pre_hook(lambda *_: self._next_step(trace))
-        self._head = contiguous_head(self.model) if eng.device.type == "cpu" else None
         return self
 
     def _next_step(self, trace: CyclicTrace) -> None:
@@ -140,9 +143,8 @@ class GenerationSession:
     def __exit__(self, *exc) -> None:
         eng = self.engine
         try:
-            for hook in (self._hook, self._head):
-                if hook is not None:
-                    hook.remove()
+            if self._hook is not None:
+                self._hook.remove()
             if self._started and exc[0] is None:
                 eng.prefetcher.policy.trace.end_step()
             elif self._started:
