@@ -270,25 +270,28 @@ def test_kv_bytes_is_the_size_of_transformers_cache():
 def test_the_heads_sliced_input_is_made_contiguous_under_no_grad_on_the_cpu(tmp_path):
     """transformers feeds lm_head the last positions, a non-contiguous slice (torch's bf16 CPU linear under no_grad
     materializes the weight per sequence for it: [Note: the prefill's last positions]): from init to close the
-    engine's head gets it contiguous, in generate() and in a no_grad forward with logits_to_keep, and as given
+    engine's head gets it in dense strides, in generate() and in a no_grad forward with logits_to_keep, as given
     with grad; in bf16 at batch 4 the tokens are the in-memory model's with the same hook (contiguous_head)."""
-    from offload.step.generation import contiguous_head
+    from offload.step.generation import contiguous_head, dense_strides
 
     x, new, seen = prompts(4), 4, []
+    dense = lambda m, args, out: seen.append(args[0].stride() == dense_strides(args[0].shape))  # noqa: E731
     plain = llama().eval().to(torch.bfloat16)
     contiguous_head(plain)
     probe = llama().eval().to(torch.bfloat16)  # stock: the slice the hook is for
-    probe.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].is_contiguous()))
+    probe.get_output_embeddings().register_forward_hook(dense)
     generate(probe, x, 1)
-    assert seen == [False]
+    generate(probe, x[:1], 1)  # at batch 1 torch calls the slice contiguous: its strides are not dense either
+    assert seen == [False, False]
     model = llama()
     head = model.get_output_embeddings()
-    head.register_forward_hook(lambda m, args, out: seen.append(args[0].is_contiguous()))
+    head.register_forward_hook(dense)
     with offload.initialize(model, {**config(tmp_path), "precision": "bf16"}) as eng:
         assert [h.__name__ for h in head._forward_pre_hooks.values()].count("contiguous") == 1
         seen.clear()
         got = generate(eng.module, x, new)
-        assert len(seen) == new and all(seen)
+        generate(eng.module, x[:1], 1)
+        assert len(seen) == new + 1 and all(seen)
         seen.clear()
         with torch.no_grad():
             eng.module(input_ids=x, logits_to_keep=3)
