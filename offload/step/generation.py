@@ -38,14 +38,14 @@ from offload.state.residency import R
 # [Note: the prefill's last positions]
 # transformers computes the prefill's logits for the last position only: lm_head(hidden[:, -1:, :]), a slice
 # whose strides are not a dense tensor's (at batch 1 torch calls it contiguous, strides (T x H, H, 1) all the
-# same); TRL's log-probabilities of completions slice the last k positions alike. Under no_grad on the CPU,
-# torch's bf16 linear of such a 3-d input does not fold it into one matrix: it runs a batched matmul over the
-# weight expanded to every sequence, materialized: batch x vocab x hidden x 2 bytes (TinyLlama-1.1B: 0.38 s at
-# batch 1 against 0.005 s for the same row dense; 4.2 GB more RSS and 12 s at batch 32; torch 2.13; with grad
-# it folds). So on the CPU backend the engine gives the output embeddings a pre-hook, from init to close
-# (contiguous_head), that copies such an input into dense strides (batch x k x hidden values). Its logits are
-# the dense input's, which at batch >= 2 may differ from the batched matmul's by a bf16 rounding:
-# bench/generate.py applies the same to the in-memory model it compares tokens with.
+# same); TRL's log-probabilities of completions slice the last k positions alike. When the head's weight does
+# not require grad (a model for inference, a LoRA base, GRPO's reference), torch's bf16 linear of such a 3-d
+# input on the CPU does not fold it into one matrix: it runs a batched matmul over the weight expanded to every
+# sequence, materialized: batch x vocab x hidden x 2 bytes, with grad or without (TinyLlama-1.1B: 0.38 s at
+# batch 1 against 0.005 s for the same row dense; 4.2 GB more RSS and 12 s at batch 32; torch 2.13). So on the
+# CPU backend the engine gives the output embeddings a pre-hook, from init to close (contiguous_head), that
+# copies a bf16 input into dense strides (batch x k x hidden values): the matrix product torch folds to when
+# the weight requires grad. At batch >= 2 its logits may differ from the batched matmul's by a bf16 rounding.
 
 
 def kv_bytes(config, batch: int, tokens: int, itemsize: int) -> int | None:
@@ -78,9 +78,9 @@ def call_shape(model, args: tuple, kwargs: dict) -> tuple[int, int, int] | None:
 
 
 def contiguous_head(model) -> list:
-    """A forward pre-hook on `model`'s output embeddings that copies a bf16 input under no_grad whose strides
-    are not dense into dense ones ([Note: the prefill's last positions]): its removable handle, in a list; []
-    where the model has no output embeddings."""
+    """A forward pre-hook on `model`'s output embeddings that copies a bf16 input whose strides are not dense
+    into dense ones ([Note: the prefill's last positions]): its removable handle, in a list; [] where the model
+    has no output embeddings."""
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     if head is None:
@@ -88,7 +88,7 @@ def contiguous_head(model) -> list:
 
     def contiguous(module, args):
         x = args[0] if args else None
-        if (isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and x.dim() >= 3 and not torch.is_grad_enabled()
+        if (isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and x.dim() >= 3
                 and x.stride() != dense_strides(x.shape)):
             return (x.clone(memory_format=torch.contiguous_format), *args[1:])
         return None
