@@ -1,7 +1,7 @@
 """Generation from offloaded weights (issue 51): tokens per second side by side in one run, greedy, the same
 random prompts (--prompt-tokens each) and exactly --new-tokens new tokens each, per batch size: transformers'
-generate() with the model in memory (the floor on a CPU; its lm_head's input made contiguous as ours makes it:
-[Note: the prefill's last positions], without which torch's bf16 prefill costs seconds more at batch 32); ours (the model wrapped by the engine, its own
+generate() with the model in memory (the floor on a CPU; its lm_head's input made dense as ours makes it, [Note: the prefill's last
+positions], which changes nothing where its weights require grad, as from_pretrained leaves them); ours (the model wrapped by the engine, its own
 generate(): offload.step.generation) with the weights in dram (read in place on the CPU backend), on nvme with
 an hbm budget of --budget for weights (the KV cache's bytes on top: the others do not count them either), and
 on nvme with the default budget (nvme_resident: every unit fits; the untimed first call reads them and they stay
@@ -303,9 +303,9 @@ def model_dir(name: str, base: str) -> str:
 
 
 def load(directory: str, precision: str, **kw):
-    """The model in memory (or accelerate's, with `kw`), its output embeddings' input made contiguous as ours
-    makes it in generate() ([Note: the prefill's last positions]: torch's bf16 linear on the CPU materializes
-    the weight per sequence for the prefill's last-position slice, seconds and GBs at batch 32)."""
+    """The model in memory (or accelerate's, with `kw`), its output embeddings' input made dense as ours makes it
+    ([Note: the prefill's last positions]: with a weight that does not require grad torch's bf16 CPU linear
+    materializes it per sequence for the prefill's last-position slice, seconds and GBs at batch 32)."""
     import transformers
 
     from offload.plan.precision import DTYPES
