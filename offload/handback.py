@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from offload.swap import hostmem
 from offload.checkpoint.values import unit_weights
 from offload.plan.placement import PlacementError
+from offload.swap import hostmem
 
 
 def take(engine) -> list[torch.Tensor]:

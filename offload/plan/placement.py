@@ -16,7 +16,6 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from offload.swap import hostmem
 from offload.plan.activation_memory import ActivationModel, activation_model, longest_seq
 from offload.plan.chunks import chunk_spans, planned_chunk_bytes, weight_chunks, window_owners
 from offload.plan.config import load_config
@@ -37,6 +36,7 @@ from offload.plan.memory import (
 from offload.plan.modes import every_step_overlapped
 from offload.plan.precision import PrecisionChoice, resolve_precision
 from offload.plan.units import Unit, forward_order, partition
+from offload.swap import hostmem
 
 SAFETY = 0.85  # of the memory available at start, when a budget is not given
 
