@@ -92,3 +92,17 @@ def test_a_plan_over_a_cgroup_limit_is_refused_not_oom_killed(tmp_path):
     assert not info["oom_killed"] and proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert "host memory: needs" in proc.stderr and "under the memory cgroup limit of 1.50 GiB" in proc.stderr
     assert info["peak_bytes"] < 1024 * MiB
+
+
+def test_the_host_memory_refusal_names_the_activations_share(tmp_path, monkeypatch, capsys):
+    """Everything on nvme and still over the host's memory: the refusal says how much of the need is the planned
+    batch's activations, and what lowers them (offloading more cannot)."""
+    from offload.cli import main
+    from offload.plan import placement
+
+    monkeypatch.setattr(placement.hostmem, "available", lambda: 1 << 20)
+    assert main(["train", "--model", "tiny", "--steps", "1", "--offload-param", "nvme", "--offload-optimizer", "nvme",
+                 "--nvme-path", str(tmp_path / "swap"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "host memory: needs " in err and "of it the activations of batch " in err
+    assert "(a smaller batch or sequence, or activation_checkpointing, lowers them) but only 1048576 bytes" in err

@@ -378,10 +378,15 @@ def preflight(p: Placement, device: torch.device, cfg, minimum: dict[str, int]) 
                 f"({minimum[tier] / 2**30:.2f} GiB: the largest unit's weights and gradient, one optimizer window)"
             problems.append(f"{tier} needs {p.need[tier]} bytes ({p.need[tier] / 2**30:.2f} GiB){kept} but the "
                             f"{what} is {budget} bytes ({budget / 2**30:.2f} GiB){least}{_int8_hint(p, tier)}")
-    host = p.need["dram"] + (p.need["hbm"] if device.type == "cpu" else 0)
+    in_host = ("dram", "hbm") if device.type == "cpu" else ("dram",)
+    host = sum(p.need[t] for t in in_host)
     avail = hostmem.available()
     if host > avail:
-        problems.append(f"host memory: needs {host} bytes ({host / 2**30:.2f} GiB) but only {avail} bytes "
+        shape = p.activation_shape
+        acts = sum(q["bytes"] for q in p.activations.parts(*shape) if q["tier"] in in_host) if shape else 0
+        share = (f", {acts} bytes ({acts / 2**30:.2f} GiB) of it the activations of batch {shape[0]} x seq "
+                 f"{shape[1]} (a smaller batch or sequence, or activation_checkpointing, lowers them)") if acts else ""
+        problems.append(f"host memory: needs {host} bytes ({host / 2**30:.2f} GiB){share} but only {avail} bytes "
                         f"are available ({hostmem.describe()})")
     over = {t for t in TIERS if p.need[t] > getattr(p, f"{t}_budget")}
     if over and p.activation_shape is not None and over & {q["tier"] for q in p.activations.parts(*p.activation_shape)}:
